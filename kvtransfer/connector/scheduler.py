@@ -1,0 +1,128 @@
+"""Scheduler half of the pdserve connector: decides what to pull, lease and release.
+
+Runs in vLLM's engine-core process. It never touches KV memory or UCX; it turns scheduler
+events into :class:`PdserveMetadata` for the worker half and into the ``kv_transfer_params``
+a prefill returns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvtransfer.config import ConnectorConfig
+from kvtransfer.connector.metadata import PdserveHandshakeMetadata, PdserveMetadata, PullSpec
+from kvtransfer.protocol import (
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    REMOTE_BLOCK_IDS,
+    REMOTE_ENGINE_ID,
+    REMOTE_HANDSHAKE,
+    REMOTE_REQUEST_ID,
+    Handshake,
+    RemotePrefill,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerHalf:
+    """Scheduler-side state of one engine (both roles: an engine may prefill and decode)."""
+
+    def __init__(self, engine_id: str, config: ConnectorConfig) -> None:
+        self.engine_id = engine_id
+        self.config = config
+        self.handshake_wire: str | None = None
+        self._pulls: list[PullSpec] = []
+        self._releases: list[RemotePrefill] = []
+        self._leases: dict[str, float] = {}
+
+    def set_handshake(self, metadata: dict[int, Any]) -> None:
+        """Keep rank 0's handshake for our responses and publish it for the launcher."""
+        meta = metadata.get(0)
+        if not isinstance(meta, PdserveHandshakeMetadata):
+            logger.error("no pdserve handshake from worker rank 0: %r", meta)
+            return
+        self.handshake_wire = meta.wire
+        if self.config.handshake_file:
+            hs = Handshake.from_wire(meta.wire)
+            doc = {"engine_id": self.engine_id, "handshake": meta.wire,
+                   "ucx_address_bytes": len(hs.ucx_address), "regions": len(hs.regions)}
+            tmp = f"{self.config.handshake_file}.tmp"
+            with open(tmp, "w") as fh:
+                json.dump(doc, fh)
+            os.replace(tmp, self.config.handshake_file)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """Decode: every uncached prompt token comes from the prefill, loaded asynchronously."""
+        if RemotePrefill.from_params(request.kv_transfer_params) is None:
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Decode: schedule the pull into the freshly allocated (unhashed) blocks."""
+        params = request.kv_transfer_params
+        if not params or not params.get(DO_REMOTE_PREFILL):
+            return
+        remote = RemotePrefill.from_params(params)
+        if remote is None:
+            logger.warning("request %s: incomplete kv_transfer_params, prompt is recomputed",
+                           request.request_id)
+        elif num_external_tokens > 0:
+            local = tuple(blocks.get_unhashed_block_ids())
+            self._pulls.append(PullSpec(request.request_id, local, remote))
+        else:
+            # Full local prefix hit: nothing to read, but the prefill must free its blocks.
+            self._releases.append(remote)
+        params[DO_REMOTE_PREFILL] = False  # one transfer per request
+
+    def build_connector_meta(self) -> PdserveMetadata:
+        """Hand this step's work to the worker half and reset."""
+        meta = PdserveMetadata(pulls=self._pulls, releases=self._releases, leases=self._leases)
+        self._pulls, self._releases, self._leases = [], [], {}
+        return meta
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Prefill: lease the blocks and describe them; decode: release unread leases."""
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get(DO_REMOTE_PREFILL):
+            # Aborted before a pull was scheduled: the prefill's blocks must not be stranded.
+            remote = RemotePrefill.from_params(params)
+            if remote is not None:
+                self._releases.append(remote)
+            params[DO_REMOTE_PREFILL] = False
+            return False, None
+        if not params.get(DO_REMOTE_DECODE):
+            return False, None
+        finished_ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                         RequestStatus.FINISHED_STOPPED)
+        if not finished_ok or not block_ids:
+            return False, None
+        if self.handshake_wire is None:
+            logger.error("request %s: no transport handshake yet, blocks freed", request.request_id)
+            return False, None
+        self._leases[request.request_id] = time.monotonic() + self.config.lease_s
+        return True, {
+            DO_REMOTE_PREFILL: True,
+            DO_REMOTE_DECODE: False,
+            REMOTE_ENGINE_ID: self.engine_id,
+            REMOTE_REQUEST_ID: request.request_id,
+            REMOTE_BLOCK_IDS: list(block_ids),
+            REMOTE_HANDSHAKE: self.handshake_wire,
+            "lease_s": self.config.lease_s,
+        }

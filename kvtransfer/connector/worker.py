@@ -1,0 +1,302 @@
+"""Worker half of the pdserve connector: registers the paged KV cache with UCX and pulls.
+
+Runs in each vLLM worker process. On a prefill engine it serves leases: a responder thread
+answers decode release messages while the engine keeps stepping. On a decode engine it reads
+remote blocks with one-sided UCX GETs straight into the local paged KV cache, then releases the
+lease; a read counts only if the release is answered "ok" (see ``kvtransfer.leases``).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtransfer.blocks import build_read_ops, coalesce_runs
+from kvtransfer.config import ConnectorConfig
+from kvtransfer.connector.metadata import PdserveMetadata, PullSpec
+from kvtransfer.errors import HandshakeError, KVTransferError
+from kvtransfer.leases import LeaseTable
+from kvtransfer.protocol import (
+    RELEASE_EXPIRED,
+    RELEASE_OK,
+    Handshake,
+    RegionSpec,
+    RemotePrefill,
+    compat_hash,
+    parse_release,
+    release_message,
+)
+from kvtransfer.stats import TransferStats
+
+if TYPE_CHECKING:
+    from kvtransfer.transport.ucx import Peer, Transfer, UcxEngine
+
+logger = logging.getLogger(__name__)
+
+
+class _Phase(enum.Enum):
+    READ = "read"
+    RELEASE = "release"
+
+
+@dataclass
+class _Pull:
+    spec: PullSpec
+    peer: Peer
+    transfer: Transfer
+    phase: _Phase
+    deadline: float
+    started: float
+    nbytes: int
+
+
+@dataclass
+class _PeerState:
+    peer: Peer
+    handshake: Handshake
+    rkeys: list[int]
+
+
+def describe_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[
+        tuple[str, torch.Tensor, int, RegionSpec]]:
+    """Split every KV tensor into block-major regions: (name, tensor, block_dim, spec).
+
+    The block dimension is the first of size ``num_blocks``. Dimensions before it (e.g. K/V on
+    GPU layouts) become separate regions; everything after it must be one dense block.
+    """
+    out = []
+    for name in sorted(kv_caches):
+        t = kv_caches[name]
+        if not t.is_contiguous():
+            raise KVTransferError(f"KV cache {name} is not contiguous: {tuple(t.shape)}")
+        dims = [d for d, size in enumerate(t.shape) if size == num_blocks]
+        if not dims:
+            raise KVTransferError(f"KV cache {name} {tuple(t.shape)} has no {num_blocks}-block dim")
+        d = dims[0]
+        es = t.element_size()
+        block_bytes = math.prod(t.shape[d + 1:]) * es
+        outer = math.prod(t.shape[:d])
+        outer_stride = (t.stride(d - 1) * es) if d > 0 else 0
+        for o in range(outer):
+            spec = RegionSpec(name=f"{name}#{o}", base=t.data_ptr() + o * outer_stride,
+                              block_stride=t.stride(d) * es, block_bytes=block_bytes,
+                              num_blocks=num_blocks, rkey=b"")
+            out.append((name, t, d, spec))
+    return out
+
+
+class WorkerHalf:
+    """Worker-side state of one engine: UCX engine, regions, leases and pulls in flight."""
+
+    def __init__(self, engine_id: str, config: ConnectorConfig, compat_facts: dict[str, object],
+                 num_blocks: int) -> None:
+        self.engine_id = engine_id
+        self.config = config
+        self.num_blocks = num_blocks
+        self._compat_facts = compat_facts
+        self.leases = LeaseTable(memory_s=max(600.0, 10 * config.lease_s))
+        self.stats = TransferStats()
+        self._engine: UcxEngine | None = None
+        self._regions: list[RegionSpec] = []
+        self._tensors: list[tuple[torch.Tensor, int]] = []
+        self._handshake: Handshake | None = None
+        self._peers: dict[str, _PeerState] = {}
+        self._pulls: dict[str, _Pull] = {}
+        self._releases: list[tuple[Transfer, float]] = []
+        self._finished_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._stop = threading.Event()
+        self._responder: threading.Thread | None = None
+        self._reported_leases = (0, 0)
+
+    # ---------------------------------------------------------------- setup
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register every KV tensor once and start answering release messages."""
+        from kvtransfer.transport.ucx import UcxEngine
+
+        described = describe_regions(kv_caches, self.num_blocks)
+        self._engine = UcxEngine(name=f"pdserve-{self.engine_id[:8]}")
+        regions = []
+        for _, tensor, block_dim, spec in described:
+            reg = self._engine.register(spec.base, spec.num_blocks * spec.block_stride)
+            regions.append(RegionSpec(spec.name, spec.base, spec.block_stride, spec.block_bytes,
+                                      spec.num_blocks, reg.rkey))
+            self._tensors.append((tensor, block_dim))
+        self._regions = regions
+        compat = compat_hash(**self._compat_facts,
+                             regions=[(r.name, r.block_bytes) for r in regions])
+        self._handshake = Handshake(self.engine_id, self._engine.address, tuple(regions), compat)
+        self._responder = threading.Thread(target=self._serve_releases, daemon=True,
+                                           name="pdserve-kv-releases")
+        self._responder.start()
+        logger.info("registered %d KV regions (%d blocks of %d bytes) with UCX", len(regions),
+                    self.num_blocks, regions[0].block_bytes if regions else 0)
+
+    @property
+    def handshake(self) -> Handshake | None:
+        """Our handshake once the KV cache is registered."""
+        return self._handshake
+
+    # ---------------------------------------------------------------- prefill side
+    def _serve_releases(self) -> None:
+        assert self._engine is not None
+        while not self._stop.is_set():
+            try:
+                incoming = self._engine.poll_requests()
+            except KVTransferError:
+                logger.exception("release responder stopped")
+                return
+            if not incoming:
+                self._stop.wait(0.001)
+                continue
+            for msg in incoming:
+                request_id = parse_release(msg.payload)
+                if request_id is None:
+                    logger.warning("unknown message of %d bytes ignored", len(msg.payload))
+                    continue
+                valid = self.leases.release(request_id, time.monotonic())
+                msg.reply(RELEASE_OK if valid else RELEASE_EXPIRED)
+
+    # ---------------------------------------------------------------- per step
+    def start_step(self, meta: PdserveMetadata) -> None:
+        """Take this step's leases, pulls and releases from the scheduler half."""
+        for request_id, expires_at in meta.leases.items():
+            self.leases.grant(request_id, expires_at)
+        for remote in meta.releases:
+            self._send_release_only(remote)
+        for spec in meta.pulls:
+            self._start_pull(spec)
+
+    def _peer(self, remote: RemotePrefill) -> _PeerState:
+        state = self._peers.get(remote.engine_id)
+        if state is not None and not state.peer.failed:
+            return state
+        assert self._engine is not None and self._handshake is not None
+        hs = Handshake.from_wire(remote.handshake_wire)
+        if hs.compat != self._handshake.compat or len(hs.regions) != len(self._regions):
+            raise HandshakeError(f"engine {hs.engine_id} is incompatible (compat {hs.compat} "
+                                 f"!= {self._handshake.compat})")
+        peer = self._engine.connect(hs.ucx_address)
+        state = _PeerState(peer, hs, [peer.unpack_rkey(r.rkey) for r in hs.regions])
+        self._peers[remote.engine_id] = state
+        return state
+
+    def _start_pull(self, spec: PullSpec) -> None:
+        now = time.monotonic()
+        local = spec.local_block_ids
+        try:
+            if len(local) > len(spec.remote.block_ids):
+                raise KVTransferError(f"{len(local)} local blocks for "
+                                      f"{len(spec.remote.block_ids)} remote blocks")
+            state = self._peer(spec.remote)
+            remote_ids = spec.remote.block_ids[len(spec.remote.block_ids) - len(local):]
+            runs = coalesce_runs(local, remote_ids)
+            ops = build_read_ops(runs, self._regions, state.handshake.regions, state.rkeys)
+            transfer = state.peer.get(ops)
+        except Exception as exc:  # any failure becomes a load error, never silent garbage
+            logger.warning("pull of %s failed to start: %s", spec.request_id, exc)
+            self._fail(spec, str(exc))
+            return
+        nbytes = int(ops[:, 2].sum()) if len(ops) else 0
+        self._pulls[spec.request_id] = _Pull(spec, state.peer, transfer, _Phase.READ,
+                                             now + self.config.pull_timeout_s, now, nbytes)
+
+    def _send_release_only(self, remote: RemotePrefill) -> None:
+        try:
+            state = self._peer(remote)
+            transfer = state.peer.request(release_message(remote.request_id))
+        except Exception as exc:
+            logger.warning("could not release lease %s: %s (it will expire)",
+                           remote.request_id, exc)
+            return
+        self._releases.append((transfer, time.monotonic() + self.config.pull_timeout_s))
+
+    def _fail(self, spec: PullSpec, reason: str) -> None:
+        self._load_errors.update(spec.local_block_ids)
+        self._finished_recving.add(spec.request_id)
+        self.stats.record_failure(reason)
+
+    def _corrupt(self, block_ids: tuple[int, ...]) -> None:
+        """Negative control: overwrite pulled blocks with noise (test-only switch)."""
+        gen = torch.Generator().manual_seed(1234)
+        index = torch.tensor(block_ids, dtype=torch.long)
+        for tensor, dim in self._tensors:
+            noise = torch.randn(tensor.index_select(dim, index).shape, generator=gen)
+            tensor.index_copy_(dim, index, noise.to(tensor.dtype))
+
+    def poll(self) -> tuple[set[str], set[str]]:
+        """Advance pulls and leases; returns (finished sending, finished receiving)."""
+        now = time.monotonic()
+        for request_id, pull in list(self._pulls.items()):
+            status = pull.transfer.poll()
+            if status == "pending" and now > pull.deadline:
+                pull.peer.abort()  # no late write may land in blocks vLLM will reuse
+                self._peers = {k: v for k, v in self._peers.items() if v.peer is not pull.peer}
+                del self._pulls[request_id]
+                self._fail(pull.spec, f"timeout in {pull.phase.value} after "
+                                      f"{self.config.pull_timeout_s} s")
+                continue
+            if status == "error":
+                del self._pulls[request_id]
+                self._fail(pull.spec, f"{pull.phase.value}: {pull.transfer.error}")
+                continue
+            if status != "done":
+                continue
+            if pull.phase is _Phase.READ:
+                if self.config.corrupt_pulled_kv and pull.spec.local_block_ids:
+                    self._corrupt(pull.spec.local_block_ids)
+                try:
+                    pull.transfer = pull.peer.request(release_message(pull.spec.remote.request_id))
+                except KVTransferError as exc:
+                    del self._pulls[request_id]
+                    self._fail(pull.spec, f"release: {exc}")
+                    continue
+                pull.phase = _Phase.RELEASE
+                continue
+            del self._pulls[request_id]
+            reply = pull.transfer.result()
+            if reply == RELEASE_OK:
+                self._finished_recving.add(request_id)
+                self.stats.record_pull(pull.nbytes, len(pull.spec.local_block_ids),
+                                       time.monotonic() - pull.started)
+            else:
+                self._fail(pull.spec, "lease expired before the pull finished"
+                           if reply == RELEASE_EXPIRED else f"bad release reply {reply!r}")
+        self._releases = [(t, d) for t, d in self._releases
+                          if t.poll() == "pending" and now <= d]
+        self.leases.expire(now)
+        finished_sending = self.leases.take_finished()
+        finished_recving, self._finished_recving = self._finished_recving, set()
+        return finished_sending, finished_recving
+
+    def take_load_errors(self) -> set[int]:
+        """Local blocks whose pull failed since the last call (vLLM recomputes them)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_stats(self) -> TransferStats | None:
+        """Telemetry since the last call, or None when nothing happened."""
+        released, expired = self.leases.num_released, self.leases.num_expired
+        last_released, last_expired = self._reported_leases
+        self.stats.record_leases(released - last_released, expired - last_expired)
+        self._reported_leases = (released, expired)
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, TransferStats()
+        return stats
+
+    def shutdown(self) -> None:
+        """Stop the responder and release UCX resources."""
+        self._stop.set()
+        if self._responder is not None:
+            self._responder.join(timeout=2)
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None

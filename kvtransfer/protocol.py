@@ -1,0 +1,126 @@
+"""Wire formats: the per-engine handshake and the per-request ``kv_transfer_params``.
+
+A prefill engine's handshake says where its paged KV cache lives (UCX worker address, one
+region per KV tensor with packed rkeys and block geometry). It travels inside the
+``kv_transfer_params`` a prefill returns, so the router stays a dumb relay and a decode worker
+needs no side channel; decode caches the unpacked peer per ``engine_id``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvtransfer.errors import HandshakeError
+
+PROTOCOL_VERSION = 1
+
+# Keys of kv_transfer_params (vLLM's own names where NixlConnector has one).
+DO_REMOTE_DECODE = "do_remote_decode"
+DO_REMOTE_PREFILL = "do_remote_prefill"
+REMOTE_ENGINE_ID = "remote_engine_id"
+REMOTE_REQUEST_ID = "remote_request_id"
+REMOTE_BLOCK_IDS = "remote_block_ids"
+REMOTE_HANDSHAKE = "remote_handshake"
+
+# Release round trip: decode -> prefill "done <request id>", prefill answers one of these.
+RELEASE_PREFIX = b"done "
+RELEASE_OK = b"ok"
+RELEASE_EXPIRED = b"expired"
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """One registered KV tensor view: ``num_blocks`` blocks of ``block_bytes`` at ``base``."""
+
+    name: str
+    base: int
+    block_stride: int
+    block_bytes: int
+    num_blocks: int
+    rkey: bytes
+
+    def block_addr(self, block_id: int) -> int:
+        """Address of ``block_id`` in this region."""
+        return self.base + block_id * self.block_stride
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """Everything a decode worker needs to read a prefill engine's blocks."""
+
+    engine_id: str
+    ucx_address: bytes
+    regions: tuple[RegionSpec, ...]
+    compat: str
+
+    def to_wire(self) -> str:
+        """Compact ASCII form for JSON transport."""
+        doc = {
+            "v": PROTOCOL_VERSION,
+            "e": self.engine_id,
+            "a": base64.b64encode(self.ucx_address).decode(),
+            "c": self.compat,
+            "r": [[r.name, r.base, r.block_stride, r.block_bytes, r.num_blocks,
+                   base64.b64encode(r.rkey).decode()] for r in self.regions],
+        }
+        return base64.b64encode(json.dumps(doc, separators=(",", ":")).encode()).decode()
+
+    @classmethod
+    def from_wire(cls, wire: str) -> Handshake:
+        """Parse ``to_wire`` output; raises HandshakeError when malformed or of another version."""
+        try:
+            doc = json.loads(base64.b64decode(wire, validate=True))
+            if doc["v"] != PROTOCOL_VERSION:
+                raise HandshakeError(f"handshake version {doc['v']} != {PROTOCOL_VERSION}")
+            regions = tuple(
+                RegionSpec(str(n), int(b), int(s), int(bb), int(nb), base64.b64decode(k))
+                for n, b, s, bb, nb, k in doc["r"])
+            return cls(str(doc["e"]), base64.b64decode(doc["a"]), regions, str(doc["c"]))
+        except HandshakeError:
+            raise
+        except (ValueError, KeyError, TypeError) as exc:
+            raise HandshakeError(f"malformed handshake: {exc}") from exc
+
+
+def compat_hash(**facts: Any) -> str:
+    """Stable digest of what must match between prefill and decode (model, dtype, geometry)."""
+    blob = json.dumps(facts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Parsed ``kv_transfer_params`` of a request that a decode worker must pull."""
+
+    engine_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    handshake_wire: str
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> RemotePrefill | None:
+        """None unless ``params`` ask for a remote prefill and carry every field we need."""
+        if not params or not params.get(DO_REMOTE_PREFILL):
+            return None
+        try:
+            return cls(str(params[REMOTE_ENGINE_ID]), str(params[REMOTE_REQUEST_ID]),
+                       tuple(int(b) for b in params[REMOTE_BLOCK_IDS]),
+                       str(params[REMOTE_HANDSHAKE]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def release_message(request_id: str) -> bytes:
+    """The decode -> prefill message that ends a lease after a pull."""
+    return RELEASE_PREFIX + request_id.encode()
+
+
+def parse_release(payload: bytes) -> str | None:
+    """Request id of a release message, or None for anything else."""
+    if not payload.startswith(RELEASE_PREFIX):
+        return None
+    return payload[len(RELEASE_PREFIX):].decode(errors="replace")

@@ -1,0 +1,112 @@
+"""Transfer telemetry: collected in the worker, shipped by vLLM, exported as ``pdserve_kv_*``.
+
+vLLM moves a connector's ``KVConnectorStats`` from the worker to the API server process each
+step and hands it to the connector's Prometheus metrics there, so our counters appear on the
+worker's own ``/metrics`` next to ``vllm:*``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+_COUNTERS = ("pulls", "pull_failures", "pulled_bytes", "pulled_blocks", "leases_released",
+             "leases_expired")
+PULL_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+                        5.0, 10.0)
+
+
+def _empty() -> dict[str, Any]:
+    return {**{k: 0 for k in _COUNTERS}, "pull_seconds": [], "failure_reasons": {}}
+
+
+@dataclass
+class TransferStats(KVConnectorStats):
+    """Counters since the last report, plus per-pull durations."""
+
+    data: dict[str, Any] = field(default_factory=_empty)
+
+    def record_pull(self, nbytes: int, nblocks: int, seconds: float) -> None:
+        """One successful pull."""
+        self.data["pulls"] += 1
+        self.data["pulled_bytes"] += nbytes
+        self.data["pulled_blocks"] += nblocks
+        self.data["pull_seconds"].append(seconds)
+
+    def record_failure(self, reason: str) -> None:
+        """One failed pull (its blocks are recomputed)."""
+        self.data["pull_failures"] += 1
+        key = reason.split(":")[0].split(" ")[0][:32]
+        self.data["failure_reasons"][key] = self.data["failure_reasons"].get(key, 0) + 1
+
+    def record_leases(self, released: int, expired: int) -> None:
+        """Leases ended since the last report."""
+        self.data["leases_released"] += released
+        self.data["leases_expired"] += expired
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def aggregate(self, other: KVConnectorStats) -> TransferStats:
+        for key in _COUNTERS:
+            self.data[key] += other.data.get(key, 0)
+        self.data["pull_seconds"].extend(other.data.get("pull_seconds", []))
+        for reason, n in other.data.get("failure_reasons", {}).items():
+            self.data["failure_reasons"][reason] = self.data["failure_reasons"].get(reason, 0) + n
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        secs = self.data["pull_seconds"]
+        gb = self.data["pulled_bytes"] / 1e9
+        total_s = sum(secs)
+        return {
+            "pulls": self.data["pulls"],
+            "pull_failures": self.data["pull_failures"],
+            "pulled_MB": round(self.data["pulled_bytes"] / 1e6, 3),
+            "avg_pull_ms": round(1e3 * total_s / len(secs), 3) if secs else 0.0,
+            "GB_per_s": round(gb / total_s, 3) if total_s > 0 else 0.0,
+            "leases_released": self.data["leases_released"],
+            "leases_expired": self.data["leases_expired"],
+        }
+
+    def is_empty(self) -> bool:
+        return not any(self.data[k] for k in _COUNTERS)
+
+
+class TransferPromMetrics(KVConnectorPromMetrics):
+    """``pdserve_kv_*`` metrics registered in the worker's API server process."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        docs = {
+            "pulls": "KV pulls completed (decode side).",
+            "pull_failures": "KV pulls that failed; their blocks were recomputed.",
+            "pulled_bytes": "Bytes of KV pulled over UCX (decode side).",
+            "pulled_blocks": "KV blocks pulled over UCX (decode side).",
+            "leases_released": "Prefill leases ended by a decode release.",
+            "leases_expired": "Prefill leases that expired before any release.",
+        }
+        self._counters = {}
+        for key, doc in docs.items():
+            metric = self._counter_cls(name=f"pdserve_kv_{key}_total", documentation=doc,
+                                       labelnames=labelnames)
+            self._counters[key] = {idx: metric.labels(*values)
+                                   for idx, values in per_engine_labelvalues.items()}
+        hist = self._histogram_cls(name="pdserve_kv_pull_duration_seconds",
+                                   documentation="Time from posting the reads to a released lease.",
+                                   labelnames=labelnames, buckets=PULL_SECONDS_BUCKETS)
+        self._hist = {idx: hist.labels(*values) for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value:
+                per_engine[engine_idx].inc(value)
+        for seconds in transfer_stats_data.get("pull_seconds", []):
+            self._hist[engine_idx].observe(seconds)

@@ -1,0 +1,16 @@
+"""KV transport: one-sided UCX RMA (see `ucx.py`)."""
+
+from kvtransfer.errors import KVTransferError, PeerUnreachable, TransferTimeout, TransportError
+from kvtransfer.transport.ucx import IncomingRequest, Peer, Region, Transfer, UcxEngine
+
+__all__ = [
+    "IncomingRequest",
+    "KVTransferError",
+    "Peer",
+    "PeerUnreachable",
+    "Region",
+    "Transfer",
+    "TransferTimeout",
+    "TransportError",
+    "UcxEngine",
+]

@@ -1,0 +1,322 @@
+"""One-sided UCX transport: registered regions, RMA GET pulls and small request/reply messages.
+
+The native side (`kernels.native._ucxrma`, plain C over libucp) owns one UCP context and one
+worker in UCS_THREAD_MODE_MULTI, progressed by a pthread that sleeps on the worker's event fd when
+idle. Python never runs on that thread: UCX callbacks copy into C queues guarded by a mutex, and
+this module only polls or waits on them (with the GIL released).
+
+Contract for callers (the KV connector):
+  - `UcxEngine.register` whole KV tensors once; ship `Region.rkey` and addresses to peers.
+  - `UcxEngine.connect(peer_address)` once per remote worker (caching is the caller's job), then
+    `Peer.unpack_rkey` once per remote region; the returned index goes in column 3 of `get` ops.
+  - `Peer.get(ops)` posts every GET natively and one ep flush; the `Transfer` completes when all
+    bytes have landed, or errors when the peer dies or is aborted. Every wait takes a deadline.
+  - `Peer.abort()` force-closes the endpoint; after it returns no byte of that peer's GETs can
+    still land in local memory.
+  - Replies to `IncomingRequest`s travel on an endpoint this engine opens back to the sender's
+    worker address (carried in the request), with peer error handling, so replying to a dead
+    peer is a logged no-op instead of a use of a freed UCX-internal endpoint.
+
+Configuration is UCX's own: every `UCX_*` environment variable applies (e.g. `UCX_TLS`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from kvtransfer.errors import PeerUnreachable, TransferTimeout, TransportError
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+logger = logging.getLogger(__name__)
+
+TransferState = Literal["pending", "done", "error"]
+_STATES: tuple[TransferState, TransferState, TransferState] = ("pending", "done", "error")
+
+_native: Any = None
+_native_lock = threading.Lock()
+
+
+def _load_native() -> Any:
+    """Import the C extension, building it first if it is missing or stale."""
+    global _native
+    with _native_lock:
+        if _native is None:
+            from kernels.native import build
+
+            try:
+                build.ensure_built()
+                from kernels.native import _ucxrma
+            except (build.NativeBuildError, ImportError) as exc:
+                raise TransportError(f"native UCX module unavailable: {exc}") from exc
+            _native = _ucxrma
+    return _native
+
+
+def _wrap(exc: Exception) -> TransportError:
+    return TransportError(str(exc))
+
+
+class Region:
+    """Memory registered with `UcxEngine.register`; stays registered until the engine closes."""
+
+    __slots__ = ("addr", "length", "rkey", "index", "_keepalive")
+
+    def __init__(self, addr: int, length: int, rkey: bytes, index: int, keepalive: object) -> None:
+        self.addr = addr
+        self.length = length
+        self.rkey = rkey
+        """Packed remote key (ucp_rkey_pack): ship it to peers that will read this region."""
+        self.index = index
+        self._keepalive = keepalive
+
+    def __repr__(self) -> str:
+        return f"Region(addr={self.addr:#x}, length={self.length}, rkey=<{len(self.rkey)} B>)"
+
+
+class Transfer:
+    """Completion handle of a `Peer.get` or `Peer.request`."""
+
+    __slots__ = ("_x", "_peer", "_kind")
+
+    def __init__(self, x: Any, peer: Peer, kind: str) -> None:
+        self._x = x
+        self._peer = peer
+        self._kind = kind
+
+    def poll(self) -> TransferState:
+        """Non-blocking: "pending", "done" or "error"."""
+        return _STATES[self._x.state()]
+
+    def wait(self, timeout_s: float) -> None:
+        """Block (GIL released) until done.
+
+        Raises TransferTimeout after aborting the peer when the deadline passes (so no late write
+        lands), PeerUnreachable when the peer died, TransportError on any other failure.
+        """
+        state = _STATES[self._x.wait(float(timeout_s))]
+        if state == "done":
+            return
+        if state == "pending":
+            logger.warning("%s to peer timed out after %.3f s; aborting the peer",
+                           self._kind, timeout_s)
+            self._peer.abort()
+            raise TransferTimeout(f"{self._kind} did not complete within {timeout_s} s")
+        self._raise()
+
+    def result(self) -> bytes:
+        """The peer's reply for `request()`, b"" for `get()`; raises if not done."""
+        state = self.poll()
+        if state == "error":
+            self._raise()
+        if state == "pending":
+            raise TransportError(f"{self._kind} is still pending")
+        return bytes(self._x.result())
+
+    @property
+    def error(self) -> str | None:
+        """UCX's error text once the transfer failed, else None."""
+        err: str | None = self._x.error
+        return err
+
+    def _raise(self) -> None:
+        msg = f"{self._kind} failed: {self._x.error}"
+        if self._peer.failed:
+            raise PeerUnreachable(msg)
+        raise TransportError(msg)
+
+
+class Peer:
+    """An endpoint to one remote worker (created by `UcxEngine.connect`)."""
+
+    __slots__ = ("_c", "_engine", "__weakref__")
+
+    def __init__(self, c: Any, engine: UcxEngine) -> None:
+        self._c = c
+        self._engine = engine  # keeps the engine (and the C worker) alive as long as we are
+
+    def unpack_rkey(self, packed: bytes) -> int:
+        """Unpack a peer's `Region.rkey` for this endpoint; returns the index used in `get` ops."""
+        try:
+            return int(self._c.unpack_rkey(packed))
+        except _load_native().NativeTransportError as exc:
+            raise _wrap(exc) from exc
+
+    def get(self, ops: NDArray[np.int64] | NDArray[np.uint64]) -> Transfer:
+        """Pull remote bytes: `ops` is (n, 4) int64/uint64 rows (local, remote, nbytes, rkey_index).
+
+        Every row is posted natively (no per-op Python), followed by one endpoint flush; the
+        returned Transfer completes when all rows have landed.
+        """
+        arr = np.asarray(ops)
+        if arr.ndim != 2 or arr.shape[1] != 4:
+            raise ValueError(f"ops must have shape (n, 4), got {arr.shape}")
+        if arr.dtype not in (np.int64, np.uint64):
+            raise ValueError(f"ops must be int64 or uint64, got {arr.dtype}")
+        arr = np.ascontiguousarray(arr)
+        if self.failed:
+            raise PeerUnreachable(f"peer failed: {self._c.fail_reason}")
+        try:
+            return Transfer(self._c.get(arr), self, "get")
+        except _load_native().NativeTransportError as exc:
+            raise _wrap(exc) from exc
+
+    def request(self, payload: bytes) -> Transfer:
+        """Send a request message; `Transfer.result()` is the peer's reply."""
+        if self.failed:
+            raise PeerUnreachable(f"peer failed: {self._c.fail_reason}")
+        try:
+            return Transfer(self._c.request(payload), self, "request")
+        except _load_native().NativeTransportError as exc:
+            raise _wrap(exc) from exc
+
+    def abort(self) -> None:
+        """Force-close the endpoint; every outstanding op of this peer completes with an error.
+
+        Idempotent. When it returns, no GET of this peer can still write into local memory.
+        """
+        try:
+            self._c.abort(5.0)
+        except _load_native().NativeTransportError as exc:
+            raise _wrap(exc) from exc
+
+    @property
+    def failed(self) -> bool:
+        """True once UCX reported the peer dead (ep error callback)."""
+        return bool(self._c.failed)
+
+    @property
+    def closed(self) -> bool:
+        """True once aborted or the engine closed."""
+        return bool(self._c.closed)
+
+
+class IncomingRequest:
+    """A request received from a peer; answer it once with `reply`."""
+
+    __slots__ = ("payload", "_engine", "_sender", "_req_id")
+
+    def __init__(self, payload: bytes, engine: UcxEngine, sender: bytes, req_id: int) -> None:
+        self.payload = payload
+        self._engine = engine
+        self._sender = sender
+        self._req_id = req_id
+
+    def reply(self, payload: bytes) -> None:
+        """Send the reply; a no-op that logs when the requester is gone."""
+        self._engine._reply(self._sender, self._req_id, payload)
+
+
+def _close_quietly(c: Any) -> None:
+    try:
+        c.close()
+    except Exception:  # at interpreter exit there is nobody left to report to
+        logger.debug("engine close at exit failed", exc_info=True)
+
+
+class UcxEngine:
+    """One UCP context + one worker (UCS_THREAD_MODE_MULTI) + a native progress thread."""
+
+    def __init__(self, *, name: str = "pdserve") -> None:
+        native = _load_native()
+        try:
+            self._c = native.Engine(name)
+        except native.NativeTransportError as exc:
+            raise TransportError(f"UCX init failed: {exc}") from exc
+        self._name = name
+        self._lock = threading.Lock()
+        self._regions: list[Region] = []
+        self._reply_peers: dict[bytes, Peer] = {}
+        self._closed = False
+        # Close on GC or at exit, whichever comes first; the finalizer holds only the C object.
+        self._finalizer = weakref.finalize(self, _close_quietly, self._c)
+        self._finalizer.atexit = True
+
+    @property
+    def address(self) -> bytes:
+        """This worker's address blob (ucp_worker_query): peers pass it to `connect`."""
+        return bytes(self._c.address)
+
+    def register(self, addr: int, length: int, *, keepalive: object = None) -> Region:
+        """Register existing memory (ucp_mem_map, no allocation) until the engine closes.
+
+        `keepalive` (e.g. the tensor or array owning the memory) is referenced by the Region.
+        """
+        try:
+            index, rkey = self._c.register(int(addr), int(length))
+        except self._native_error() as exc:
+            raise _wrap(exc) from exc
+        region = Region(int(addr), int(length), bytes(rkey), int(index), keepalive)
+        with self._lock:
+            self._regions.append(region)
+        return region
+
+    def connect(self, peer_address: bytes) -> Peer:
+        """Create an endpoint (peer error handling on) to the worker at `peer_address`."""
+        try:
+            return Peer(self._c.connect(bytes(peer_address)), self)
+        except self._native_error() as exc:
+            raise PeerUnreachable(f"cannot connect: {exc}") from exc
+
+    def poll_requests(self) -> list[IncomingRequest]:
+        """Drain the request messages received so far (non-blocking)."""
+        return [IncomingRequest(payload, self, sender, req_id)
+                for req_id, sender, payload in self._c.poll_requests()]
+
+    def wait_requests(self, timeout_s: float) -> bool:
+        """Block (GIL released) until a request is queued or `timeout_s` passes; True if one is."""
+        return bool(self._c.wait_requests(float(timeout_s)))
+
+    @property
+    def dropped_messages(self) -> int:
+        """Malformed messages and replies that arrived after their request was given up."""
+        return int(self._c.dropped_messages)
+
+    def close(self) -> None:
+        """Stop the progress thread, close endpoints, unmap memory, destroy the worker; idempotent.
+
+        Pending transfers turn to "error"; Transfer/Peer objects stay safe to use (they raise).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._reply_peers.clear()
+        self._finalizer()
+
+    def __enter__(self) -> UcxEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _native_error(self) -> type[Exception]:
+        err: type[Exception] = _load_native().NativeTransportError
+        return err
+
+    def _reply(self, sender: bytes, req_id: int, payload: bytes) -> None:
+        with self._lock:
+            if self._closed:
+                logger.warning("reply dropped: engine %s is closed", self._name)
+                return
+            peer = self._reply_peers.get(sender)
+            if peer is not None and (peer.failed or peer.closed):
+                del self._reply_peers[sender]
+                peer = None
+            if peer is None:
+                try:
+                    peer = self.connect(sender)
+                except TransportError as exc:
+                    logger.warning("reply dropped: requester unreachable: %s", exc)
+                    return
+                self._reply_peers[sender] = peer
+        try:
+            peer._c.reply(req_id, payload)
+        except self._native_error() as exc:
+            logger.warning("reply dropped: requester gone: %s", exc)

@@ -1,0 +1,208 @@
+"""The router's FastAPI app: OpenAI endpoints, health, metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from router.api.context import SCOPE_KEY, RequestIdMiddleware, new_request_id
+from router.api.errors import error_response, install_error_handlers
+from router.api.proxy import PDProxy, RelayResponse
+from router.api.schemas import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Endpoint,
+    parse_json_body,
+    requested_max_tokens,
+    single_prompt,
+    validate_request,
+)
+from router.api.tokenize import TokenizerCache
+from router.config import RouterSettings
+from router.errors import APIError, InvalidRequestError
+from router.metrics import RouterMetrics
+from router.policy.base import RouteRequest
+from router.policy.registry import create_decode_policy, create_prefill_policy
+from router.state.cluster import ClusterSource, ClusterView
+from router.state.load import LoadTracker
+from router.state.registry import WorkerRecord, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+
+class RouterService:
+    """Request handling shared by the endpoints; one per app (``app.state.router``)."""
+
+    def __init__(self, settings: RouterSettings, cluster: ClusterSource) -> None:
+        self.settings = settings
+        self.cluster = cluster
+        self.metrics = RouterMetrics()
+        self.tokenizers = TokenizerCache()
+        self.tracker = LoadTracker(settings.failure_cooldown_s)
+        self.client: httpx.AsyncClient | None = None
+        self.proxy: PDProxy | None = None
+        self._prefill_policy = create_prefill_policy(settings.policy)
+        self._decode_policy = create_decode_policy(settings.decode_policy)
+
+    async def start(self) -> None:
+        limits = httpx.Limits(max_connections=self.settings.max_upstream_connections,
+                              max_keepalive_connections=100)
+        # trust_env=False: workers are reached directly, never through an HTTP(S)_PROXY.
+        self.client = httpx.AsyncClient(limits=limits, trust_env=False)
+        self.proxy = PDProxy(self.settings, self.cluster, self.metrics, self._prefill_policy,
+                             self._decode_policy, self.tracker, self.client)
+        await self.cluster.start()
+
+    async def close(self) -> None:
+        await self.cluster.close()
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def _check_context(self, req: Any, records: list[WorkerRecord],
+                             body: dict[str, Any]) -> tuple[int, ...]:
+        """Prompt token ids (empty when not computable); 400 when prompt + output > context."""
+        ref = records[0]
+        max_model_len = min(r.max_model_len for r in records)
+        if isinstance(req, ChatCompletionRequest):
+            messages = [m.model_dump() for m in req.messages]
+            ids = await self.tokenizers.count_chat(ref.model_path, messages, body)
+        else:
+            assert isinstance(req, CompletionRequest)
+            ids = await self.tokenizers.count_completion(ref.model_path, single_prompt(req))
+        if ids is None:
+            return ()
+        max_tokens = requested_max_tokens(req)
+        # The prefill itself generates one token, so even without max_tokens one must fit.
+        needed = len(ids) + (max_tokens if max_tokens is not None else 1)
+        if needed > max_model_len:
+            out = f"{max_tokens} in the completion" if max_tokens is not None else \
+                "at least 1 in the completion"
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {needed} tokens ({len(ids)} in the prompt, {out}). Please reduce the "
+                "length of the prompt or the completion.",
+                code="context_length_exceeded",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt")
+        return tuple(ids)
+
+    async def handle(self, endpoint: Endpoint, request: Request) -> Response:
+        started = time.perf_counter()
+        request_id = request.scope.get(SCOPE_KEY) or new_request_id()
+        try:
+            response = await self._handle(endpoint, request, request_id, started)
+        except APIError as err:
+            if err.status >= 500:
+                logger.warning("request failed: %s", err.message)
+            else:
+                logger.info("request rejected (%s): %s", err.code, err.message)
+            response = error_response(err)
+        except Exception:
+            logger.exception("unexpected error while handling the request")
+            response = error_response(APIError("internal router error", status=500,
+                                               code="internal_error", type="server_error"))
+        if not isinstance(response, RelayResponse):  # streams account when they end
+            self.metrics.requests.labels(endpoint=endpoint.name,
+                                         status=str(response.status_code)).inc()
+            self.metrics.request_duration.labels(endpoint=endpoint.name).observe(
+                time.perf_counter() - started)
+        return response
+
+    async def _handle(self, endpoint: Endpoint, request: Request, request_id: str,
+                      started: float) -> Response:
+        body = parse_json_body(await request.body())
+        req = validate_request(endpoint, body)
+        records = self.cluster.workers(model=req.model)
+        if not records:
+            raise InvalidRequestError(f"The model '{req.model}' does not exist.",
+                                      code="model_not_found", param="model", status=404)
+        token_ids = await self._check_context(req, records, body)
+        route = RouteRequest(request_id=request_id, model=req.model, prompt_token_ids=token_ids)
+        incoming = {k.lower(): v for k, v in request.headers.items()}
+        assert self.proxy is not None, "RouterService.start() was not awaited"
+        result = await self.proxy.prefill(endpoint, body, route, incoming)
+        if isinstance(result, Response):
+            return result
+        kv_params, prefill_worker = result
+        logger.debug("prefill done on %s", prefill_worker.worker_id)
+        return await self.proxy.decode(endpoint, body, kv_params, route, incoming,
+                                       stream=bool(req.stream), started=started)
+
+    def health(self) -> JSONResponse:
+        prefill = len(self.cluster.workers("prefill"))
+        decode = len(self.cluster.workers("decode"))
+        self.metrics.workers.labels(role="prefill").set(prefill)
+        self.metrics.workers.labels(role="decode").set(decode)
+        ok = prefill > 0 and decode > 0
+        body = {"status": "ok" if ok else "unavailable", "prefill_workers": prefill,
+                "decode_workers": decode, "redis": "ok" if self.cluster.redis_ok else "unreachable"}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    def models(self) -> dict[str, Any]:
+        data = []
+        for model in self.cluster.models():
+            records = self.cluster.workers(model=model)
+            data.append({
+                "id": model,
+                "object": "model",
+                "created": int(min(r.started_at for r in records)),
+                "owned_by": "pdserve",
+                "root": records[0].model_path,
+                "max_model_len": min(r.max_model_len for r in records),
+            })
+        return {"object": "list", "data": data}
+
+
+def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None) -> FastAPI:
+    """Build the router app. Without ``cluster`` it reads membership from ``settings.redis_url``.
+    The app starts and closes the cluster view in its lifespan."""
+    if cluster is None:
+        registry = WorkerRegistry(settings.redis_url, prefix=settings.redis_prefix)
+        cluster = ClusterView(registry, refresh_interval_s=settings.refresh_interval_s)
+    service = RouterService(settings, cluster)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        logger.info("router ready (policy=%s, decode_policy=%s)", settings.policy,
+                    settings.decode_policy)
+        try:
+            yield
+        finally:
+            await service.close()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.router = service
+    install_error_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await service.handle(COMPLETIONS, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await service.handle(CHAT_COMPLETIONS, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return service.models()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return service.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+    return app

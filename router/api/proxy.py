@@ -1,0 +1,353 @@
+"""The prefill -> decode proxy: worker choice, the two upstream calls, retries and SSE relay.
+
+Prefill failures (connect, timeout, 5xx, no ``kv_transfer_params``) are retried on another prefill
+worker; decode failures are retried on another decode worker with the same ``kv_transfer_params``
+as long as no byte reached the client. Once a stream has started, an upstream failure becomes one
+final ``data: {"error": ...}`` event followed by ``data: [DONE]``. Every upstream call has a
+connect and a read timeout, so nothing waits forever. Upstream 4xx answers are the client's fault
+and are relayed unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from router.api.rewrite import decode_body, encode, prefill_body
+from router.api.schemas import Endpoint
+from router.config import RouterSettings
+from router.errors import APIError, UpstreamError
+from router.metrics import RouterMetrics
+from router.policy.base import Dispatched, Finished, PlacementPolicy, RouteRequest
+from router.state.cluster import ClusterSource
+from router.state.load import LoadTracker
+from router.state.registry import WorkerRecord
+
+logger = logging.getLogger(__name__)
+
+_FORWARDED_HEADERS = ("authorization",)
+
+
+def _no_workers(role: str, model: str) -> APIError:
+    return APIError(f"no live {role} worker for model '{model}'", status=503,
+                    code="no_workers_available", type="service_unavailable")
+
+
+def _upstream_error(role: str, worker: WorkerRecord, exc: Exception) -> UpstreamError:
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamError(f"{role} worker {worker.worker_id} timed out: {exc!r}", role=role,
+                             kind="timeout", status=504, code="upstream_timeout")
+    kind = "connect" if isinstance(exc, httpx.ConnectError) else "protocol"
+    return UpstreamError(f"{role} worker {worker.worker_id} failed: {exc!r}", role=role,
+                         kind=kind)
+
+
+def _relay_body(resp_content: bytes, status: int, content_type: str | None) -> Response:
+    return Response(content=resp_content, status_code=status,
+                    media_type=content_type or "application/json")
+
+
+class _FirstToken:
+    """Finds the first SSE event that carries generated output (or ends the stream)."""
+
+    _LIMIT = 1 << 20
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.found = False
+
+    def feed(self, chunk: bytes) -> bool:
+        if self.found:
+            return True
+        self._buf = (self._buf + chunk)[-self._LIMIT:]
+        *events, self._buf = self._buf.replace(b"\r\n", b"\n").split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:") and self._has_output(line[5:].strip()):
+                    self.found = True
+                    return True
+        return False
+
+    @staticmethod
+    def _has_output(payload: bytes) -> bool:
+        if payload == b"[DONE]":
+            return True
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return False
+        if not isinstance(data, dict):
+            return False
+        if "error" in data:
+            return True
+        for choice in data.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta") or {}
+            if (choice.get("text") or choice.get("finish_reason")
+                    or (isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")
+                                                     or delta.get("reasoning_content")))):
+                return True
+        return False
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming response whose cleanup runs even when the body is never iterated
+    (client gone before the first byte)."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, status_code: int, media_type: str,
+                 cleanup: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, status_code=status_code, media_type=media_type)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
+
+
+class PDProxy:
+    """Runs one request through a prefill worker and a decode worker."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        cluster: ClusterSource,
+        metrics: RouterMetrics,
+        prefill_policy: PlacementPolicy,
+        decode_policy: PlacementPolicy,
+        tracker: LoadTracker,
+        client: httpx.AsyncClient,
+    ) -> None:
+        self.settings = settings
+        self.cluster = cluster
+        self.metrics = metrics
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.tracker = tracker
+        self.client = client
+        self._prefill_timeout = httpx.Timeout(settings.prefill_timeout_s,
+                                              connect=settings.connect_timeout_s)
+        self._decode_timeout = httpx.Timeout(settings.decode_timeout_s,
+                                             connect=settings.connect_timeout_s)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def _choose(self, role: str, route: RouteRequest, tried: set[str]) -> WorkerRecord | None:
+        records = [r for r in self.cluster.workers(role, route.model) if r.worker_id not in tried]
+        policy = self.prefill_policy if role == "prefill" else self.decode_policy
+        choice = policy.select(route, self.tracker.candidates(records))
+        if choice is None:
+            return None
+        worker = next(r for r in records if r.worker_id == choice.worker_id)
+        tried.add(worker.worker_id)
+        return worker
+
+    def _begin(self, role: str, route: RouteRequest, worker: WorkerRecord) -> None:
+        policy = self.prefill_policy if role == "prefill" else self.decode_policy
+        policy.observe(Dispatched(route.request_id, worker.worker_id, route.model))
+        self.tracker.start(worker.worker_id)
+        self.metrics.in_flight.labels(role=role).inc()
+
+    def _end(self, role: str, route: RouteRequest, worker: WorkerRecord, ok: bool) -> None:
+        policy = self.prefill_policy if role == "prefill" else self.decode_policy
+        policy.observe(Finished(route.request_id, worker.worker_id, route.model, ok))
+        self.tracker.finish(worker.worker_id)
+        self.metrics.in_flight.labels(role=role).dec()
+
+    def _failed(self, worker: WorkerRecord, err: UpstreamError) -> None:
+        self.metrics.upstream_errors.labels(role=err.role, kind=err.kind).inc()
+        self.tracker.mark_failed(worker.worker_id)
+        logger.warning("%s", err.message)
+
+    def _headers(self, route: RouteRequest, incoming: dict[str, str]) -> dict[str, str]:
+        headers = {"content-type": "application/json", "x-request-id": route.request_id}
+        for name in _FORWARDED_HEADERS:
+            if name in incoming:
+                headers[name] = incoming[name]
+        return headers
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    async def prefill(
+        self, endpoint: Endpoint, body: dict[str, Any], route: RouteRequest,
+        incoming: dict[str, str],
+    ) -> tuple[dict[str, Any], WorkerRecord] | Response:
+        """Run the prefill; returns (kv_transfer_params, worker) or a relayed 4xx response."""
+        content = encode(prefill_body(endpoint, body))
+        headers = self._headers(route, incoming)
+        tried: set[str] = set()
+        last: UpstreamError | None = None
+        for attempt in range(self.settings.prefill_retries + 1):
+            worker = self._choose("prefill", route, tried)
+            if worker is None:
+                break
+            if attempt:
+                self.metrics.upstream_retries.labels(role="prefill").inc()
+            logger.debug("prefill on %s (attempt %d)", worker.worker_id, attempt + 1)
+            self._begin("prefill", route, worker)
+            started = time.perf_counter()
+            ok = False
+            try:
+                resp = await self.client.post(worker.http_url + endpoint.path, content=content,
+                                              headers=headers, timeout=self._prefill_timeout)
+                ok = resp.status_code < 500
+            except httpx.HTTPError as exc:
+                last = _upstream_error("prefill", worker, exc)
+                self._failed(worker, last)
+                continue
+            finally:
+                self._end("prefill", route, worker, ok)
+            if resp.status_code >= 500:
+                last = UpstreamError(
+                    f"prefill worker {worker.worker_id} answered {resp.status_code}: "
+                    f"{resp.text[:500]}", role="prefill", kind="status")
+                self._failed(worker, last)
+                continue
+            if resp.status_code >= 400:
+                logger.info("prefill worker %s rejected the request with %d",
+                            worker.worker_id, resp.status_code)
+                return _relay_body(resp.content, resp.status_code,
+                                   resp.headers.get("content-type"))
+            params = _kv_transfer_params(resp)
+            if params is None:
+                last = UpstreamError(
+                    f"prefill worker {worker.worker_id} answered without kv_transfer_params "
+                    "(is the KV connector configured as producer?)", role="prefill",
+                    kind="missing_kv_transfer_params", code="missing_kv_transfer_params")
+                self._failed(worker, last)
+                continue
+            self.tracker.mark_ok(worker.worker_id)
+            self.metrics.prefill_duration.labels(endpoint=endpoint.name).observe(
+                time.perf_counter() - started)
+            return params, worker
+        if last is None:
+            raise _no_workers("prefill", route.model)
+        raise last
+
+    # -- decode ------------------------------------------------------------------------------
+
+    async def decode(
+        self, endpoint: Endpoint, body: dict[str, Any], kv_params: dict[str, Any],
+        route: RouteRequest, incoming: dict[str, str], *, stream: bool, started: float,
+    ) -> Response:
+        content = encode(decode_body(body, kv_params))
+        headers = self._headers(route, incoming)
+        tried: set[str] = set()
+        last: UpstreamError | None = None
+        for attempt in range(self.settings.decode_retries + 1):
+            worker = self._choose("decode", route, tried)
+            if worker is None:
+                break
+            if attempt:
+                self.metrics.upstream_retries.labels(role="decode").inc()
+            logger.debug("decode on %s (attempt %d)", worker.worker_id, attempt + 1)
+            self._begin("decode", route, worker)
+            request = self.client.build_request("POST", worker.http_url + endpoint.path,
+                                                content=content, headers=headers,
+                                                timeout=self._decode_timeout)
+            handed_over = ok = False
+            try:
+                resp = await self.client.send(request, stream=True)
+                try:
+                    if resp.status_code >= 500:
+                        detail = (await resp.aread())[:500].decode(errors="replace")
+                        last = UpstreamError(
+                            f"decode worker {worker.worker_id} answered {resp.status_code}: "
+                            f"{detail}", role="decode", kind="status")
+                        self._failed(worker, last)
+                        continue
+                    if resp.status_code >= 400 or not stream:
+                        data = await resp.aread()
+                        ok = True
+                        if resp.status_code < 400:
+                            self.tracker.mark_ok(worker.worker_id)
+                        return _relay_body(data, resp.status_code,
+                                           resp.headers.get("content-type"))
+                    chunks = resp.aiter_raw()
+                    first = b""
+                    async for chunk in chunks:
+                        if chunk:
+                            first = chunk
+                            break
+                    handed_over = True
+                    self.tracker.mark_ok(worker.worker_id)
+                    return self._relay(endpoint, route, worker, resp, chunks, first, started)
+                finally:
+                    if not handed_over:
+                        await resp.aclose()
+            except httpx.HTTPError as exc:
+                last = _upstream_error("decode", worker, exc)
+                self._failed(worker, last)
+                continue
+            finally:
+                if not handed_over:
+                    self._end("decode", route, worker, ok=ok)
+        if last is None:
+            raise _no_workers("decode", route.model)
+        raise last
+
+    def _relay(
+        self, endpoint: Endpoint, route: RouteRequest, worker: WorkerRecord,
+        resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, started: float,
+    ) -> RelayResponse:
+        state = {"done": False, "ok": True}
+        detector = _FirstToken()
+        metrics = self.metrics
+
+        def saw(chunk: bytes) -> None:
+            if not detector.found and detector.feed(chunk):
+                metrics.ttft.labels(endpoint=endpoint.name).observe(time.perf_counter() - started)
+
+        async def body() -> AsyncIterator[bytes]:
+            tail = first[-2:]
+            if first:
+                saw(first)
+                yield first
+            try:
+                async for chunk in chunks:
+                    if chunk:
+                        saw(chunk)
+                        tail = (tail + chunk)[-2:]
+                        yield chunk
+            except httpx.HTTPError as exc:
+                state["ok"] = False
+                err = _upstream_error("decode", worker, exc)
+                self._failed(worker, err)
+                event = {"error": {"message": f"decode failed mid-stream: {err.message}",
+                                   "type": "upstream_error", "param": None,
+                                   "code": "upstream_stream_error"}}
+                sep = b"" if tail in (b"", b"\n\n") else b"\n\n"
+                yield sep + b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
+
+        async def cleanup() -> None:
+            if state["done"]:
+                return
+            state["done"] = True
+            # Bookkeeping first: the await below may be interrupted by cancellation.
+            self._end("decode", route, worker, ok=state["ok"])
+            metrics.requests.labels(endpoint=endpoint.name, status=str(resp.status_code)).inc()
+            metrics.request_duration.labels(endpoint=endpoint.name).observe(
+                time.perf_counter() - started)
+            await resp.aclose()
+
+        return RelayResponse(body(), status_code=resp.status_code,
+                             media_type=resp.headers.get("content-type", "text/event-stream"),
+                             cleanup=cleanup)
+
+
+def _kv_transfer_params(resp: httpx.Response) -> dict[str, Any] | None:
+    try:
+        data = resp.json()
+    except ValueError:
+        return None
+    params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+    return params if isinstance(params, dict) and params else None

@@ -1,0 +1,32 @@
+"""How the client's body becomes the prefill body and the decode body (vLLM's P/D protocol)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from router.api.schemas import Endpoint
+
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {"do_remote_decode": True}
+
+
+def prefill_body(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
+    """The same request capped at one token, non-streaming, asking P to keep the KV blocks."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    out["max_tokens"] = 1
+    if endpoint.chat:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """The original request plus the prefill worker's ``kv_transfer_params``."""
+    out = dict(body)
+    out["kv_transfer_params"] = kv_transfer_params
+    return out
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()

@@ -1,0 +1,140 @@
+"""OpenAI request schemas and the validation that runs before any worker is contacted.
+
+The schemas check only what the router relies on; unknown fields are allowed and the original
+JSON body (not the model) is what gets forwarded, so vLLM's many extra fields pass untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, ValidationError
+
+from router.errors import InvalidRequestError
+
+StrictPositiveInt = Annotated[int, Strict(), Field(gt=0)]
+StrictInt = Annotated[int, Strict()]
+TokenIds = list[Annotated[int, Strict(), Field(ge=0)]]
+
+
+class _OpenAIRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Annotated[str, Strict(), Field(min_length=1)]
+    max_tokens: StrictPositiveInt | None = None
+    n: StrictPositiveInt | None = None
+    best_of: StrictPositiveInt | None = None
+    stream: StrictBool | None = None
+    stream_options: dict[str, Any] | None = None
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: Annotated[str, Strict()] | list[Annotated[str, Strict()]] | TokenIds | list[TokenIds]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Annotated[str, Strict(), Field(min_length=1)]
+    content: Any = None
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: StrictPositiveInt | None = None
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One proxied OpenAI endpoint."""
+
+    name: str
+    path: str
+    chat: bool
+
+
+COMPLETIONS = Endpoint(name="completions", path="/v1/completions", chat=False)
+CHAT_COMPLETIONS = Endpoint(name="chat_completions", path="/v1/chat/completions", chat=True)
+
+_VALUE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal",
+                 "too_short", "too_long", "string_too_short", "string_too_long"}
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Decode the body; 400 ``invalid_json`` / ``invalid_type`` when it is not a JSON object."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}",
+                                  code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", code="invalid_type")
+    return body
+
+
+def _param(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def _from_validation_error(exc: ValidationError) -> InvalidRequestError:
+    errors = exc.errors(include_url=False)
+    missing = [e for e in errors if e["type"] == "missing"]
+    if missing:
+        param = _param(missing[0]["loc"])
+        return InvalidRequestError(f"missing required field '{param}'", code="missing_field",
+                                   param=param)
+    # A union field (prompt) reports one error per member: name the field, not the member.
+    first = errors[0]
+    top = str(first["loc"][0]) if first["loc"] else None
+    if top == "prompt":
+        return InvalidRequestError(
+            "'prompt' must be a string, a list of strings, a list of token ids "
+            "or a list of lists of token ids", code="invalid_type", param="prompt")
+    param = _param(first["loc"])
+    code = "invalid_value" if first["type"] in _VALUE_ERRORS else "invalid_type"
+    return InvalidRequestError(f"'{param}': {first['msg']}", code=code, param=param)
+
+
+def validate_request(endpoint: Endpoint, body: dict[str, Any]) -> _OpenAIRequest:
+    """Schema checks plus the limits of P/D mode; raises :class:`InvalidRequestError`."""
+    schema = ChatCompletionRequest if endpoint.chat else CompletionRequest
+    try:
+        req = schema.model_validate(body)
+    except ValidationError as exc:
+        raise _from_validation_error(exc) from exc
+    if req.n is not None and req.n > 1:
+        raise InvalidRequestError("n > 1 is not supported in prefill/decode disaggregated mode",
+                                  code="invalid_value", param="n")
+    if req.best_of is not None and req.best_of > 1:
+        raise InvalidRequestError(
+            "best_of > 1 is not supported in prefill/decode disaggregated mode",
+            code="invalid_value", param="best_of")
+    if isinstance(req, CompletionRequest):
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise InvalidRequestError(
+                    "batched prompts are not supported in prefill/decode disaggregated mode; "
+                    "send one prompt per request", code="invalid_value", param="prompt")
+            prompt = prompt[0]
+        if len(prompt) == 0:
+            raise InvalidRequestError("'prompt' must not be empty", code="invalid_value",
+                                      param="prompt")
+    return req
+
+
+def requested_max_tokens(req: _OpenAIRequest) -> int | None:
+    """The output budget the client asked for (chat's max_completion_tokens wins)."""
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
+
+
+def single_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a validated completion request."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return prompt[0]  # type: ignore[return-value]
+    return prompt  # type: ignore[return-value]

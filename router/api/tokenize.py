@@ -1,0 +1,97 @@
+"""Prompt token counting with the model's own tokenizer, off the event loop.
+
+One tokenizer per ``model_path`` is loaded lazily (in a thread) and cached. When a tokenizer
+cannot be loaded on the router host the context check is skipped (vLLM still enforces it and its
+400 is relayed) and a warning is logged once for that path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class TokenizerCache:
+    def __init__(self) -> None:
+        self._tokenizers: dict[str, Any] = {}
+        self._failed: set[str] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def get(self, model_path: str) -> Any | None:
+        """The tokenizer of ``model_path``, or None when it cannot be loaded."""
+        if model_path in self._tokenizers:
+            return self._tokenizers[model_path]
+        if model_path in self._failed:
+            return None
+        lock = self._locks.setdefault(model_path, asyncio.Lock())
+        async with lock:
+            if model_path in self._tokenizers:
+                return self._tokenizers[model_path]
+            if model_path in self._failed:
+                return None
+            try:
+                tok = await asyncio.to_thread(_load, model_path)
+            except Exception as exc:  # any loader failure: missing dir, bad files, ...
+                logger.warning("cannot load tokenizer from %s, skipping context-length checks: "
+                               "%s", model_path, exc)
+                self._failed.add(model_path)
+                return None
+            self._tokenizers[model_path] = tok
+            return tok
+
+    async def count_completion(
+        self, model_path: str, prompt: str | Sequence[int]
+    ) -> list[int] | None:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        tok = await self.get(model_path)
+        if tok is None:
+            return None
+        return await asyncio.to_thread(_encode, tok, prompt)
+
+    async def count_chat(
+        self, model_path: str, messages: list[dict[str, Any]], extra: Mapping[str, Any]
+    ) -> list[int] | None:
+        tok = await self.get(model_path)
+        if tok is None:
+            return None
+        try:
+            return await asyncio.to_thread(_render_chat, tok, messages, extra)
+        except Exception as exc:  # a template the router cannot render: let vLLM decide
+            logger.debug("chat template rendering failed, skipping context check: %s", exc)
+            return None
+
+
+def _load(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _encode(tok: Any, prompt: str) -> list[int]:
+    return list(tok(prompt, add_special_tokens=True)["input_ids"])
+
+
+def _text_content(content: Any) -> Any:
+    """vLLM accepts content as a list of parts; the template wants text."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content
+                       if isinstance(p, dict) and p.get("type") == "text")
+    return content
+
+
+def _render_chat(tok: Any, messages: list[dict[str, Any]], extra: Mapping[str, Any]) -> list[int]:
+    msgs = [{**m, "content": _text_content(m.get("content"))} for m in messages]
+    kwargs: dict[str, Any] = {}
+    if extra.get("tools"):
+        kwargs["tools"] = extra["tools"]
+    if isinstance(extra.get("chat_template_kwargs"), dict):
+        kwargs.update(extra["chat_template_kwargs"])
+    out = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kwargs)
+    if isinstance(out, Mapping) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return list(out)

@@ -1,0 +1,145 @@
+"""Typed router settings; env vars and CLI flags are read only in :func:`load`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from router.errors import ConfigError
+
+ENV_PREFIX = "PDSERVE_ROUTER_"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Everything the router process needs; defaults work on a laptop with no GPU."""
+
+    host: str = "127.0.0.1"
+    """Interface uvicorn binds."""
+    port: int = 8000
+    """TCP port of the OpenAI API."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis holding the worker registry."""
+    redis_prefix: str = "pdserve"
+    """Key prefix of the registry (``{prefix}:worker:{id}``, ``{prefix}:events``)."""
+    policy: str = "round_robin"
+    """Prefill placement policy, a name in ``router.policy.registry.PREFILL_POLICIES``."""
+    decode_policy: str = "least_loaded"
+    """Decode placement policy, a name in ``router.policy.registry.DECODE_POLICIES``."""
+    log_level: str = "INFO"
+    """Root log level."""
+    refresh_interval_s: float = 1.0
+    """How often the membership view is re-read from Redis."""
+    connect_timeout_s: float = 5.0
+    """TCP connect timeout of every upstream call."""
+    prefill_timeout_s: float = 120.0
+    """Read timeout of the prefill call (the whole prefill runs before vLLM answers)."""
+    decode_timeout_s: float = 300.0
+    """Read timeout of the decode call: the longest silence allowed between two chunks."""
+    prefill_retries: int = 2
+    """Extra attempts on other prefill workers after a connect error, timeout or 5xx."""
+    decode_retries: int = 2
+    """Extra attempts on other decode workers, only while no byte was relayed to the client."""
+    failure_cooldown_s: float = 5.0
+    """A worker that just failed is tried last during this many seconds."""
+    max_upstream_connections: int = 1000
+    """Connection pool size of the shared upstream HTTP client."""
+
+    def __post_init__(self) -> None:
+        from router.policy.registry import DECODE_POLICIES, PREFILL_POLICIES
+
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        if self.policy not in PREFILL_POLICIES:
+            raise ConfigError(
+                f"unknown policy {self.policy!r}; allowed: {', '.join(sorted(PREFILL_POLICIES))}"
+            )
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ConfigError(
+                f"unknown decode_policy {self.decode_policy!r}; "
+                f"allowed: {', '.join(sorted(DECODE_POLICIES))}"
+            )
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(
+                f"unknown log_level {self.log_level!r}; allowed: {', '.join(LOG_LEVELS)}"
+            )
+        for name in ("refresh_interval_s", "connect_timeout_s", "prefill_timeout_s",
+                     "decode_timeout_s", "max_upstream_connections"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("prefill_retries", "decode_retries", "failure_cooldown_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(
+                f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}"
+            )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve-router",
+        description="OpenAI-compatible router in front of vLLM prefill/decode pools. "
+        f"Every flag mirrors an env var {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT).",
+    )
+    p.add_argument("--host", help="bind address (PDSERVE_ROUTER_HOST, default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (PDSERVE_ROUTER_PORT, default 8000)")
+    p.add_argument("--redis", dest="redis_url",
+                   help="Redis URL (PDSERVE_ROUTER_REDIS, default redis://127.0.0.1:6379/0)")
+    p.add_argument("--policy", help="prefill policy (PDSERVE_ROUTER_POLICY, default round_robin)")
+    p.add_argument("--log-level", dest="log_level",
+                   help="log level (PDSERVE_ROUTER_LOG_LEVEL, default INFO)")
+    return p
+
+
+# settings field -> env var suffix (the flag name, upper-cased)
+_ENV_NAMES = {
+    "host": "HOST",
+    "port": "PORT",
+    "redis_url": "REDIS",
+    "redis_prefix": "REDIS_PREFIX",
+    "policy": "POLICY",
+    "decode_policy": "DECODE_POLICY",
+    "log_level": "LOG_LEVEL",
+    "refresh_interval_s": "REFRESH_INTERVAL_S",
+    "connect_timeout_s": "CONNECT_TIMEOUT_S",
+    "prefill_timeout_s": "PREFILL_TIMEOUT_S",
+    "decode_timeout_s": "DECODE_TIMEOUT_S",
+    "prefill_retries": "PREFILL_RETRIES",
+    "decode_retries": "DECODE_RETRIES",
+    "failure_cooldown_s": "FAILURE_COOLDOWN_S",
+    "max_upstream_connections": "MAX_UPSTREAM_CONNECTIONS",
+}
+
+
+def load(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> RouterSettings:
+    """Build settings from defaults < ``PDSERVE_ROUTER_*`` env vars < CLI flags."""
+    env = os.environ if env is None else env
+    types = {f.name: f.type for f in fields(RouterSettings)}
+    values: dict[str, object] = {}
+    for name, suffix in _ENV_NAMES.items():
+        raw = env.get(ENV_PREFIX + suffix)
+        if raw is None or raw == "":
+            continue
+        kind = types[name]
+        try:
+            if kind in ("int", int):
+                values[name] = int(raw)
+            elif kind in ("float", float):
+                values[name] = float(raw)
+            else:
+                values[name] = raw
+        except ValueError as exc:
+            raise ConfigError(f"{ENV_PREFIX + suffix}={raw!r} is not a valid {kind}") from exc
+    args = _parser().parse_args(list(argv) if argv is not None else None)
+    for name, value in vars(args).items():
+        if value is not None:
+            values[name] = value
+    if "log_level" in values:
+        values["log_level"] = str(values["log_level"]).upper()
+    return RouterSettings(**values)  # type: ignore[arg-type]

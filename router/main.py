@@ -1,0 +1,47 @@
+"""``python -m router.main``: run the router under uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from router.api.context import RequestContextFilter
+from router.config import load
+from router.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(role)s [%(request_id)s] %(name)s: %(message)s"
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.addFilter(RequestContextFilter("router"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = load(argv)
+    except ConfigError as exc:
+        print(f"pdserve-router: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+
+    import uvicorn
+
+    from router.api.app import create_app
+
+    app = create_app(settings)
+    logger.info("router listening on http://%s:%d (redis %s)", settings.host, settings.port,
+                settings.redis_url)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
+                log_level=settings.log_level.lower(), access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""Prometheus metrics of the router (``pdserve_router_*``, base units).
+
+Each app gets its own :class:`CollectorRegistry` so several routers can live in one process
+(tests); ``GET /metrics`` exposes it.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                      120.0, 300.0)
+
+
+class RouterMetrics:
+    """The router's metric families, registered on ``registry``."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdserve_router_requests_total",
+            "Requests answered by the router, by endpoint and HTTP status.",
+            ["endpoint", "status"], registry=r)
+        self.request_duration = Histogram(
+            "pdserve_router_request_duration_seconds",
+            "Time from request arrival to the last byte sent to the client.",
+            ["endpoint"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.ttft = Histogram(
+            "pdserve_router_ttft_seconds",
+            "Time from request arrival to the first relayed token (streaming requests).",
+            ["endpoint"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.prefill_duration = Histogram(
+            "pdserve_router_prefill_duration_seconds",
+            "Duration of the successful prefill call (max_tokens=1) on a prefill worker.",
+            ["endpoint"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.in_flight = Gauge(
+            "pdserve_router_in_flight_requests",
+            "Requests dispatched to workers and not yet finished, by worker role.",
+            ["role"], registry=r)
+        self.upstream_errors = Counter(
+            "pdserve_router_upstream_errors_total",
+            "Failed upstream calls, by worker role and kind "
+            "(connect, timeout, status, protocol, missing_kv_transfer_params).",
+            ["role", "kind"], registry=r)
+        self.upstream_retries = Counter(
+            "pdserve_router_upstream_retries_total",
+            "Upstream calls retried on another worker, by role.",
+            ["role"], registry=r)
+        self.workers = Gauge(
+            "pdserve_router_workers",
+            "Live workers in the router's membership view, by role.",
+            ["role"], registry=r)
+        for role in ("prefill", "decode"):
+            self.in_flight.labels(role=role).set(0)
+            self.upstream_retries.labels(role=role)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

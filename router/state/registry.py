@@ -1,0 +1,134 @@
+"""Worker registry in Redis: one key per worker with a TTL, join/leave events on a channel.
+
+Keys: ``{prefix}:worker:{worker_id}`` -> ``WorkerRecord.to_json()`` with a TTL of ``ttl_s``;
+events: ``{prefix}:events`` gets ``{"type": "join"|"leave", "worker_id", "role", "model"}``.
+A worker that stops heartbeating disappears by itself within ``ttl_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from router.errors import RegistryError
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """What a worker tells the cluster about itself."""
+
+    worker_id: str
+    role: Literal["prefill", "decode"]
+    model: str
+    """Served model name (what clients put in ``model``)."""
+    model_path: str
+    """Local directory of weights and tokenizer; the router loads the tokenizer from it."""
+    http_url: str
+    """Base URL of the worker's OpenAI server, e.g. ``http://127.0.0.1:8101``."""
+    engine_id: str
+    ucx_address: str
+    """Base64 UCX worker address; informational."""
+    max_model_len: int
+    started_at: float
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not self.worker_id:
+            raise ValueError("worker_id must not be empty")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> WorkerRecord:
+        data: dict[str, Any] = json.loads(raw)
+        known = {f.name for f in fields(cls)}
+        # Unknown keys are dropped so that newer workers can add fields without breaking routers.
+        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs["max_model_len"] = int(kwargs["max_model_len"])
+        kwargs["started_at"] = float(kwargs["started_at"])
+        return cls(**kwargs)
+
+
+class WorkerRegistry:
+    """Async client of the registry; every Redis failure is raised as :class:`RegistryError`."""
+
+    def __init__(self, redis_url: str, *, prefix: str = "pdserve", ttl_s: float = 10.0) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self.events_channel = f"{prefix}:events"
+        self._redis = aioredis.from_url(
+            redis_url,
+            socket_connect_timeout=1.0,
+            socket_timeout=2.0,
+            health_check_interval=0,
+        )
+
+    def _key(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"
+
+    @property
+    def _ttl_ms(self) -> int:
+        return max(1, int(self.ttl_s * 1000))
+
+    async def _publish(self, kind: str, worker_id: str, role: str = "", model: str = "") -> None:
+        event = {"type": kind, "worker_id": worker_id, "role": role, "model": model}
+        await self._redis.publish(self.events_channel, json.dumps(event))
+
+    async def register(self, record: WorkerRecord) -> None:
+        try:
+            await self._redis.set(self._key(record.worker_id), record.to_json(), px=self._ttl_ms)
+            await self._publish("join", record.worker_id, record.role, record.model)
+        except (RedisError, OSError) as exc:
+            raise RegistryError(f"cannot register {record.worker_id}: {exc}") from exc
+        logger.info("registered %s worker %s (%s)", record.role, record.worker_id, record.http_url)
+
+    async def heartbeat(self, record: WorkerRecord) -> None:
+        try:
+            if await self._redis.pexpire(self._key(record.worker_id), self._ttl_ms):
+                return
+            # The key expired (or Redis restarted): write it again and announce the rejoin.
+            await self._redis.set(self._key(record.worker_id), record.to_json(), px=self._ttl_ms)
+            await self._publish("join", record.worker_id, record.role, record.model)
+        except (RedisError, OSError) as exc:
+            raise RegistryError(f"cannot heartbeat {record.worker_id}: {exc}") from exc
+        logger.warning("registry key of %s had expired; re-registered", record.worker_id)
+
+    async def deregister(self, worker_id: str) -> None:
+        try:
+            await self._redis.delete(self._key(worker_id))
+            await self._publish("leave", worker_id)
+        except (RedisError, OSError) as exc:
+            raise RegistryError(f"cannot deregister {worker_id}: {exc}") from exc
+        logger.info("deregistered worker %s", worker_id)
+
+    async def list(self) -> list[WorkerRecord]:
+        try:
+            keys = [k async for k in self._redis.scan_iter(match=self._key("*"), count=500)]
+            raws = await self._redis.mget(keys) if keys else []
+        except (RedisError, OSError) as exc:
+            raise RegistryError(f"cannot list workers: {exc}") from exc
+        records: list[WorkerRecord] = []
+        for key, raw in zip(keys, raws, strict=True):
+            if raw is None:  # expired between SCAN and MGET
+                continue
+            try:
+                records.append(WorkerRecord.from_json(raw))
+            except (ValueError, KeyError, TypeError) as exc:
+                logger.warning("ignoring malformed registry entry %r: %s", key, exc)
+        return sorted(records, key=lambda r: r.worker_id)
+
+    async def close(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,81 @@
+"""Start a real ``redis-server`` on a free loopback port when none is reachable."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port the OS considers free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def redis_reachable(url: str, timeout_s: float = 0.5) -> bool:
+    """True when something answers a Redis PING at ``url``."""
+    parsed = urlparse(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
+    except OSError:
+        return False
+
+
+@dataclass
+class RedisServer:
+    """A ``redis-server`` child process bound to loopback; stop() ends it."""
+
+    port: int
+    process: subprocess.Popen[bytes]
+    workdir: tempfile.TemporaryDirectory[str] = field(repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.workdir.cleanup()
+
+
+def start_redis(port: int | None = None, ready_timeout_s: float = 10.0) -> RedisServer:
+    """Start ``redis-server`` (no persistence) and wait until it answers PING."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server not found; run `make setup` (installs Debian's redis-server)")
+    port = port or free_port()
+    workdir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--dir", workdir.name, "--protected-mode", "no"]
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = RedisServer(port=port, process=process, workdir=workdir)
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            server.stop()
+            raise RuntimeError(f"redis-server exited with code {process.returncode} on port {port}")
+        if redis_reachable(server.url):
+            logger.info("started redis-server on port %d", port)
+            return server
+        time.sleep(0.05)
+    server.stop()
+    raise RuntimeError(f"redis-server did not answer on port {port} within {ready_timeout_s} s")

@@ -1,0 +1,250 @@
+"""`pdserve worker`: run vLLM's OpenAI server with our KV connector and keep it registered.
+
+The launcher owns one vLLM server process. Once vLLM answers ``/health`` and the connector
+has published its handshake, the worker is registered in Redis with a TTL heartbeat; SIGTERM
+or SIGINT deregisters it first, then stops vLLM. If vLLM dies, the record is removed and the
+launcher exits with vLLM's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from router.state.registry import WorkerRecord, WorkerRegistry
+from serve.redis_server import free_port
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR_CLASS = "PdservePullConnector"
+CONNECTOR_MODULE = "kvtransfer.connector.connector"
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Settings of one worker launcher."""
+
+    role: str
+    model: str
+    port: int = 0
+    """HTTP port of vLLM's server; 0 picks a free one."""
+    host: str = "127.0.0.1"
+    redis_url: str | None = None
+    served_model_name: str | None = None
+    lease_s: float = 30.0
+    pull_timeout_s: float = 20.0
+    kv_cache_gib: float = 1.0
+    max_model_len: int | None = None
+    heartbeat_ttl_s: float = 10.0
+    ready_timeout_s: float = 600.0
+    corrupt_pulled_kv: bool = False
+    """Test-only negative control: decode overwrites pulled blocks with noise."""
+    extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"--role must be prefill or decode, got {self.role!r}")
+
+
+def kv_transfer_config(engine_id: str, *, lease_s: float, pull_timeout_s: float,
+                       handshake_file: str | None, corrupt_pulled_kv: bool = False) -> dict:
+    """The ``--kv-transfer-config`` that loads our connector (both roles; recompute on failure)."""
+    extra: dict[str, object] = {"lease_s": lease_s, "pull_timeout_s": pull_timeout_s}
+    if handshake_file:
+        extra["handshake_file"] = handshake_file
+    if corrupt_pulled_kv:
+        extra["corrupt_pulled_kv"] = True
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "engine_id": engine_id,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def vllm_env(kv_cache_gib: float) -> dict[str, str]:
+    """Environment for a vLLM CPU server: offline, bounded KV cache, our packages importable."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def vllm_command(model: str, host: str, port: int, served_name: str, kv_config: dict | None,
+                 max_model_len: int | None, extra: tuple[str, ...] = ()) -> list[str]:
+    """Command line of vLLM's OpenAI server (the `vllm` script is broken under vllm-cpu)."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", host, "--port", str(port), "--served-model-name", served_name,
+           "--disable-uvicorn-access-log"]
+    if max_model_len:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if kv_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+    return cmd + list(extra)
+
+
+async def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
+    """Poll ``url``/health until 200; fail early if ``proc`` exits."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{url}: server exited with code {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(f"{url}/health")).status_code == 200:
+                    return
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy within {timeout_s} s")
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> int:
+    """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+class WorkerLauncher:
+    """Starts vLLM, registers it, heartbeats, and deregisters on stop."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.worker_id = f"{settings.role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        self.engine_id = uuid.uuid4().hex
+        self.port = settings.port or free_port(settings.host)
+        self.url = f"http://{settings.host}:{self.port}"
+        self.served_name = settings.served_model_name or settings.model
+        self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-worker-")
+        self.handshake_file = os.path.join(self._tmp.name, "handshake.json")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.record: WorkerRecord | None = None
+        self._stopping = asyncio.Event()
+
+    def start_vllm(self) -> subprocess.Popen[bytes]:
+        s = self.settings
+        kv = kv_transfer_config(self.engine_id, lease_s=s.lease_s, pull_timeout_s=s.pull_timeout_s,
+                                handshake_file=self.handshake_file,
+                                corrupt_pulled_kv=s.corrupt_pulled_kv)
+        cmd = vllm_command(s.model, s.host, self.port, self.served_name, kv, s.max_model_len,
+                           s.extra_vllm_args)
+        logger.info("starting vLLM %s worker on %s", s.role, self.url)
+        self.proc = subprocess.Popen(cmd, env=vllm_env(s.kv_cache_gib), start_new_session=True)
+        return self.proc
+
+    async def _describe(self) -> WorkerRecord:
+        hs = json.loads(Path(self.handshake_file).read_text())
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            models = (await client.get(f"{self.url}/v1/models")).json()["data"]
+        max_len = int(models[0].get("max_model_len") or self.settings.max_model_len or 0)
+        from kvtransfer.protocol import Handshake
+
+        address = Handshake.from_wire(hs["handshake"]).ucx_address
+        return WorkerRecord(worker_id=self.worker_id, role=self.settings.role,  # type: ignore[arg-type]
+                            model=self.served_name, model_path=self.settings.model,
+                            http_url=self.url, engine_id=self.engine_id,
+                            ucx_address=base64.b64encode(address).decode(),
+                            max_model_len=max_len, started_at=time.time())
+
+    async def run(self) -> int:
+        """Run until signalled or until vLLM exits; returns the exit code."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        proc = self.start_vllm()
+        registry = (WorkerRegistry(self.settings.redis_url, ttl_s=self.settings.heartbeat_ttl_s)
+                    if self.settings.redis_url else None)
+        try:
+            ready = asyncio.create_task(wait_healthy(self.url, proc, self.settings.ready_timeout_s))
+            stop = asyncio.create_task(self._stopping.wait())
+            done, _ = await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if stop in done:
+                ready.cancel()
+                return stop_process(proc)
+            stop.cancel()
+            ready.result()
+            self.record = await self._describe()
+            if registry is not None:
+                await registry.register(self.record)
+            logger.info("worker %s ready at %s", self.worker_id, self.url)
+            print(json.dumps({"event": "worker_ready", "worker_id": self.worker_id,
+                              "role": self.settings.role, "url": self.url}), flush=True)
+            period = self.settings.heartbeat_ttl_s / 3
+            while not self._stopping.is_set():
+                if proc.poll() is not None:
+                    logger.error("vLLM exited with code %s", proc.returncode)
+                    break
+                if registry is not None:
+                    try:
+                        await registry.heartbeat(self.record)
+                    except Exception as exc:  # Redis down: keep serving, retry next beat
+                        logger.warning("heartbeat failed: %s", exc)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), timeout=period)
+        finally:
+            if registry is not None:
+                with contextlib.suppress(Exception):
+                    await registry.deregister(self.worker_id)
+                await registry.close()
+            code = stop_process(proc)
+            self._tmp.cleanup()
+        return code
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve worker` (each mirrors a PDSERVE_WORKER_* env var)."""
+    env = os.environ.get
+    parser.add_argument("--role", choices=["prefill", "decode"],
+                        default=env("PDSERVE_WORKER_ROLE"), required=not env("PDSERVE_WORKER_ROLE"))
+    parser.add_argument("--model", default=env("PDSERVE_WORKER_MODEL"),
+                        help="model dir or HF id (default: the tiny offline model)")
+    parser.add_argument("--port", type=int, default=int(env("PDSERVE_WORKER_PORT", "0")))
+    parser.add_argument("--host", default=env("PDSERVE_WORKER_HOST", "127.0.0.1"))
+    parser.add_argument("--redis", default=env("PDSERVE_REDIS_URL"))
+    parser.add_argument("--served-model-name", default=env("PDSERVE_WORKER_SERVED_MODEL_NAME"))
+    parser.add_argument("--lease-s", type=float, default=float(env("PDSERVE_KV_LEASE_S", "30")))
+    parser.add_argument("--pull-timeout-s", type=float,
+                        default=float(env("PDSERVE_KV_PULL_TIMEOUT_S", "20")))
+    parser.add_argument("--kv-cache-gib", type=float,
+                        default=float(env("PDSERVE_WORKER_KV_CACHE_GIB", "1")))
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--corrupt-pulled-kv", action="store_true", help=argparse.SUPPRESS)
+
+
+def settings_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerSettings:
+    """Build WorkerSettings from parsed flags; the tiny model is built when no model is given."""
+    model = args.model
+    if not model:
+        from serve.tiny_model import build_tiny_model
+
+        model = str(build_tiny_model())
+    return WorkerSettings(role=args.role, model=model, port=args.port, host=args.host,
+                          redis_url=args.redis, served_model_name=args.served_model_name,
+                          lease_s=args.lease_s, pull_timeout_s=args.pull_timeout_s,
+                          kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
+                          corrupt_pulled_kv=args.corrupt_pulled_kv, extra_vllm_args=tuple(extra))

@@ -1,0 +1,233 @@
+"""A fake vLLM OpenAI worker for router tests (fault injection, bad-request checks).
+
+It records every request it receives, answers prefill calls with ``kv_transfer_params`` and
+decode calls with a deterministic completion (streamed as SSE when asked), and can be switched
+to fail on demand. Runs under uvicorn in a thread on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from router.state.registry import WorkerRecord
+from serve.redis_server import free_port
+
+Mode = Literal[
+    "ok",              # normal behaviour
+    "error_500",       # answer every request with HTTP 500
+    "no_kv_params",    # prefill answers 200 without kv_transfer_params
+    "die_mid_stream",  # stream two chunks, then drop the connection
+    "stall_mid_stream",  # stream two chunks, then go silent
+    "bad_request",     # answer 400 with an OpenAI error
+]
+
+DECODE_PIECES = ("Hello", " from", " the", " fake", " decoder", ".")
+
+
+@dataclass
+class Recorded:
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on 127.0.0.1:``port`` in a daemon thread."""
+
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        self.port = port or free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                lifespan="on", timeout_graceful_shutdown=1, access_log=False)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True,
+                                       name=f"uvicorn-{self.port}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn on port {self.port} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@dataclass
+class FakeWorker:
+    """One fake prefill or decode worker."""
+
+    worker_id: str
+    role: Literal["prefill", "decode"]
+    model: str = "tiny"
+    model_path: str = "/nonexistent"
+    max_model_len: int = 2048
+    mode: Mode = "ok"
+    requests: list[Recorded] = field(default_factory=list)
+    sent: list[bytes] = field(default_factory=list)
+    """The exact bytes of each streamed response body this worker produced."""
+    _server: ServerThread | None = None
+
+    def __post_init__(self) -> None:
+        self.app = self._build_app()
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return self._server.url
+
+    @property
+    def engine_id(self) -> str:
+        return f"engine-{self.worker_id}"
+
+    def record(self) -> WorkerRecord:
+        return WorkerRecord(worker_id=self.worker_id, role=self.role, model=self.model,
+                            model_path=self.model_path, http_url=self.url,
+                            engine_id=self.engine_id, ucx_address="ZmFrZQ==",
+                            max_model_len=self.max_model_len, started_at=1_700_000_000.0)
+
+    def start(self) -> FakeWorker:
+        self._server = ServerThread(self.app).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+
+    def reset(self) -> None:
+        self.mode = "ok"
+        self.requests.clear()
+        self.sent.clear()
+
+    # -- responses -------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI()
+
+        async def handle(request: Request) -> Response:
+            body = json.loads(await request.body())
+            self.requests.append(Recorded(request.url.path, dict(request.headers), body))
+            rid = request.headers.get("x-request-id", "none")
+            chat = request.url.path.endswith("/chat/completions")
+            if self.mode == "error_500":
+                return JSONResponse({"error": {"message": "injected failure", "type": "server",
+                                               "param": None, "code": 500}}, status_code=500)
+            if self.mode == "bad_request":
+                return JSONResponse({"error": {"message": "injected bad request",
+                                               "type": "BadRequestError", "param": None,
+                                               "code": 400}}, status_code=400)
+            if self.role == "prefill":
+                return JSONResponse(self._prefill_answer(body, rid, chat))
+            if body.get("stream"):
+                return StreamingResponse(self._stream(body, rid, chat),
+                                         media_type="text/event-stream")
+            return JSONResponse(self._full_answer(body, rid, chat))
+
+        app.add_api_route("/v1/completions", handle, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", handle, methods=["POST"])
+        return app
+
+    def _prefill_answer(self, body: dict[str, Any], rid: str, chat: bool) -> dict[str, Any]:
+        answer = self._full_answer(body, rid, chat, pieces=DECODE_PIECES[:1])
+        if self.mode != "no_kv_params":
+            answer["kv_transfer_params"] = {
+                "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": [1, 2, 3], "remote_engine_id": self.engine_id,
+                "remote_request_id": rid, "remote_host": "127.0.0.1", "remote_port": 5600,
+                "tp_size": 1,
+            }
+        return answer
+
+    def _full_answer(self, body: dict[str, Any], rid: str, chat: bool,
+                     pieces: tuple[str, ...] = DECODE_PIECES) -> dict[str, Any]:
+        text = "".join(pieces)
+        usage = {"prompt_tokens": 7, "completion_tokens": len(pieces),
+                 "total_tokens": 7 + len(pieces)}
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length",
+                                      "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+        return {"id": f"cmpl-{rid}", "object": "chat.completion" if chat else "text_completion",
+                "created": 1_700_000_000, "model": body.get("model"), "choices": [choice],
+                "usage": usage, "served_by": self.worker_id}
+
+    async def _stream(self, body: dict[str, Any], rid: str, chat: bool) -> AsyncIterator[bytes]:
+        sent = bytearray()
+        self.sent.append(b"")
+        index = len(self.sent) - 1
+
+        def event(payload: dict[str, Any] | str) -> bytes:
+            data = payload if isinstance(payload, str) else json.dumps(payload)
+            raw = f"data: {data}\n\n".encode()
+            sent.extend(raw)
+            self.sent[index] = bytes(sent)
+            return raw
+
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": f"cmpl-{rid}", "object": obj, "created": 1_700_000_000,
+                "model": body.get("model")}
+        if chat:
+            yield event({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                    "content": ""}}]})
+        for i, piece in enumerate(DECODE_PIECES):
+            if i == 2 and self.mode == "die_mid_stream":
+                raise RuntimeError("injected decode worker death")
+            if i == 2 and self.mode == "stall_mid_stream":
+                await asyncio.sleep(3600)
+            last = i == len(DECODE_PIECES) - 1
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None}
+            if chat:
+                choice["delta"] = {"content": piece}
+            else:
+                choice["text"] = piece
+            yield event({**base, "choices": [choice]})
+            await asyncio.sleep(0)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 7, "completion_tokens": len(DECODE_PIECES),
+                     "total_tokens": 7 + len(DECODE_PIECES)}
+            yield event({**base, "choices": [], "usage": usage})
+        yield event("[DONE]")
+
+
+def build_tiny_tokenizer(out_dir: str | Path) -> Path:
+    """A small byte-level BPE tokenizer with a chat template, saved with save_pretrained."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    lines = ["the quick brown fox jumps over the lazy dog",
+             "hello world, this is a tiny tokenizer for router tests",
+             "prefill and decode run on separate workers"]
+    tok.train_from_iterator(lines * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(str(out))
+    return out

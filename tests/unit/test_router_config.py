@@ -1,0 +1,51 @@
+"""Router settings: defaults, env vars, CLI precedence, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.config import RouterSettings, load
+from router.errors import ConfigError
+
+
+def test_defaults() -> None:
+    s = load([], env={})
+    assert (s.host, s.port, s.redis_url, s.policy, s.log_level) == (
+        "127.0.0.1", 8000, "redis://127.0.0.1:6379/0", "round_robin", "INFO")
+
+
+def test_env_then_cli_precedence() -> None:
+    env = {"PDSERVE_ROUTER_PORT": "9000", "PDSERVE_ROUTER_REDIS": "redis://h:1/2",
+           "PDSERVE_ROUTER_LOG_LEVEL": "debug", "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": "3.5"}
+    s = load([], env=env)
+    assert (s.port, s.redis_url, s.log_level, s.prefill_timeout_s) == (
+        9000, "redis://h:1/2", "DEBUG", 3.5)
+    s = load(["--port", "9100", "--host", "0.0.0.0", "--policy", "least_loaded"], env=env)
+    assert (s.port, s.host, s.policy, s.redis_url) == (9100, "0.0.0.0", "least_loaded",
+                                                        "redis://h:1/2")
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"policy": "magic"}, "allowed: least_loaded, round_robin"),
+    ({"decode_policy": "magic"}, "allowed"),
+    ({"port": 0}, "port"),
+    ({"log_level": "LOUD"}, "allowed: DEBUG"),
+    ({"prefill_timeout_s": 0}, "prefill_timeout_s"),
+    ({"decode_retries": -1}, "decode_retries"),
+    ({"redis_url": "http://x"}, "redis://"),
+])
+def test_invalid_settings(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        RouterSettings(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_env_value() -> None:
+    with pytest.raises(ConfigError, match="PDSERVE_ROUTER_PORT"):
+        load([], env={"PDSERVE_ROUTER_PORT": "eighty"})
+
+
+def test_main_rejects_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from router.main import main
+
+    assert main(["--policy", "magic"]) == 2
+    assert "unknown policy" in capsys.readouterr().err
