@@ -18,8 +18,9 @@ class ConnectorConfig:
     """Deadline of one pull (RMA reads + the release round trip); past it the load fails."""
     handshake_file: str | None = None
     """If set, the scheduler half writes the handshake (UCX address, engine id) here as JSON."""
-    corrupt_pulled_kv: bool = False
-    """Test-only negative control: overwrite pulled blocks with noise after each pull."""
+    corrupt_pulled_kv_file: str | None = None
+    """Test-only negative control: while this file exists, pulled blocks are overwritten with
+    noise after each pull (proves that output equality tests can fail)."""
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0:

@@ -171,6 +171,8 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-s", type=float, default=float(env("PDSERVE_KV_LEASE_S", "30")))
     parser.add_argument("--kv-cache-gib", type=float,
                         default=float(env("PDSERVE_WORKER_KV_CACHE_GIB", "1")))
+    parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument passed to every `pdserve worker` (repeatable)")
 
 
 def settings_from_args(args: argparse.Namespace) -> ClusterSettings:
@@ -178,4 +180,5 @@ def settings_from_args(args: argparse.Namespace) -> ClusterSettings:
     return ClusterSettings(model=args.model, served_model_name=args.served_model_name,
                            prefill=args.prefill, decode=args.decode, port=args.port,
                            host=args.host, redis_url=args.redis, policy=args.policy,
-                           lease_s=args.lease_s, kv_cache_gib=args.kv_cache_gib)
+                           lease_s=args.lease_s, kv_cache_gib=args.kv_cache_gib,
+                           worker_args=tuple(args.worker_arg))

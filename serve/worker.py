@@ -53,8 +53,8 @@ class WorkerSettings:
     max_model_len: int | None = None
     heartbeat_ttl_s: float = 10.0
     ready_timeout_s: float = 600.0
-    corrupt_pulled_kv: bool = False
-    """Test-only negative control: decode overwrites pulled blocks with noise."""
+    corrupt_pulled_kv_file: str | None = None
+    """Test-only negative control: while this file exists, decode overwrites pulled blocks."""
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -63,13 +63,13 @@ class WorkerSettings:
 
 
 def kv_transfer_config(engine_id: str, *, lease_s: float, pull_timeout_s: float,
-                       handshake_file: str | None, corrupt_pulled_kv: bool = False) -> dict:
+                       handshake_file: str | None, corrupt_pulled_kv_file: str | None = None) -> dict:
     """The ``--kv-transfer-config`` that loads our connector (both roles; recompute on failure)."""
     extra: dict[str, object] = {"lease_s": lease_s, "pull_timeout_s": pull_timeout_s}
     if handshake_file:
         extra["handshake_file"] = handshake_file
-    if corrupt_pulled_kv:
-        extra["corrupt_pulled_kv"] = True
+    if corrupt_pulled_kv_file:
+        extra["corrupt_pulled_kv_file"] = corrupt_pulled_kv_file
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -86,6 +86,10 @@ def vllm_env(kv_cache_gib: float) -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM's "auto" binding pins every CPU server's threads to the same cores, and its workers
+    # spin on sched_yield while busy: co-located servers (and the UCX progress thread that must
+    # answer remote reads) then starve each other. Unpinned threads share all cores fairly.
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
@@ -150,7 +154,7 @@ class WorkerLauncher:
         s = self.settings
         kv = kv_transfer_config(self.engine_id, lease_s=s.lease_s, pull_timeout_s=s.pull_timeout_s,
                                 handshake_file=self.handshake_file,
-                                corrupt_pulled_kv=s.corrupt_pulled_kv)
+                                corrupt_pulled_kv_file=s.corrupt_pulled_kv_file)
         cmd = vllm_command(s.model, s.host, self.port, self.served_name, kv, s.max_model_len,
                            s.extra_vllm_args)
         logger.info("starting vLLM %s worker on %s", s.role, self.url)
@@ -233,7 +237,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gib", type=float,
                         default=float(env("PDSERVE_WORKER_KV_CACHE_GIB", "1")))
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--corrupt-pulled-kv", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--corrupt-pulled-kv-file", default=None, help=argparse.SUPPRESS)
 
 
 def settings_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerSettings:
@@ -247,4 +251,4 @@ def settings_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerSett
                           redis_url=args.redis, served_model_name=args.served_model_name,
                           lease_s=args.lease_s, pull_timeout_s=args.pull_timeout_s,
                           kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
-                          corrupt_pulled_kv=args.corrupt_pulled_kv, extra_vllm_args=tuple(extra))
+                          corrupt_pulled_kv_file=args.corrupt_pulled_kv_file, extra_vllm_args=tuple(extra))

@@ -23,6 +23,7 @@
 #include <ucp/api/ucp.h>
 
 #include <errno.h>
+#include <stdlib.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -67,6 +68,7 @@ struct peer {
 
 typedef struct inreq {
     struct inreq *next;
+    ucp_ep_h reply_ep;         /* UCX's endpoint back to the requester */
     uint64_t req_id;
     size_t addr_len, payload_len;
     char data[];               /* sender address, then payload */
@@ -83,6 +85,7 @@ struct EngineObject {
     ucp_context_h ctx;
     ucp_worker_h worker;
     int efd;
+    int wakeup;                /* UCP_FEATURE_WAKEUP on: sleep on efd; off: sleep-backoff */
     pthread_t thread;
     int thread_started;
     volatile int stop;
@@ -100,6 +103,7 @@ struct EngineObject {
     char *address;
     size_t address_len;
     uint64_t dropped_am;
+    uint64_t failed_replies;
 };
 
 typedef struct {
@@ -264,6 +268,11 @@ static void am_send_cb(void *request, ucs_status_t status, void *user_data)
 {
     send_ctx_t *c = user_data;
     EngineObject *e = c->eng;
+    if (status != UCS_OK && c->req_id == 0) {
+        pthread_mutex_lock(&e->lock);
+        e->failed_replies++;
+        pthread_mutex_unlock(&e->lock);
+    }
     if (status != UCS_OK && c->req_id != 0) {
         pthread_mutex_lock(&e->lock);
         for (xfer_t *x = e->pending; x != NULL; x = x->next) {
@@ -320,6 +329,7 @@ static ucs_status_t am_request_cb(void *arg, const void *header, size_t header_l
     inreq_t *r = malloc(sizeof(*r) + length);
     if (r == NULL) return UCS_OK;
     r->next = NULL;
+    r->reply_ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
     r->req_id = h.req_id;
     r->addr_len = h.addr_len;
     r->payload_len = length - h.addr_len;
@@ -369,14 +379,57 @@ static ucs_status_t am_reply_cb(void *arg, const void *header, size_t header_len
 
 /* ------------------------------------------------------- progress thread */
 
+static void wake(EngineObject *e)
+{
+    if (e->wakeup) ucp_worker_signal(e->worker);
+}
+
+
+static double now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+/* Keep polling this long after the last event before sleeping: a busy transfer (notably
+ * software-emulated RMA over tcp, where the target must serve every GET) is not slowed down by
+ * a wake-up per message, while an idle worker still costs no CPU.  PDSERVE_UCX_SPIN_US. */
+static double spin_budget_us(void)
+{
+    const char *v = getenv("PDSERVE_UCX_SPIN_US");
+    if (v == NULL || *v == '\0') return 200.0;
+    double d = atof(v);
+    return d < 0 ? 0 : d;
+}
+
 static void *progress_main(void *arg)
 {
     EngineObject *e = arg;
     struct pollfd pfd = {.fd = e->efd, .events = POLLIN};
+    const double spin_us = spin_budget_us();
     while (!e->stop) {
-        while (ucp_worker_progress(e->worker) && !e->stop) {
+        double last = now_us();
+        for (;;) {
+            if (e->stop) break;
+            if (ucp_worker_progress(e->worker)) {
+                last = now_us();
+                continue;
+            }
+            if (now_us() - last >= spin_us) break;
         }
         if (e->stop) break;
+        if (!e->wakeup) {
+            /* No event fd (UCP_FEATURE_WAKEUP off so that event-less transports such as cma
+             * qualify for RMA lanes): back off up to 1 ms between idle polls. */
+            long sleep_us = 20;
+            while (!e->stop && !ucp_worker_progress(e->worker)) {
+                struct timespec ts = {.tv_sec = 0, .tv_nsec = sleep_us * 1000};
+                nanosleep(&ts, NULL);
+                if (sleep_us < 1000) sleep_us *= 2;
+            }
+            continue;
+        }
         ucs_status_t st = ucp_worker_arm(e->worker);
         if (st == UCS_ERR_BUSY) continue;
         /* The timeout only bounds how late keepalive and timers run on an idle worker. */
@@ -441,7 +494,7 @@ static int peer_close(peer_t *p, double timeout_s)
             cx->refs--; /* no callback will come */
             pthread_mutex_unlock(&e->lock);
         } else {
-            ucp_worker_signal(e->worker);
+            wake(e);
             if (wait_xfer(cx, timeout_s) == XS_PENDING) rc = -1;
         }
         pthread_mutex_lock(&e->lock);
@@ -493,6 +546,8 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kwds)
     self->efd = -1;
     self->next_req_id = 1;
 
+    const char *wk = getenv("PDSERVE_UCX_WAKEUP");
+    self->wakeup = !(wk != NULL && strcmp(wk, "0") == 0);
     ucp_config_t *cfg = NULL;
     ucs_status_t st = ucp_config_read(NULL, NULL, &cfg); /* honours UCX_* */
     if (st != UCS_OK) {
@@ -501,7 +556,7 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kwds)
     }
     ucp_params_t prm = {
         .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
-        .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
+        .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | (self->wakeup ? UCP_FEATURE_WAKEUP : 0),
         .name = name,
     };
     Py_BEGIN_ALLOW_THREADS
@@ -550,10 +605,12 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kwds)
     self->address_len = wa.address_length;
     ucp_worker_release_address(self->worker, wa.address);
 
-    st = ucp_worker_get_efd(self->worker, &self->efd);
-    if (st != UCS_OK) {
-        raise_status("ucp_worker_get_efd", st);
-        return -1;
+    if (self->wakeup) {
+        st = ucp_worker_get_efd(self->worker, &self->efd);
+        if (st != UCS_OK) {
+            raise_status("ucp_worker_get_efd", st);
+            return -1;
+        }
     }
 
     ucp_am_handler_param_t ah = {
@@ -617,7 +674,7 @@ static void engine_shutdown(EngineObject *self)
             /* else leak p: a late UCX callback may still use it */
         }
         self->stop = 1;
-        ucp_worker_signal(self->worker);
+        wake(self);
         Py_BEGIN_ALLOW_THREADS
         pthread_join(self->thread, NULL);
         Py_END_ALLOW_THREADS
@@ -700,6 +757,17 @@ static PyObject *engine_get_dropped(EngineObject *self, void *Py_UNUSED(closure)
     if (self->sync_ok) {
         pthread_mutex_lock(&self->lock);
         v = self->dropped_am;
+        pthread_mutex_unlock(&self->lock);
+    }
+    return PyLong_FromUnsignedLongLong(v);
+}
+
+static PyObject *engine_get_failed_replies(EngineObject *self, void *Py_UNUSED(closure))
+{
+    uint64_t v = 0;
+    if (self->sync_ok) {
+        pthread_mutex_lock(&self->lock);
+        v = self->failed_replies;
         pthread_mutex_unlock(&self->lock);
     }
     return PyLong_FromUnsignedLongLong(v);
@@ -802,7 +870,7 @@ static PyObject *engine_connect(EngineObject *self, PyObject *arg)
     if (self->peers) self->peers->prev = p;
     self->peers = p;
     pthread_mutex_unlock(&self->lock);
-    ucp_worker_signal(self->worker);
+    wake(self);
     return (PyObject *)po;
 }
 
@@ -819,9 +887,10 @@ static PyObject *engine_poll_requests(EngineObject *self, PyObject *Py_UNUSED(ig
     for (inreq_t *nr; r != NULL; r = nr) {
         nr = r->next;
         if (!failed) {
-            PyObject *t = Py_BuildValue("(Ky#y#)", (unsigned long long)r->req_id, r->data,
+            PyObject *t = Py_BuildValue("(Ky#y#K)", (unsigned long long)r->req_id, r->data,
                                         (Py_ssize_t)r->addr_len, r->data + r->addr_len,
-                                        (Py_ssize_t)r->payload_len);
+                                        (Py_ssize_t)r->payload_len,
+                                        (unsigned long long)(uintptr_t)r->reply_ep);
             if (t == NULL || PyList_Append(out, t) < 0) failed = 1;
             Py_XDECREF(t);
         }
@@ -853,7 +922,44 @@ static PyObject *engine_wait_requests(EngineObject *self, PyObject *args)
     return PyBool_FromLong(have);
 }
 
+static ucs_status_t post_am(EngineObject *e, ucp_ep_h ep, unsigned id, send_ctx_t *c,
+                            size_t hdr_len, uint32_t flags);
+
+static PyObject *engine_reply(EngineObject *self, PyObject *args)
+{
+    unsigned long long ep_handle, req_id;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "KKy*", &ep_handle, &req_id, &view)) return NULL;
+    if (ep_handle == 0) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(TransportError, "request carried no reply endpoint");
+        return NULL;
+    }
+    send_ctx_t *c = malloc(sizeof(*c) + (size_t)view.len);
+    if (c == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    memcpy(c->data, view.buf, (size_t)view.len);
+    c->len = (size_t)view.len;
+    c->eng = self;
+    c->req_id = 0;
+    c->hdr.rep.req_id = req_id;
+    PyBuffer_Release(&view);
+    if (engine_check_open(self)) {
+        free(c);
+        return NULL;
+    }
+    /* Under the GIL: close() destroys the worker only after dropping it. */
+    ucs_status_t st = post_am(self, (ucp_ep_h)(uintptr_t)ep_handle, AM_ID_REPLY, c,
+                              sizeof(rep_hdr_t), 0);
+    if (st != UCS_OK && st != UCS_INPROGRESS) return raise_status("reply send", st);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef engine_methods[] = {
+    {"reply", (PyCFunction)engine_reply, METH_VARARGS,
+     "reply(reply_ep, req_id, payload): answer a request over UCX's reply endpoint."},
     {"register", (PyCFunction)engine_register, METH_VARARGS,
      "register(addr, length) -> (index, packed_rkey): ucp_mem_map existing memory."},
     {"connect", (PyCFunction)engine_connect, METH_O,
@@ -869,6 +975,8 @@ static PyMethodDef engine_methods[] = {
 static PyGetSetDef engine_getset[] = {
     {"address", (getter)engine_get_address, NULL, "worker address blob", NULL},
     {"dropped_messages", (getter)engine_get_dropped, NULL, "malformed or late AMs", NULL},
+    {"failed_replies", (getter)engine_get_failed_replies, NULL, "replies UCX failed to send",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1041,7 +1149,7 @@ static PyObject *peer_get(PeerObject *self, PyObject *arg)
         xfer_finish(x, first_err, "get post");
         pthread_mutex_unlock(&e->lock);
     }
-    ucp_worker_signal(e->worker);
+    wake(e);
     Py_END_ALLOW_THREADS
 
     pthread_mutex_unlock(&p->oplock);
@@ -1057,18 +1165,19 @@ fail_locked:
 }
 
 /* Post one AM (oplock held, GIL released).  Returns a send status. */
-static ucs_status_t post_am(peer_t *p, unsigned id, send_ctx_t *c, size_t hdr_len)
+static ucs_status_t post_am(EngineObject *e, ucp_ep_h ep, unsigned id, send_ctx_t *c,
+                            size_t hdr_len, uint32_t flags)
 {
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                         UCP_OP_ATTR_FIELD_FLAGS,
-        .flags = UCP_AM_SEND_FLAG_EAGER,
+        .flags = UCP_AM_SEND_FLAG_EAGER | flags,
         .cb.send = am_send_cb,
         .user_data = c,
     };
-    ucs_status_ptr_t r = ucp_am_send_nbx(p->ep, id, &c->hdr, hdr_len, c->data, c->len, &prm);
+    ucs_status_ptr_t r = ucp_am_send_nbx(ep, id, &c->hdr, hdr_len, c->data, c->len, &prm);
     if (UCS_PTR_IS_PTR(r)) {
-        ucp_worker_signal(p->eng->worker);
+        wake(e);
         return UCS_INPROGRESS; /* am_send_cb frees c */
     }
     free(c);
@@ -1118,7 +1227,7 @@ static PyObject *peer_request(PeerObject *self, PyObject *arg)
     c->hdr.req.reserved = 0;
     ucs_status_t st;
     Py_BEGIN_ALLOW_THREADS
-    st = post_am(p, AM_ID_REQUEST, c, sizeof(req_hdr_t));
+    st = post_am(e, p->ep, AM_ID_REQUEST, c, sizeof(req_hdr_t), UCP_AM_SEND_FLAG_REPLY);
     Py_END_ALLOW_THREADS
     pthread_mutex_unlock(&p->oplock);
     if (st != UCS_OK && st != UCS_INPROGRESS) {
@@ -1159,7 +1268,7 @@ static PyObject *peer_reply(PeerObject *self, PyObject *args)
     }
     ucs_status_t st;
     Py_BEGIN_ALLOW_THREADS
-    st = post_am(p, AM_ID_REPLY, c, sizeof(rep_hdr_t));
+    st = post_am(e, p->ep, AM_ID_REPLY, c, sizeof(rep_hdr_t), 0);
     Py_END_ALLOW_THREADS
     pthread_mutex_unlock(&p->oplock);
     if (st != UCS_OK && st != UCS_INPROGRESS) return raise_status("reply send", st);

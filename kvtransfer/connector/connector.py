@@ -15,6 +15,8 @@ leased, one with ``do_remote_prefill`` is pulled.
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +44,19 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def _attach_logging() -> None:
+    """Show kvtransfer's logs inside vLLM processes (vLLM configures only its own logger)."""
+    root = logging.getLogger("kvtransfer")
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(
+        "(pdserve-kv pid=%(process)d) %(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("PDSERVE_KV_LOG_LEVEL", "INFO"))
+    root.propagate = False
+
+
 def _compat_facts(vllm_config: VllmConfig) -> dict[str, object]:
     import vllm
 
@@ -66,6 +81,7 @@ class PdservePullConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _attach_logging()
         kv_config = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(kv_config.kv_connector_extra_config)
         engine_id = str(kv_config.engine_id)

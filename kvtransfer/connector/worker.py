@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -154,7 +155,7 @@ class WorkerHalf:
                 logger.exception("release responder stopped")
                 return
             if not incoming:
-                self._stop.wait(0.001)
+                self._engine.wait_requests(0.05)  # blocks in C with the GIL released
                 continue
             for msg in incoming:
                 request_id = parse_release(msg.payload)
@@ -162,12 +163,14 @@ class WorkerHalf:
                     logger.warning("unknown message of %d bytes ignored", len(msg.payload))
                     continue
                 valid = self.leases.release(request_id, time.monotonic())
+                logger.debug("release of %s: %s", request_id, "ok" if valid else "expired")
                 msg.reply(RELEASE_OK if valid else RELEASE_EXPIRED)
 
     # ---------------------------------------------------------------- per step
     def start_step(self, meta: PdserveMetadata) -> None:
         """Take this step's leases, pulls and releases from the scheduler half."""
         for request_id, expires_at in meta.leases.items():
+            logger.debug("lease %s granted for %.1f s", request_id, expires_at - time.monotonic())
             self.leases.grant(request_id, expires_at)
         for remote in meta.releases:
             self._send_release_only(remote)
@@ -219,9 +222,15 @@ class WorkerHalf:
         self._releases.append((transfer, time.monotonic() + self.config.pull_timeout_s))
 
     def _fail(self, spec: PullSpec, reason: str) -> None:
+        logger.warning("pull of %s failed (%s); its %d blocks are recomputed", spec.request_id,
+                       reason, len(spec.local_block_ids))
         self._load_errors.update(spec.local_block_ids)
         self._finished_recving.add(spec.request_id)
         self.stats.record_failure(reason)
+
+    def _corruption_on(self) -> bool:
+        path = self.config.corrupt_pulled_kv_file
+        return bool(path) and os.path.exists(path)  # type: ignore[arg-type]
 
     def _corrupt(self, block_ids: tuple[int, ...]) -> None:
         """Negative control: overwrite pulled blocks with noise (test-only switch)."""
@@ -250,7 +259,9 @@ class WorkerHalf:
             if status != "done":
                 continue
             if pull.phase is _Phase.READ:
-                if self.config.corrupt_pulled_kv and pull.spec.local_block_ids:
+                logger.debug("read of %s done after %.2f ms", request_id,
+                             1e3 * (now - pull.started))
+                if self._corruption_on() and pull.spec.local_block_ids:
                     self._corrupt(pull.spec.local_block_ids)
                 try:
                     pull.transfer = pull.peer.request(release_message(pull.spec.remote.request_id))

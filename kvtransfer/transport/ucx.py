@@ -13,15 +13,16 @@ Contract for callers (the KV connector):
     bytes have landed, or errors when the peer dies or is aborted. Every wait takes a deadline.
   - `Peer.abort()` force-closes the endpoint; after it returns no byte of that peer's GETs can
     still land in local memory.
-  - Replies to `IncomingRequest`s travel on an endpoint this engine opens back to the sender's
-    worker address (carried in the request), with peer error handling, so replying to a dead
-    peer is a logged no-op instead of a use of a freed UCX-internal endpoint.
+  - Requests are sent with UCP_AM_SEND_FLAG_REPLY; `IncomingRequest.reply` answers over UCX's
+    reply endpoint, i.e. over the very connection the request came in on. If the requester is
+    gone the send fails inside UCX and the reply is dropped (counted in `failed_replies`).
 
 Configuration is UCX's own: every `UCX_*` environment variable applies (e.g. `UCX_TLS`).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import weakref
@@ -52,7 +53,7 @@ def _load_native() -> Any:
 
             try:
                 build.ensure_built()
-                from kernels.native import _ucxrma
+                _ucxrma = importlib.import_module("kernels.native._ucxrma")
             except (build.NativeBuildError, ImportError) as exc:
                 raise TransportError(f"native UCX module unavailable: {exc}") from exc
             _native = _ucxrma
@@ -200,17 +201,24 @@ class Peer:
 class IncomingRequest:
     """A request received from a peer; answer it once with `reply`."""
 
-    __slots__ = ("payload", "_engine", "_sender", "_req_id")
+    __slots__ = ("payload", "sender", "_engine", "_req_id", "_reply_ep", "_replied")
 
-    def __init__(self, payload: bytes, engine: UcxEngine, sender: bytes, req_id: int) -> None:
+    def __init__(self, payload: bytes, engine: UcxEngine, sender: bytes, req_id: int,
+                 reply_ep: int) -> None:
         self.payload = payload
+        self.sender = sender
+        """The requester's worker address."""
         self._engine = engine
-        self._sender = sender
         self._req_id = req_id
+        self._reply_ep = reply_ep
+        self._replied = False
 
     def reply(self, payload: bytes) -> None:
-        """Send the reply; a no-op that logs when the requester is gone."""
-        self._engine._reply(self._sender, self._req_id, payload)
+        """Send the reply (once); a no-op that logs when the requester is gone."""
+        if self._replied:
+            raise TransportError("request already answered")
+        self._replied = True
+        self._engine._reply(self._reply_ep, self._req_id, payload)
 
 
 def _close_quietly(c: Any) -> None:
@@ -232,7 +240,6 @@ class UcxEngine:
         self._name = name
         self._lock = threading.Lock()
         self._regions: list[Region] = []
-        self._reply_peers: dict[bytes, Peer] = {}
         self._closed = False
         # Close on GC or at exit, whichever comes first; the finalizer holds only the C object.
         self._finalizer = weakref.finalize(self, _close_quietly, self._c)
@@ -266,8 +273,8 @@ class UcxEngine:
 
     def poll_requests(self) -> list[IncomingRequest]:
         """Drain the request messages received so far (non-blocking)."""
-        return [IncomingRequest(payload, self, sender, req_id)
-                for req_id, sender, payload in self._c.poll_requests()]
+        return [IncomingRequest(payload, self, sender, req_id, reply_ep)
+                for req_id, sender, payload, reply_ep in self._c.poll_requests()]
 
     def wait_requests(self, timeout_s: float) -> bool:
         """Block (GIL released) until a request is queued or `timeout_s` passes; True if one is."""
@@ -278,6 +285,11 @@ class UcxEngine:
         """Malformed messages and replies that arrived after their request was given up."""
         return int(self._c.dropped_messages)
 
+    @property
+    def failed_replies(self) -> int:
+        """Replies UCX could not deliver (the requester was gone)."""
+        return int(self._c.failed_replies)
+
     def close(self) -> None:
         """Stop the progress thread, close endpoints, unmap memory, destroy the worker; idempotent.
 
@@ -287,7 +299,6 @@ class UcxEngine:
             if self._closed:
                 return
             self._closed = True
-            self._reply_peers.clear()
         self._finalizer()
 
     def __enter__(self) -> UcxEngine:
@@ -300,23 +311,11 @@ class UcxEngine:
         err: type[Exception] = _load_native().NativeTransportError
         return err
 
-    def _reply(self, sender: bytes, req_id: int, payload: bytes) -> None:
-        with self._lock:
-            if self._closed:
-                logger.warning("reply dropped: engine %s is closed", self._name)
-                return
-            peer = self._reply_peers.get(sender)
-            if peer is not None and (peer.failed or peer.closed):
-                del self._reply_peers[sender]
-                peer = None
-            if peer is None:
-                try:
-                    peer = self.connect(sender)
-                except TransportError as exc:
-                    logger.warning("reply dropped: requester unreachable: %s", exc)
-                    return
-                self._reply_peers[sender] = peer
+    def _reply(self, reply_ep: int, req_id: int, payload: bytes) -> None:
+        if self._closed:
+            logger.warning("reply dropped: engine %s is closed", self._name)
+            return
         try:
-            peer._c.reply(req_id, payload)
+            self._c.reply(reply_ep, req_id, payload)
         except self._native_error() as exc:
             logger.warning("reply dropped: requester gone: %s", exc)

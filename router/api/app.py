@@ -26,7 +26,7 @@ from router.api.schemas import (
     single_prompt,
     validate_request,
 )
-from router.api.tokenize import TokenizerCache
+from router.api.tokenization import TokenizerCache
 from router.config import RouterSettings
 from router.errors import APIError, InvalidRequestError
 from router.metrics import RouterMetrics
@@ -124,6 +124,10 @@ class RouterService:
         if not records:
             raise InvalidRequestError(f"The model '{req.model}' does not exist.",
                                       code="model_not_found", param="model", status=404)
+        for role in ("prefill", "decode"):
+            if not any(r.role == role for r in records):
+                raise APIError(f"no live {role} worker for model '{req.model}'", status=503,
+                               code="no_workers_available", type="service_unavailable")
         token_ids = await self._check_context(req, records, body)
         route = RouteRequest(request_id=request_id, model=req.model, prompt_token_ids=token_ids)
         incoming = {k.lower(): v for k, v in request.headers.items()}

@@ -47,8 +47,11 @@ class ServerThread:
 
     def __init__(self, app: Any, port: int | None = None) -> None:
         self.port = port or free_port()
+        # log_config=None: uvicorn must not re-run logging.dictConfig from a second thread
+        # (racing with the test's logging it made shutdowns stall).
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                lifespan="on", timeout_graceful_shutdown=1, access_log=False)
+                                log_config=None, lifespan="on", timeout_graceful_shutdown=1,
+                                access_log=False)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True,
                                        name=f"uvicorn-{self.port}")

@@ -6,6 +6,7 @@ server's progress thread must serve it).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -40,9 +41,8 @@ def _serve(conn: Any, mode: str) -> None:
     region = engine.register(buf.ctypes.data, buf.nbytes, keepalive=buf)
     conn.send((engine.address, region.addr, region.length, region.rkey))
     while True:
-        if conn.poll(0):
-            if conn.recv() == "stop":
-                break
+        if conn.poll(0) and conn.recv() == "stop":
+            break
         if not engine.wait_requests(0.05):
             continue
         for req in engine.poll_requests():
@@ -65,10 +65,8 @@ class Server:
 
     def stop(self) -> None:
         if self.proc.is_alive():
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 self.conn.send("stop")
-            except (BrokenPipeError, OSError):
-                pass
             self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import ast
+from collections import Counter
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from router.errors import ConfigError
 from router.policy.base import Candidate, Dispatched, Finished, PlacementPolicy, RouteRequest
@@ -145,3 +148,18 @@ def test_policy_package_is_pure() -> None:
                 if top == "router":
                     assert name.startswith(("router.policy", "router.errors")), (
                         f"{path.name} imports {name} (policies may import only policy/errors)")
+
+
+@given(ids=st.sets(st.text(min_size=1, max_size=6), min_size=1, max_size=8),
+       rounds=st.integers(min_value=1, max_value=4))
+def test_round_robin_is_fair(ids: set[str], rounds: int) -> None:
+    cands = [Candidate(w) for w in ids]
+    picks = _run(RoundRobinPolicy(), cands, rounds * len(ids))
+    assert Counter(picks) == {w: rounds for w in ids}
+
+
+@given(loads=st.lists(st.integers(min_value=0, max_value=50), min_size=1, max_size=10))
+def test_least_loaded_never_picks_a_busier_worker(loads: list[int]) -> None:
+    cands = [Candidate(f"d{i}", in_flight=n) for i, n in enumerate(loads)]
+    choice = LeastLoadedPolicy().select(REQ, cands)
+    assert choice is not None and choice.in_flight == min(loads)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -69,7 +70,9 @@ class TokenizerCache:
 def _load(model_path: str) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_path)
+    # A hub id is resolved from the local HF cache only: the router never downloads weights.
+    return AutoTokenizer.from_pretrained(model_path,
+                                         local_files_only=not os.path.isdir(model_path))
 
 
 def _encode(tok: Any, prompt: str) -> list[int]:

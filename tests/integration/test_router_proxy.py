@@ -1,0 +1,377 @@
+"""The real router under uvicorn, real Redis, fake workers: the P/D flow and its failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from router.api.app import create_app
+from router.config import RouterSettings
+from router.state.registry import WorkerRecord, WorkerRegistry
+from serve.redis_server import RedisServer, start_redis
+from tests.fakes.fake_worker import DECODE_PIECES, FakeWorker, ServerThread, build_tiny_tokenizer
+
+PREFIX = "proxytest"
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = start_redis()
+    yield server
+    server.stop()
+
+
+def _register(url: str, records: list[WorkerRecord], prefix: str = PREFIX) -> None:
+    async def go() -> None:
+        reg = WorkerRegistry(url, prefix=prefix, ttl_s=600)
+        try:
+            for rec in records:
+                await reg.register(rec)
+        finally:
+            await reg.close()
+
+    asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def workers(redis_server: RedisServer,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, FakeWorker]]:
+    tok = str(build_tiny_tokenizer(tmp_path_factory.mktemp("tok")))
+    fakes = {wid: FakeWorker(wid, role, model_path=tok, max_model_len=MAX_MODEL_LEN).start()
+             for wid, role in [("p0", "prefill"), ("p1", "prefill"),
+                               ("d0", "decode"), ("d1", "decode")]}
+    _register(redis_server.url, [f.record() for f in fakes.values()])
+    yield fakes
+    for fake in fakes.values():
+        fake.stop()
+
+
+@pytest.fixture
+def fakes(workers: dict[str, FakeWorker]) -> dict[str, FakeWorker]:
+    for fake in workers.values():
+        fake.reset()
+    return workers
+
+
+def _wait_healthy(url: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(trust_env=False) as c:
+        while True:
+            try:
+                if c.get(url + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "router did not become healthy"
+            time.sleep(0.02)
+
+
+@pytest.fixture
+def start_router(redis_server: RedisServer) -> Iterator[Callable[..., str]]:
+    servers: list[ServerThread] = []
+
+    def start(redis_url: str | None = None, **overrides: Any) -> str:
+        opts: dict[str, Any] = {"redis_url": redis_url or redis_server.url,
+                                "redis_prefix": PREFIX, "refresh_interval_s": 0.1,
+                                "prefill_timeout_s": 10.0, "decode_timeout_s": 10.0}
+        opts.update(overrides)
+        server = ServerThread(create_app(RouterSettings(**opts))).start()
+        servers.append(server)
+        _wait_healthy(server.url)
+        return server.url
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(trust_env=False, timeout=30.0) as c:
+        yield c
+
+
+def _calls(fakes: dict[str, FakeWorker]) -> dict[str, int]:
+    return {wid: len(f.requests) for wid, f in fakes.items()}
+
+
+def _wait_metrics(client: httpx.Client, url: str, lines: list[str],
+                  timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = client.get(url + "/metrics").text
+        missing = [line for line in lines if line not in text]
+        if not missing:
+            return
+        assert time.monotonic() < deadline, f"metrics never showed {missing}"
+        time.sleep(0.05)
+
+
+def _kv(worker: FakeWorker, rid: str) -> dict[str, Any]:
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
+            "remote_engine_id": worker.engine_id, "remote_request_id": rid,
+            "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
+
+
+def test_completion_two_step_flow_sends_rewritten_bodies(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router()
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 6, "temperature": 0.0,
+            "min_tokens": 2, "ignore_eos": True}
+    resp = client.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "rid-1"})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-request-id"] == "rid-1"
+    data = resp.json()
+    assert data["choices"][0]["text"] == "".join(DECODE_PIECES)
+    assert data["served_by"] == "d0"
+    p0, d0 = fakes["p0"], fakes["d0"]
+    assert _calls(fakes) == {"p0": 1, "p1": 0, "d0": 1, "d1": 0}
+    assert p0.requests[0].path == "/v1/completions"
+    assert p0.requests[0].body == {
+        "model": "tiny", "prompt": "hello world", "max_tokens": 1, "temperature": 0.0,
+        "ignore_eos": True, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    assert d0.requests[0].body == {**body, "kv_transfer_params": _kv(p0, "rid-1")}
+    assert p0.requests[0].headers["x-request-id"] == "rid-1"
+    assert d0.requests[0].headers["x-request-id"] == "rid-1"
+
+
+def test_round_robin_and_least_loaded_spread(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router()
+    for _ in range(4):
+        resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-request-id"].startswith("pd-")
+    assert _calls(fakes) == {"p0": 2, "p1": 2, "d0": 2, "d1": 2}
+    rids = {f.requests[0].headers["x-request-id"] for f in fakes.values()}
+    assert len(rids) == 2  # p0 and d0 saw the same first request; p1 and d1 the second
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stream_relay_is_byte_identical(
+        chat: bool, fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 6, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "hello"}]
+    else:
+        body["prompt"] = "hello"
+    with client.stream("POST", url + path, json=body, headers={"x-request-id": "s-1"}) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        assert resp.headers["x-request-id"] == "s-1"
+        relayed = b"".join(resp.iter_raw())
+    assert fakes["d0"].sent == [relayed]
+    assert relayed.endswith(b"data: [DONE]\n\n")
+    assert b'"usage"' in relayed
+    prefill = fakes["p0"].requests[0].body
+    assert "stream_options" not in prefill and prefill["stream"] is False
+    assert prefill["max_tokens"] == 1
+    assert prefill.get("max_completion_tokens") == (1 if chat else None)
+    assert fakes["d0"].requests[0].body == {**body, "kv_transfer_params": _kv(fakes["p0"], "s-1")}
+
+    endpoint = "chat_completions" if chat else "completions"
+    # Stream accounting closes right after the last byte, possibly after the client has it.
+    _wait_metrics(client, url, [
+        f'pdserve_router_ttft_seconds_count{{endpoint="{endpoint}"}} 1.0',
+        f'pdserve_router_requests_total{{endpoint="{endpoint}",status="200"}} 1.0',
+        'pdserve_router_in_flight_requests{role="decode"} 0.0',
+        'pdserve_router_in_flight_requests{role="prefill"} 0.0',
+    ])
+
+
+BAD_BODIES = [
+    (b"{broken", 400, "invalid_json"),
+    (json.dumps({"prompt": "x"}).encode(), 400, "missing_field"),
+    (json.dumps({"model": "unknown", "prompt": "x"}).encode(), 404, "model_not_found"),
+    (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 0}).encode(), 400,
+     "invalid_value"),
+    (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": "5"}).encode(), 400,
+     "invalid_type"),
+    (json.dumps({"model": "tiny", "prompt": "x", "n": 3}).encode(), 400, "invalid_value"),
+    (json.dumps({"model": "tiny", "prompt": "hello world " * 40}).encode(), 400,
+     "context_length_exceeded"),
+]
+
+
+def test_bad_requests_never_reach_workers(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router()
+    for content, status, code in BAD_BODIES:
+        resp = client.post(url + "/v1/completions", content=content,
+                           headers={"content-type": "application/json"})
+        assert resp.status_code == status, (content, resp.text)
+        assert resp.json()["error"]["code"] == code
+        assert resp.headers["x-request-id"]
+    chat = client.post(url + "/v1/chat/completions",
+                       json={"model": "tiny", "messages": [{"role": "user",
+                                                            "content": "hello world " * 40}]})
+    assert chat.status_code == 400 and chat.json()["error"]["code"] == "context_length_exceeded"
+    assert _calls(fakes) == {"p0": 0, "p1": 0, "d0": 0, "d1": 0}
+
+
+def test_prefill_failure_is_retried_on_other_prefill_worker(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router()
+    fakes["p0"].mode = "error_500"
+    resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"},
+                       headers={"x-request-id": "retry-1"})
+    assert resp.status_code == 200, resp.text
+    assert _calls(fakes) == {"p0": 1, "p1": 1, "d0": 1, "d1": 0}
+    assert fakes["d0"].requests[0].body["kv_transfer_params"] == _kv(fakes["p1"], "retry-1")
+    _wait_metrics(client, url, [
+        'pdserve_router_upstream_retries_total{role="prefill"} 1.0',
+        'pdserve_router_upstream_errors_total{kind="status",role="prefill"} 1.0',
+        'pdserve_router_requests_total{endpoint="completions",status="200"} 1.0',
+    ])
+
+
+def test_missing_kv_transfer_params_is_an_upstream_error(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router()
+    fakes["p0"].mode = fakes["p1"].mode = "no_kv_params"
+    resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
+    assert resp.status_code == 502
+    assert resp.json()["error"]["code"] == "missing_kv_transfer_params"
+    assert _calls(fakes) == {"p0": 1, "p1": 1, "d0": 0, "d1": 0}
+
+
+def test_prefill_client_error_is_relayed_not_retried(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router()
+    fakes["p0"].mode = "bad_request"
+    resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"] == "injected bad request"
+    assert _calls(fakes) == {"p0": 1, "p1": 0, "d0": 0, "d1": 0}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_decode_failure_before_first_byte_is_retried(
+        stream: bool, fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router()
+    fakes["d0"].mode = "error_500"
+    body = {"model": "tiny", "prompt": "hi", "stream": stream}
+    resp = client.post(url + "/v1/completions", json=body, headers={"x-request-id": "dr-1"})
+    assert resp.status_code == 200, resp.text
+    assert _calls(fakes) == {"p0": 1, "p1": 0, "d0": 1, "d1": 1}
+    assert (fakes["d0"].requests[0].body["kv_transfer_params"]
+            == fakes["d1"].requests[0].body["kv_transfer_params"]
+            == _kv(fakes["p0"], "dr-1"))
+    if stream:
+        assert resp.content == fakes["d1"].sent[0]
+
+
+@pytest.mark.parametrize("mode", ["die_mid_stream", "stall_mid_stream"])
+def test_mid_stream_decode_failure_ends_with_error_event(
+        mode: str, fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router(decode_timeout_s=1.0)
+    fakes["d0"].mode = mode  # type: ignore[assignment]
+    fakes["d1"].mode = mode  # type: ignore[assignment]
+    body = {"model": "tiny", "prompt": "hi", "stream": True}
+    with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        relayed = b"".join(resp.iter_raw())
+    events = [e for e in relayed.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    error = json.loads(events[-2].removeprefix(b"data: "))
+    assert error["error"]["code"] == "upstream_stream_error"
+    assert error["error"]["type"] == "upstream_error"
+    worker = fakes["d0"]
+    assert relayed.startswith(worker.sent[0])  # what was produced got through unchanged
+    assert _calls(fakes)["d1"] == 0  # no retry once bytes reached the client
+    # the router is still healthy and serves the next request
+    fakes["d0"].mode = fakes["d1"].mode = "ok"
+    assert client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}
+                       ).status_code == 200
+
+
+def test_client_disconnect_mid_stream_releases_the_decode_slot(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router()
+    fakes["d0"].mode = "stall_mid_stream"
+    body = {"model": "tiny", "prompt": "hi", "stream": True}
+    with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        first = next(resp.iter_raw())
+        assert first.startswith(b"data: ")
+    _wait_metrics(client, url, ['pdserve_router_in_flight_requests{role="decode"} 0.0'])
+
+
+def test_no_live_workers_is_503(
+        redis_server: RedisServer, start_router: Callable[..., str],
+        workers: dict[str, FakeWorker], client: httpx.Client) -> None:
+    # A model with a prefill worker but no decode worker: answered 503 before any worker call
+    # (the prefill worker's URL is dead, so reaching it would give 502 instead).
+    _register(redis_server.url, [_static_record("lonely-p", "prefill", "lonely")])
+    url = start_router()
+    resp = client.post(url + "/v1/completions", json={"model": "lonely", "prompt": "hi"})
+    assert resp.status_code == 503
+    assert resp.json()["error"]["code"] == "no_workers_available"
+    models = client.get(url + "/v1/models").json()
+    assert {m["id"] for m in models["data"]} == {"tiny", "lonely"}
+
+
+def _static_record(worker_id: str, role: str, model: str) -> WorkerRecord:
+    return WorkerRecord(worker_id=worker_id, role=role, model=model, model_path="/none",  # type: ignore[arg-type]
+                        http_url="http://127.0.0.1:9", engine_id="e", ucx_address="",
+                        max_model_len=128, started_at=0.0)
+
+
+def test_health_and_models(start_router: Callable[..., str], workers: dict[str, FakeWorker],
+                           client: httpx.Client) -> None:
+    url = start_router()
+    health = client.get(url + "/health")
+    assert health.status_code == 200
+    assert health.json()["prefill_workers"] >= 2 and health.json()["decode_workers"] >= 2
+    assert health.json()["redis"] == "ok"
+
+
+def test_empty_pool_health_is_503(redis_server: RedisServer, client: httpx.Client) -> None:
+    server = ServerThread(create_app(RouterSettings(redis_url=redis_server.url,
+                                                    redis_prefix="empty-pool"))).start()
+    try:
+        resp = client.get(server.url + "/health")
+        assert resp.status_code == 503
+        assert resp.json()["prefill_workers"] == 0
+    finally:
+        server.stop()
+
+
+def test_router_keeps_serving_when_redis_stops(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    own = start_redis()
+    try:
+        _register(own.url, [f.record() for f in fakes.values()])
+        url = start_router(redis_url=own.url)
+        own.stop()
+        deadline = time.monotonic() + 15
+        while client.get(url + "/health").json()["redis"] != "unreachable":
+            assert time.monotonic() < deadline, "router never noticed Redis was down"
+            time.sleep(0.05)
+        assert client.get(url + "/health").status_code == 200
+        resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
+        assert resp.status_code == 200, resp.text
+        assert sum(_calls(fakes).values()) == 2
+    finally:
+        own.stop()
