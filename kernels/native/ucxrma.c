@@ -16,6 +16,22 @@
  *
  * Locking: never call into UCX while holding Engine.lock (callbacks take it).  peer_t.oplock
  * serialises every use of the ep against closing it; order is oplock -> Engine.lock.
+ *
+ * Same-host path ("pvm")
+ *   Engine.locality advertises (boot id, pid-namespace, pid, address of a 16-byte random nonce
+ *   inside the Engine, the nonce).  connect(address, locality) on the same host and pid namespace
+ *   probes the peer with process_vm_readv(2) of that nonce: if it reads back the same bytes the
+ *   peer's gets bypass UCX and run as process_vm_readv iovec batches on native "pvm" worker
+ *   threads (Engine.pvm_*); otherwise (EPERM, ENOSYS, ESRCH, mismatch) the peer stays on UCX and
+ *   Peer.path_reason says why.  After the last batch of a get the nonce is read again, so a get
+ *   only succeeds if every byte came from the same live peer engine (not from a process that
+ *   reused its pid after it died, nor after it closed its engine: close() wipes the nonce).
+ *   Jobs are split into batches of at most IOV_MAX segments / pvm_chunk bytes; a peer counts its
+ *   in-flight batches (peer_t.pvm_inflight, under Engine.lock) and peer_close() cancels queued
+ *   batches and waits for in-flight ones, so after abort() no byte can still land.
+ *   The exporting engine calls prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY) so that Yama
+ *   (ptrace_scope=1) lets same-uid non-ancestor processes read it.  PDSERVE_KV_SAME_HOST=0 turns
+ *   all of this off (no prctl, empty locality, connect() ignores localities).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,18 +39,53 @@
 #include <ucp/api/ucp.h>
 
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
 #include <stdlib.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
 #include <time.h>
+#include <unistd.h>
+
+#ifndef PR_SET_PTRACER
+#define PR_SET_PTRACER 0x59616d61
+#endif
+#ifndef PR_SET_PTRACER_ANY
+#define PR_SET_PTRACER_ANY ((unsigned long)-1)
+#endif
+#ifndef IOV_MAX
+#define IOV_MAX 1024
+#endif
 
 #define AM_ID_REQUEST 0x5044 /* 'PD' */
 #define AM_ID_REPLY   0x5045
 
 enum { XS_PENDING = 0, XS_DONE = 1, XS_ERROR = 2 };
 enum { XK_GET = 0, XK_REQUEST = 1, XK_CLOSE = 2 };
+enum { PATH_UCX = 0, PATH_PVM = 1 };
+
+#define NONCE_LEN 16
+#define LOC_MAGIC "PDSLOC1"
+
+/* Engine.locality wire format (host byte order: it is only ever compared on one host). */
+typedef struct {
+    char magic[8];
+    char boot_id[40];          /* /proc/sys/kernel/random/boot_id, NUL-padded */
+    uint64_t pidns_dev, pidns_ino;
+    int64_t pid;
+    uint64_t nonce_addr;
+    uint8_t nonce[NONCE_LEN];
+} locality_t;
+
+typedef struct {
+    uint64_t local, remote, len;
+} pvm_op_t;
 
 typedef struct EngineObject EngineObject;
 typedef struct peer peer_t;
@@ -51,6 +102,17 @@ typedef struct xfer {
     char *reply;
     size_t reply_len;
     struct xfer *prev, *next;  /* pending list (eng->pending) while state == XS_PENDING */
+    int path;                  /* gets: PATH_UCX or PATH_PVM */
+    /* pvm job (all guarded by eng->lock) */
+    pvm_op_t *pops;
+    size_t pn, pcur;           /* ops, next op to claim */
+    uint64_t pcur_off;         /* bytes of ops[pcur] already claimed */
+    int pclaimed_all;          /* nothing left to claim (done, failed or cancelled) */
+    int pinflight;             /* batches being read now */
+    int perr;                  /* first errno (ESTALE: peer identity changed) */
+    int pfinal;                /* completion decided (exactly once) */
+    peer_t *ppeer;             /* set while queued or in flight */
+    struct xfer *pqnext;       /* eng->pvm_head queue */
 } xfer_t;
 
 struct peer {
@@ -62,8 +124,15 @@ struct peer {
     int failed;                /* set by the error callback (eng->lock) */
     ucs_status_t fail_status;
     ucp_rkey_h *rkeys;
+    uint64_t *rk_base, *rk_len;  /* remote region bounds per rkey (len 0: unknown) */
     size_t nrkeys, caprkeys;
     peer_t *prev, *next;       /* eng->peers */
+    int path;                  /* PATH_UCX or PATH_PVM (fixed at connect) */
+    char path_reason[160];     /* why not pvm ("" when pvm) */
+    pid_t pid;                 /* pvm: the peer process */
+    uint64_t nonce_addr;
+    uint8_t nonce[NONCE_LEN];
+    int pvm_inflight;          /* pvm batches of this peer being read (eng->lock) */
 };
 
 typedef struct inreq {
@@ -104,6 +173,16 @@ struct EngineObject {
     size_t address_len;
     uint64_t dropped_am;
     uint64_t failed_replies;
+    /* same-host path */
+    volatile uint8_t nonce[NONCE_LEN]; /* read by peers through process_vm_readv */
+    locality_t self_loc;
+    int have_loc;              /* self_loc is valid and advertised */
+    int loc_known;             /* boot id / pidns readable (to compare peers' localities) */
+    pthread_cond_t pvm_cond;   /* workers wait here for jobs (with eng->lock) */
+    xfer_t *pvm_head, *pvm_tail;
+    pthread_t *pvm_threads;
+    int pvm_nthreads, pvm_started, pvm_stop;
+    size_t pvm_chunk;
 };
 
 typedef struct {
@@ -212,11 +291,20 @@ static void xfer_finish(xfer_t *x, ucs_status_t st, const char *why)
     if (x->kind == XK_REQUEST) xfer_unref(x);
 }
 
+/* Like xfer_finish for a failure, with a complete error text (eng->lock held). */
+static void xfer_fail_msg(xfer_t *x, ucs_status_t st, const char *msg)
+{
+    if (x->state != XS_PENDING) return;
+    xfer_finish(x, st, "");
+    snprintf(x->err, sizeof(x->err), "%s", msg);
+}
+
 static void xfer_unref(xfer_t *x)
 {
     if (--x->refs > 0) return;
     if (x->state == XS_PENDING) xfer_unlink(x);
     free(x->reply);
+    free(x->pops);
     free(x);
 }
 
@@ -454,6 +542,257 @@ static int wait_xfer(xfer_t *x, double timeout_s)
     return state;
 }
 
+/* ------------------------------------------------------------ pvm path */
+
+/* Read the peer's nonce: 0 when it is the same live engine, else an errno (ESTALE: another
+ * process now has that pid, or the peer closed its engine). */
+static int pvm_check_nonce(pid_t pid, uint64_t addr, const uint8_t *nonce)
+{
+    uint8_t buf[NONCE_LEN];
+    struct iovec l = {.iov_base = buf, .iov_len = sizeof(buf)};
+    struct iovec r = {.iov_base = (void *)(uintptr_t)addr, .iov_len = sizeof(buf)};
+    ssize_t got;
+    do {
+        got = process_vm_readv(pid, &l, 1, &r, 1, 0);
+    } while (got < 0 && errno == EINTR);
+    if (got < 0) return errno;
+    if (got != (ssize_t)sizeof(buf)) return EFAULT;
+    return memcmp(buf, nonce, sizeof(buf)) == 0 ? 0 : ESTALE;
+}
+
+/* Read every segment (paired iovecs of equal lengths), looping over short reads.  0 or errno. */
+static int pvm_read_all(pid_t pid, struct iovec *l, struct iovec *r, size_t n)
+{
+    while (n > 0) {
+        ssize_t got = process_vm_readv(pid, l, n, r, n, 0);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (got == 0) return EFAULT;
+        size_t left = (size_t)got;
+        while (n > 0 && left >= l->iov_len) {
+            left -= l->iov_len;
+            l++;
+            r++;
+            n--;
+        }
+        if (left) { /* stopped inside a segment: resume from there */
+            l->iov_base = (char *)l->iov_base + left;
+            l->iov_len -= left;
+            r->iov_base = (char *)r->iov_base + left;
+            r->iov_len -= left;
+        }
+    }
+    return 0;
+}
+
+/* Remove x from the pvm queue and stop further claims (eng->lock held). */
+static void pvm_stop_claims(xfer_t *x)
+{
+    EngineObject *e = x->eng;
+    x->pclaimed_all = 1;
+    xfer_t **pp = &e->pvm_head, *prev = NULL;
+    for (; *pp != NULL; prev = *pp, pp = &(*pp)->pqnext) {
+        if (*pp == x) {
+            *pp = x->pqnext;
+            if (e->pvm_tail == x) e->pvm_tail = prev;
+            x->pqnext = NULL;
+            return;
+        }
+    }
+}
+
+/* Claim the next batch of x into l/r (eng->lock held); returns the number of segments. */
+static size_t pvm_claim(xfer_t *x, struct iovec *l, struct iovec *r)
+{
+    EngineObject *e = x->eng;
+    size_t n = 0, bytes = 0;
+    while (x->pcur < x->pn && n < IOV_MAX && bytes < e->pvm_chunk) {
+        pvm_op_t *op = &x->pops[x->pcur];
+        uint64_t len = op->len - x->pcur_off;
+        if (len > e->pvm_chunk - bytes) len = e->pvm_chunk - bytes;
+        l[n].iov_base = (void *)(uintptr_t)(op->local + x->pcur_off);
+        r[n].iov_base = (void *)(uintptr_t)(op->remote + x->pcur_off);
+        l[n].iov_len = r[n].iov_len = (size_t)len;
+        n++;
+        bytes += len;
+        x->pcur_off += len;
+        if (x->pcur_off == op->len) {
+            x->pcur++;
+            x->pcur_off = 0;
+        }
+    }
+    if (x->pcur >= x->pn) pvm_stop_claims(x);
+    return n;
+}
+
+/* Decide the outcome of a finished job (eng->lock held, p counted in flight).  err: 0 or errno. */
+static void pvm_complete(xfer_t *x, peer_t *p, int err)
+{
+    char msg[sizeof(x->err)];
+    if (err == 0) {
+        xfer_finish(x, UCS_OK, "get");
+    } else if (err == ECANCELED) {
+        xfer_fail_msg(x, UCS_ERR_CANCELED, "get (pvm): aborted");
+    } else if (err == ESRCH || err == ESTALE) {
+        snprintf(msg, sizeof(msg), "get (pvm): peer process %d is gone%s", (int)p->pid,
+                 err == ESTALE ? " (its engine closed or its pid was reused)" : "");
+        if (!p->failed) {
+            p->failed = 1;
+            p->fail_status = UCS_ERR_CONNECTION_RESET;
+        }
+        xfer_fail_msg(x, UCS_ERR_CONNECTION_RESET, msg);
+    } else {
+        snprintf(msg, sizeof(msg), "get (pvm): process_vm_readv from pid %d: %s", (int)p->pid,
+                 strerror(err));
+        xfer_fail_msg(x, err == EFAULT ? UCS_ERR_INVALID_ADDR : UCS_ERR_IO_ERROR, msg);
+    }
+    x->ppeer = NULL;
+    xfer_unref(x); /* the job's reference */
+}
+
+static void *pvm_main(void *arg)
+{
+    EngineObject *e = arg;
+    struct iovec *l = malloc(2 * IOV_MAX * sizeof(struct iovec));
+    pthread_mutex_lock(&e->lock);
+    for (;;) {
+        while (!e->pvm_stop && e->pvm_head == NULL) pthread_cond_wait(&e->pvm_cond, &e->lock);
+        if (e->pvm_stop) break;
+        xfer_t *x = e->pvm_head;
+        peer_t *p = x->ppeer;
+        if (l == NULL) { /* no memory for iovecs: fail the job rather than spin */
+            pvm_stop_claims(x);
+            if (!x->perr) x->perr = ENOMEM;
+            if (x->pinflight == 0 && !x->pfinal) {
+                x->pfinal = 1;
+                pvm_complete(x, p, x->perr);
+            }
+            pthread_cond_broadcast(&e->cond);
+            continue;
+        }
+        struct iovec *r = l + IOV_MAX;
+        size_t n = pvm_claim(x, l, r);
+        x->pinflight++;
+        p->pvm_inflight++;
+        pid_t pid = p->pid;
+        pthread_mutex_unlock(&e->lock);
+        int err = pvm_read_all(pid, l, r, n);
+        pthread_mutex_lock(&e->lock);
+        x->pinflight--;
+        if (err && !x->perr) {
+            x->perr = err;
+            pvm_stop_claims(x);
+        }
+        if (x->pclaimed_all && x->pinflight == 0 && !x->pfinal) {
+            x->pfinal = 1;
+            err = x->perr;
+            if (err == 0 && x->state == XS_PENDING) {
+                /* Every byte was read; make sure they all came from the same live engine. */
+                uint64_t addr = p->nonce_addr;
+                uint8_t nonce[NONCE_LEN];
+                memcpy(nonce, p->nonce, sizeof(nonce));
+                pthread_mutex_unlock(&e->lock);
+                err = pvm_check_nonce(pid, addr, nonce);
+                pthread_mutex_lock(&e->lock);
+            }
+            pvm_complete(x, p, err); /* may free x */
+        }
+        p->pvm_inflight--;
+        pthread_cond_broadcast(&e->cond);
+    }
+    pthread_mutex_unlock(&e->lock);
+    free(l);
+    return NULL;
+}
+
+/* Start the pvm workers once (GIL held, so never concurrently). */
+static int pvm_start(EngineObject *e)
+{
+    if (e->pvm_started) return 0;
+    int n = 1;
+    const char *v = getenv("PDSERVE_KV_PVM_THREADS");
+    if (v != NULL && *v != '\0') n = atoi(v);
+    if (n < 1) n = 1;
+    if (n > 16) n = 16;
+    size_t chunk = 4u << 20;
+    v = getenv("PDSERVE_KV_PVM_CHUNK_KIB");
+    if (v != NULL && *v != '\0' && atol(v) > 0) chunk = (size_t)atol(v) << 10;
+    e->pvm_chunk = chunk;
+    e->pvm_threads = calloc((size_t)n, sizeof(pthread_t));
+    if (e->pvm_threads == NULL) return ENOMEM;
+    for (int i = 0; i < n; i++) {
+        int rc = pthread_create(&e->pvm_threads[i], NULL, pvm_main, e);
+        if (rc != 0) {
+            if (i == 0) {
+                free(e->pvm_threads);
+                e->pvm_threads = NULL;
+                return rc;
+            }
+            break;
+        }
+        e->pvm_nthreads = i + 1;
+    }
+    e->pvm_started = 1;
+    return 0;
+}
+
+/* Stop and join the workers (GIL released by caller).  Jobs still queued are cancelled. */
+static void pvm_stop_all(EngineObject *e)
+{
+    if (!e->pvm_started) return;
+    pthread_mutex_lock(&e->lock);
+    e->pvm_stop = 1;
+    pthread_cond_broadcast(&e->pvm_cond);
+    pthread_mutex_unlock(&e->lock);
+    for (int i = 0; i < e->pvm_nthreads; i++) pthread_join(e->pvm_threads[i], NULL);
+    pthread_mutex_lock(&e->lock);
+    while (e->pvm_head != NULL) {
+        xfer_t *x = e->pvm_head;
+        pvm_stop_claims(x);
+        if (!x->pfinal) {
+            x->pfinal = 1;
+            pvm_complete(x, x->ppeer, ECANCELED);
+        }
+    }
+    pthread_mutex_unlock(&e->lock);
+    free(e->pvm_threads);
+    e->pvm_threads = NULL;
+    e->pvm_nthreads = 0;
+    e->pvm_started = 0;
+}
+
+/* Cancel p's queued pvm batches and wait until none is in flight (GIL released by caller).
+ * Returns 0, or -1 if a batch was still being read at the deadline. */
+static int pvm_drain_peer(peer_t *p, double timeout_s)
+{
+    EngineObject *e = p->eng;
+    struct timespec ts;
+    deadline_from_now(&ts, timeout_s);
+    pthread_mutex_lock(&e->lock);
+    xfer_t *x = e->pvm_head, *nx;
+    for (; x != NULL; x = nx) {
+        nx = x->pqnext;
+        if (x->ppeer != p) continue;
+        if (!x->perr) x->perr = ECANCELED;
+        pvm_stop_claims(x);
+        if (x->pinflight == 0 && !x->pfinal) {
+            x->pfinal = 1;
+            pvm_complete(x, p, ECANCELED);
+        }
+    }
+    int rc = 0;
+    while (p->pvm_inflight > 0) {
+        if (pthread_cond_timedwait(&e->cond, &e->lock, &ts) == ETIMEDOUT) {
+            rc = p->pvm_inflight > 0 ? -1 : 0;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&e->lock);
+    return rc;
+}
+
 /* ------------------------------------------------------------- peer core */
 
 static void peer_unref(peer_t *p)
@@ -465,6 +804,8 @@ static void peer_unref(peer_t *p)
     if (left > 0) return;
     pthread_mutex_destroy(&p->oplock);
     free(p->rkeys);
+    free(p->rk_base);
+    free(p->rk_len);
     free(p);
 }
 
@@ -477,6 +818,8 @@ static int peer_close(peer_t *p, double timeout_s)
     pthread_mutex_lock(&p->oplock);
     if (!p->ep_closed) {
         p->ep_closed = 1;
+        /* No new get can start (oplock, ep_closed); cancel and wait out same-host reads. */
+        if (p->path == PATH_PVM && pvm_drain_peer(p, timeout_s) != 0) rc = -1;
         pthread_mutex_lock(&e->lock);
         xfer_t *cx = xfer_new(e, XK_CLOSE, p, 2);
         pthread_mutex_unlock(&e->lock);
@@ -526,6 +869,67 @@ static void peer_detach_locked(peer_t *p)
 
 /* --------------------------------------------------------------- Engine */
 
+static int same_host_enabled(void)
+{
+    const char *v = getenv("PDSERVE_KV_SAME_HOST");
+    return !(v != NULL && strcmp(v, "0") == 0);
+}
+
+/* Fill boot id and pid namespace of this process; 0 on success. */
+static int read_host_identity(locality_t *loc)
+{
+    memset(loc, 0, sizeof(*loc));
+    memcpy(loc->magic, LOC_MAGIC, sizeof(LOC_MAGIC));
+    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t got = read(fd, loc->boot_id, sizeof(loc->boot_id) - 1);
+    close(fd);
+    if (got < 16) return -1;
+    for (ssize_t i = 0; i < got; i++)
+        if (loc->boot_id[i] == '\n') loc->boot_id[i] = '\0';
+    struct stat st;
+    if (stat("/proc/self/ns/pid", &st) != 0) return -1;
+    loc->pidns_dev = (uint64_t)st.st_dev;
+    loc->pidns_ino = (uint64_t)st.st_ino;
+    loc->pid = (int64_t)getpid();
+    return 0;
+}
+
+static void fill_nonce(uint8_t *out)
+{
+    size_t off = 0;
+    while (off < NONCE_LEN) {
+        ssize_t got = getrandom(out + off, NONCE_LEN - off, 0);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) break;
+        off += (size_t)got;
+    }
+    if (off < NONCE_LEN) { /* no getrandom: time, pid and address are unique enough per host */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        uint64_t mix[2] = {(uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec,
+                           ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)out};
+        memcpy(out, mix, NONCE_LEN);
+    }
+}
+
+/* Set up the same-host identity (GIL held, at init). */
+static void engine_init_locality(EngineObject *self)
+{
+    self->loc_known = read_host_identity(&self->self_loc) == 0;
+    if (!self->loc_known || !same_host_enabled()) return;
+    /* Yama ptrace_scope=1 only lets ancestors read us: allow any same-uid reader (the usual uid,
+     * capability and dumpable checks of process_vm_readv still apply).  Without Yama this fails
+     * with EINVAL, which is fine. */
+    (void)prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+    uint8_t nonce[NONCE_LEN];
+    fill_nonce(nonce);
+    memcpy((void *)self->nonce, nonce, NONCE_LEN);
+    self->self_loc.nonce_addr = (uint64_t)(uintptr_t)self->nonce;
+    memcpy(self->self_loc.nonce, nonce, NONCE_LEN);
+    self->have_loc = 1;
+}
+
 static int engine_init(EngineObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"name", NULL};
@@ -542,6 +946,7 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kwds)
     pthread_mutex_init(&self->lock, NULL);
     pthread_cond_init(&self->cond, &ca);
     pthread_condattr_destroy(&ca);
+    pthread_cond_init(&self->pvm_cond, NULL);
     self->sync_ok = 1;
     self->efd = -1;
     self->next_req_id = 1;
@@ -637,6 +1042,7 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     self->thread_started = 1;
+    engine_init_locality(self);
     return 0;
 }
 
@@ -644,6 +1050,9 @@ static void engine_shutdown(EngineObject *self)
 {
     /* Called with the GIL held; releases it around every blocking step. */
     if (self->closed) return;
+    /* Peers reading us in place (pvm) check this after every get: from now on they fail. */
+    for (int i = 0; i < NONCE_LEN; i++) self->nonce[i] = 0;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
     if (self->sync_ok) {
         pthread_mutex_lock(&self->lock);
         self->closed = 1;
@@ -673,6 +1082,9 @@ static void engine_shutdown(EngineObject *self)
             }
             /* else leak p: a late UCX callback may still use it */
         }
+        Py_BEGIN_ALLOW_THREADS
+        pvm_stop_all(self);
+        Py_END_ALLOW_THREADS
         self->stop = 1;
         wake(self);
         Py_BEGIN_ALLOW_THREADS
@@ -723,6 +1135,7 @@ static void engine_dealloc(EngineObject *self)
     if (self->sync_ok) {
         pthread_mutex_destroy(&self->lock);
         pthread_cond_destroy(&self->cond);
+        pthread_cond_destroy(&self->pvm_cond);
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -749,6 +1162,12 @@ static PyObject *engine_get_address(EngineObject *self, void *Py_UNUSED(closure)
         return NULL;
     }
     return PyBytes_FromStringAndSize(self->address, (Py_ssize_t)self->address_len);
+}
+
+static PyObject *engine_get_locality(EngineObject *self, void *Py_UNUSED(closure))
+{
+    if (!self->have_loc) return PyBytes_FromStringAndSize("", 0);
+    return PyBytes_FromStringAndSize((const char *)&self->self_loc, sizeof(self->self_loc));
 }
 
 static PyObject *engine_get_dropped(EngineObject *self, void *Py_UNUSED(closure))
@@ -818,24 +1237,97 @@ static PyObject *engine_register(EngineObject *self, PyObject *args)
     return Py_BuildValue("(nN)", (Py_ssize_t)(self->nregions - 1), packed);
 }
 
-static PyObject *engine_connect(EngineObject *self, PyObject *arg)
+/* Choose p's get path from the peer's locality blob (GIL held). */
+static void choose_path(EngineObject *self, peer_t *p, const char *loc, Py_ssize_t len)
 {
-    Py_buffer view;
+    locality_t peer;
+    p->path = PATH_UCX;
+    if (loc == NULL || len == 0) {
+        snprintf(p->path_reason, sizeof(p->path_reason), "no locality given");
+        return;
+    }
+    if (!same_host_enabled()) {
+        snprintf(p->path_reason, sizeof(p->path_reason), "disabled by PDSERVE_KV_SAME_HOST=0");
+        return;
+    }
+    if ((size_t)len != sizeof(peer) || memcmp(loc, LOC_MAGIC, sizeof(LOC_MAGIC)) != 0) {
+        snprintf(p->path_reason, sizeof(p->path_reason), "unrecognised locality blob");
+        return;
+    }
+    memcpy(&peer, loc, sizeof(peer));
+    peer.boot_id[sizeof(peer.boot_id) - 1] = '\0';
+    if (!self->loc_known) {
+        snprintf(p->path_reason, sizeof(p->path_reason), "own host identity unknown");
+        return;
+    }
+    if (strcmp(peer.boot_id, self->self_loc.boot_id) != 0) {
+        snprintf(p->path_reason, sizeof(p->path_reason), "different host");
+        return;
+    }
+    if (peer.pidns_dev != self->self_loc.pidns_dev ||
+        peer.pidns_ino != self->self_loc.pidns_ino) {
+        snprintf(p->path_reason, sizeof(p->path_reason), "different pid namespace");
+        return;
+    }
+    if (peer.pid <= 0 || peer.pid > INT_MAX || peer.nonce_addr == 0) {
+        snprintf(p->path_reason, sizeof(p->path_reason), "invalid locality blob");
+        return;
+    }
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = pvm_check_nonce((pid_t)peer.pid, peer.nonce_addr, peer.nonce);
+    Py_END_ALLOW_THREADS
+    if (err != 0) {
+        snprintf(p->path_reason, sizeof(p->path_reason), "process_vm_readv probe of pid %d: %s",
+                 (int)peer.pid,
+                 err == ESTALE ? "identity mismatch (closed engine or reused pid)"
+                               : strerror(err));
+        return;
+    }
+    err = pvm_start(self);
+    if (err != 0) {
+        snprintf(p->path_reason, sizeof(p->path_reason), "pvm worker: %s", strerror(err));
+        return;
+    }
+    p->path = PATH_PVM;
+    p->path_reason[0] = '\0';
+    p->pid = (pid_t)peer.pid;
+    p->nonce_addr = peer.nonce_addr;
+    memcpy(p->nonce, peer.nonce, NONCE_LEN);
+}
+
+static PyObject *engine_connect(EngineObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"address", "locality", NULL};
+    Py_buffer view, lview = {0};
+    int have_l = 0;
+    PyObject *lobj = Py_None;
     if (engine_check_open(self)) return NULL;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*|O", kwlist, &view, &lobj)) return NULL;
+    if (lobj != Py_None) {
+        if (PyObject_GetBuffer(lobj, &lview, PyBUF_SIMPLE) < 0) {
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+        have_l = 1;
+    }
     if (view.len == 0) {
         PyBuffer_Release(&view);
+        if (have_l) PyBuffer_Release(&lview);
         PyErr_SetString(PyExc_ValueError, "empty peer address");
         return NULL;
     }
     peer_t *p = calloc(1, sizeof(*p));
     if (p == NULL) {
         PyBuffer_Release(&view);
+        if (have_l) PyBuffer_Release(&lview);
         return PyErr_NoMemory();
     }
     p->eng = self;
     p->refs = 2; /* Peer object + engine list */
     pthread_mutex_init(&p->oplock, NULL);
+    choose_path(self, p, have_l ? lview.buf : NULL, have_l ? lview.len : 0);
+    if (have_l) PyBuffer_Release(&lview);
     ucp_ep_params_t ep = {
         .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER,
@@ -962,8 +1454,9 @@ static PyMethodDef engine_methods[] = {
      "reply(reply_ep, req_id, payload): answer a request over UCX's reply endpoint."},
     {"register", (PyCFunction)engine_register, METH_VARARGS,
      "register(addr, length) -> (index, packed_rkey): ucp_mem_map existing memory."},
-    {"connect", (PyCFunction)engine_connect, METH_O,
-     "connect(worker_address) -> Peer: ucp_ep_create with peer error handling."},
+    {"connect", (PyCFunction)(void (*)(void))engine_connect, METH_VARARGS | METH_KEYWORDS,
+     "connect(address, locality=None) -> Peer: ucp_ep_create with peer error handling; gets\n"
+     "use process_vm_readv when `locality` shows a same-host peer that we may read."},
     {"poll_requests", (PyCFunction)engine_poll_requests, METH_NOARGS,
      "poll_requests() -> [(req_id, sender_address, payload)]: drain received requests."},
     {"wait_requests", (PyCFunction)engine_wait_requests, METH_VARARGS,
@@ -974,6 +1467,8 @@ static PyMethodDef engine_methods[] = {
 
 static PyGetSetDef engine_getset[] = {
     {"address", (getter)engine_get_address, NULL, "worker address blob", NULL},
+    {"locality", (getter)engine_get_locality, NULL,
+     "same-host identity blob for connect() (b'' when the same-host path is off)", NULL},
     {"dropped_messages", (getter)engine_get_dropped, NULL, "malformed or late AMs", NULL},
     {"failed_replies", (getter)engine_get_failed_replies, NULL, "replies UCX failed to send",
      NULL},
@@ -1017,10 +1512,18 @@ static int peer_usable(PeerObject *self)
     return 0;
 }
 
-static PyObject *peer_unpack_rkey(PeerObject *self, PyObject *arg)
+static PyObject *peer_unpack_rkey(PeerObject *self, PyObject *args, PyObject *kwds)
 {
+    static char *kwlist[] = {"packed", "base", "length", NULL};
     Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    unsigned long long base = 0, length = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*|KK", kwlist, &view, &base, &length))
+        return NULL;
+    if ((base == 0) != (length == 0) || base + length < base) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "give both base and length (non-zero), or neither");
+        return NULL;
+    }
     peer_t *p = self->p;
     PyObject *res = NULL;
     pthread_mutex_lock(&p->oplock);
@@ -1028,11 +1531,15 @@ static PyObject *peer_unpack_rkey(PeerObject *self, PyObject *arg)
         if (p->nrkeys == p->caprkeys) {
             size_t cap = p->caprkeys ? 2 * p->caprkeys : 8;
             ucp_rkey_h *nr = realloc(p->rkeys, cap * sizeof(*nr));
-            if (nr == NULL) {
+            uint64_t *nb = nr ? realloc(p->rk_base, cap * sizeof(*nb)) : NULL;
+            if (nb) p->rk_base = nb;
+            uint64_t *nl = nb ? realloc(p->rk_len, cap * sizeof(*nl)) : NULL;
+            if (nl) p->rk_len = nl;
+            if (nr) p->rkeys = nr;
+            if (nr == NULL || nb == NULL || nl == NULL) {
                 PyErr_NoMemory();
                 goto out;
             }
-            p->rkeys = nr;
             p->caprkeys = cap;
         }
         ucp_rkey_h rkey;
@@ -1042,6 +1549,8 @@ static PyObject *peer_unpack_rkey(PeerObject *self, PyObject *arg)
             goto out;
         }
         p->rkeys[p->nrkeys] = rkey;
+        p->rk_base[p->nrkeys] = base;
+        p->rk_len[p->nrkeys] = length;
         res = PyLong_FromSize_t(p->nrkeys++);
     }
 out:
@@ -1066,6 +1575,45 @@ static ucp_mem_h find_memh(EngineObject *e, uintptr_t addr, size_t len, size_t *
     return NULL;
 }
 
+/* Queue a same-host get on the pvm workers (p->oplock held, ops validated). */
+static PyObject *peer_get_pvm(EngineObject *e, peer_t *p, const uint64_t *ops, size_t n)
+{
+    pvm_op_t *pops = malloc((n ? n : 1) * sizeof(*pops));
+    if (pops == NULL) return PyErr_NoMemory();
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        const uint64_t *op = ops + 4 * i;
+        if (op[2] == 0) continue;
+        pops[m].local = op[0];
+        pops[m].remote = op[1];
+        pops[m].len = op[2];
+        m++;
+    }
+    pthread_mutex_lock(&e->lock);
+    xfer_t *x = xfer_new(e, XK_GET, p, 2); /* Python + the job */
+    if (x == NULL) {
+        pthread_mutex_unlock(&e->lock);
+        free(pops);
+        return PyErr_NoMemory();
+    }
+    x->path = PATH_PVM;
+    x->pops = pops;
+    x->pn = m;
+    if (m == 0) {
+        x->pclaimed_all = x->pfinal = 1;
+        xfer_finish(x, UCS_OK, "get");
+        x->refs--; /* no job */
+    } else {
+        x->ppeer = p;
+        if (e->pvm_tail) e->pvm_tail->pqnext = x;
+        else e->pvm_head = x;
+        e->pvm_tail = x;
+        pthread_cond_broadcast(&e->pvm_cond);
+    }
+    pthread_mutex_unlock(&e->lock);
+    return (PyObject *)xfer_wrap(e, x);
+}
+
 static PyObject *peer_get(PeerObject *self, PyObject *arg)
 {
     Py_buffer view;
@@ -1084,27 +1632,47 @@ static PyObject *peer_get(PeerObject *self, PyObject *arg)
     }
     const uint64_t *ops = view.buf;
     size_t n = (size_t)view.len / 32;
-    memhs = malloc((n ? n : 1) * sizeof(*memhs));
-    if (memhs == NULL) {
-        PyBuffer_Release(&view);
-        return PyErr_NoMemory();
-    }
-    size_t hint = 0;
-    for (size_t i = 0; i < n; i++) memhs[i] = find_memh(e, ops[4 * i], ops[4 * i + 2], &hint);
-
     pthread_mutex_lock(&p->oplock);
     if (peer_usable(self) < 0) goto fail_locked;
     for (size_t i = 0; i < n; i++) {
-        if (ops[4 * i + 3] >= p->nrkeys) {
+        const uint64_t *op = ops + 4 * i;
+        if (op[3] >= p->nrkeys) {
             PyErr_Format(PyExc_IndexError, "op %zu: rkey index %llu out of range (have %zu)", i,
-                         (unsigned long long)ops[4 * i + 3], p->nrkeys);
+                         (unsigned long long)op[3], p->nrkeys);
             goto fail_locked;
         }
-        if (ops[4 * i] == 0 || ops[4 * i + 1] == 0) {
+        if (op[0] == 0 || op[1] == 0) {
             PyErr_Format(PyExc_ValueError, "op %zu: null address", i);
             goto fail_locked;
         }
+        if (op[0] + op[2] < op[0] || op[1] + op[2] < op[1]) {
+            PyErr_Format(PyExc_ValueError, "op %zu: range wraps around", i);
+            goto fail_locked;
+        }
+        uint64_t rb = p->rk_base[op[3]], rl = p->rk_len[op[3]];
+        if (rl != 0 && op[2] != 0 && (op[1] < rb || op[1] + op[2] > rb + rl)) {
+            char msg[200];
+            snprintf(msg, sizeof(msg),
+                     "op %zu: remote range [%#llx, +%llu) is outside region %llu [%#llx, +%llu)",
+                     i, (unsigned long long)op[1], (unsigned long long)op[2],
+                     (unsigned long long)op[3], (unsigned long long)rb, (unsigned long long)rl);
+            PyErr_SetString(PyExc_ValueError, msg);
+            goto fail_locked;
+        }
     }
+    if (p->path == PATH_PVM) {
+        PyObject *res = peer_get_pvm(e, p, ops, n);
+        pthread_mutex_unlock(&p->oplock);
+        PyBuffer_Release(&view);
+        return res;
+    }
+    memhs = malloc((n ? n : 1) * sizeof(*memhs));
+    if (memhs == NULL) {
+        PyErr_NoMemory();
+        goto fail_locked;
+    }
+    size_t hint = 0;
+    for (size_t i = 0; i < n; i++) memhs[i] = find_memh(e, ops[4 * i], ops[4 * i + 2], &hint);
     pthread_mutex_lock(&e->lock);
     xfer_t *x = xfer_new(e, XK_GET, p, 2); /* Python + flush callback */
     pthread_mutex_unlock(&e->lock);
@@ -1307,6 +1875,17 @@ static PyObject *peer_get_closed(PeerObject *self, void *Py_UNUSED(closure))
     return PyBool_FromLong(c);
 }
 
+static PyObject *peer_get_path(PeerObject *self, void *Py_UNUSED(closure))
+{
+    return PyUnicode_FromString(self->p->path == PATH_PVM ? "pvm" : "ucx");
+}
+
+static PyObject *peer_get_path_reason(PeerObject *self, void *Py_UNUSED(closure))
+{
+    if (self->p->path == PATH_PVM) Py_RETURN_NONE;
+    return PyUnicode_FromString(self->p->path_reason);
+}
+
 static PyObject *peer_get_fail_reason(PeerObject *self, void *Py_UNUSED(closure))
 {
     EngineObject *e = self->eng;
@@ -1341,8 +1920,9 @@ static void peer_dealloc(PeerObject *self)
 }
 
 static PyMethodDef peer_methods[] = {
-    {"unpack_rkey", (PyCFunction)peer_unpack_rkey, METH_O,
-     "unpack_rkey(packed) -> index used in get() ops."},
+    {"unpack_rkey", (PyCFunction)(void (*)(void))peer_unpack_rkey, METH_VARARGS | METH_KEYWORDS,
+     "unpack_rkey(packed, base=0, length=0) -> index used in get() ops; with base/length,\n"
+     "get() rejects ops reading outside [base, base + length)."},
     {"get", (PyCFunction)peer_get, METH_O,
      "get(ops) -> Xfer: ucp_get_nbx per row (local, remote, nbytes, rkey), then ep flush."},
     {"request", (PyCFunction)peer_request, METH_O, "request(payload) -> Xfer awaiting a reply."},
@@ -1356,6 +1936,9 @@ static PyGetSetDef peer_getset[] = {
     {"failed", (getter)peer_get_failed, NULL, "set by the ep error callback", NULL},
     {"closed", (getter)peer_get_closed, NULL, "ep closed (aborted or engine closed)", NULL},
     {"fail_reason", (getter)peer_get_fail_reason, NULL, "UCX status string or None", NULL},
+    {"path", (getter)peer_get_path, NULL, "'pvm' (same-host process_vm_readv) or 'ucx'", NULL},
+    {"path_reason", (getter)peer_get_path_reason, NULL, "why gets use UCX (None for pvm)",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1426,8 +2009,15 @@ static PyMethodDef xfer_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *xfer_get_path(XferObject *self, void *Py_UNUSED(closure))
+{
+    if (self->x->kind != XK_GET) Py_RETURN_NONE;
+    return PyUnicode_FromString(self->x->path == PATH_PVM ? "pvm" : "ucx");
+}
+
 static PyGetSetDef xfer_getset[] = {
     {"error", (getter)xfer_get_error, NULL, "error text or None", NULL},
+    {"path", (getter)xfer_get_path, NULL, "gets: 'pvm' or 'ucx'; requests: None", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -1,4 +1,5 @@
-"""One-sided UCX transport: registered regions, RMA GET pulls and small request/reply messages.
+"""One-sided transport: registered regions, GET pulls (UCX RMA, or process_vm_readv on the same
+host) and small request/reply messages (UCX active messages).
 
 The native side (`kernels.native._ucxrma`, plain C over libucp) owns one UCP context and one
 worker in UCS_THREAD_MODE_MULTI, progressed by a pthread that sleeps on the worker's event fd when
@@ -7,8 +8,10 @@ this module only polls or waits on them (with the GIL released).
 
 Contract for callers (the KV connector):
   - `UcxEngine.register` whole KV tensors once; ship `Region.rkey` and addresses to peers.
-  - `UcxEngine.connect(peer_address)` once per remote worker (caching is the caller's job), then
-    `Peer.unpack_rkey` once per remote region; the returned index goes in column 3 of `get` ops.
+  - `UcxEngine.connect(peer_address, locality)` once per remote worker (caching is the caller's
+    job; `locality` is the peer's `UcxEngine.locality`, shipped next to its address), then
+    `Peer.unpack_rkey(rkey, base=, length=)` once per remote region; the returned index goes in
+    column 3 of `get` ops, and with base/length given every op is checked against the region.
   - `Peer.get(ops)` posts every GET natively and one ep flush; the `Transfer` completes when all
     bytes have landed, or errors when the peer dies or is aborted. Every wait takes a deadline.
   - `Peer.abort()` force-closes the endpoint; after it returns no byte of that peer's GETs can
@@ -16,6 +19,25 @@ Contract for callers (the KV connector):
   - Requests are sent with UCP_AM_SEND_FLAG_REPLY; `IncomingRequest.reply` answers over UCX's
     reply endpoint, i.e. over the very connection the request came in on. If the requester is
     gone the send fails inside UCX and the reply is dropped (counted in `failed_replies`).
+
+Same-host path ("pvm"). When the peer's locality shows the same kernel boot and pid namespace,
+`connect` probes it with one process_vm_readv(2) of a random nonce inside the peer's engine. If
+the probe reads the right bytes, that peer's `get`s bypass UCX: native worker threads (not the
+progress thread; `PDSERVE_KV_PVM_THREADS`, default 1) read the ops as iovec batches of up to
+IOV_MAX segments and 4 MiB (`PDSERVE_KV_PVM_CHUNK_KIB`), looping over short reads, and re-read
+the nonce at the end, so a get succeeds only if every byte came from the same live peer engine
+(not from a process that reused a dead peer's pid, nor after the peer closed its engine: close
+wipes the nonce). ESRCH marks the peer failed and the Transfer errors. If the probe fails (EPERM:
+different uid, Yama ptrace_scope >= 2, a non-dumpable peer; ENOSYS; ESRCH) the peer stays on UCX
+and a warning is logged once per reason; `Peer.path` / `Peer.path_reason` / `Transfer.path` tell
+which path is used. Requests and replies always go over UCX.
+
+Security note: every engine (unless disabled) calls prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY) at
+creation, because under Yama ptrace_scope=1 only ancestors may otherwise process_vm_readv a
+process. This lets any process of the same uid (and only those: the kernel's uid, capability and
+dumpable checks still apply) ptrace or read this process, as they could without Yama.
+`PDSERVE_KV_SAME_HOST=0` turns the path off: no prctl, an empty `locality`, and `connect` ignores
+any locality given (every get uses UCX).
 
 Configuration is UCX's own: every `UCX_*` environment variable applies (e.g. `UCX_TLS`).
 """
@@ -38,10 +60,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TransferState = Literal["pending", "done", "error"]
+PathName = Literal["pvm", "ucx"]
 _STATES: tuple[TransferState, TransferState, TransferState] = ("pending", "done", "error")
 
 _native: Any = None
 _native_lock = threading.Lock()
+_logged_fallbacks: set[str] = set()
+# Reasons for the UCX path that are configuration, not a failed same-host probe (not warned).
+_EXPECTED_UCX_REASONS = ("different host", "different pid namespace",
+                         "disabled by PDSERVE_KV_SAME_HOST=0")
 
 
 def _load_native() -> Any:
@@ -126,6 +153,12 @@ class Transfer:
         err: str | None = self._x.error
         return err
 
+    @property
+    def path(self) -> PathName | None:
+        """For a get: "pvm" (same-host process_vm_readv) or "ucx"; None for a request."""
+        path: PathName | None = self._x.path
+        return path
+
     def _raise(self) -> None:
         msg = f"{self._kind} failed: {self._x.error}"
         if self._peer.failed:
@@ -142,18 +175,31 @@ class Peer:
         self._c = c
         self._engine = engine  # keeps the engine (and the C worker) alive as long as we are
 
-    def unpack_rkey(self, packed: bytes) -> int:
-        """Unpack a peer's `Region.rkey` for this endpoint; returns the index used in `get` ops."""
+    def unpack_rkey(self, packed: bytes, *, base: int | None = None,
+                    length: int | None = None) -> int:
+        """Unpack a peer's `Region.rkey` for this endpoint; returns the index used in `get` ops.
+
+        With the region's `base` address and `length` (its `Region.addr` / `Region.length` on the
+        peer), `get` rejects (ValueError) any op reading outside that region, on either path.
+        """
+        if (base is None) != (length is None):
+            raise ValueError("give both base and length, or neither")
         try:
-            return int(self._c.unpack_rkey(packed))
+            if base is None or length is None:
+                return int(self._c.unpack_rkey(bytes(packed)))
+            return int(self._c.unpack_rkey(bytes(packed), int(base), int(length)))
         except _load_native().NativeTransportError as exc:
             raise _wrap(exc) from exc
 
     def get(self, ops: NDArray[np.int64] | NDArray[np.uint64]) -> Transfer:
         """Pull remote bytes: `ops` is (n, 4) int64/uint64 rows (local, remote, nbytes, rkey_index).
 
-        Every row is posted natively (no per-op Python), followed by one endpoint flush; the
-        returned Transfer completes when all rows have landed.
+        Same-host peers (`path == "pvm"`): the rows are queued to the native pvm workers and
+        read with process_vm_readv. Otherwise every row is posted to UCX natively (no per-op
+        Python), followed by one endpoint flush. Either way the call returns at once and the
+        Transfer completes when all rows have landed (or errors; never a partial success).
+        Raises IndexError for an unknown rkey index, ValueError for a null address or a range
+        outside the region given to `unpack_rkey`.
         """
         arr = np.asarray(ops)
         if arr.ndim != 2 or arr.shape[1] != 4:
@@ -196,6 +242,18 @@ class Peer:
     def closed(self) -> bool:
         """True once aborted or the engine closed."""
         return bool(self._c.closed)
+
+    @property
+    def path(self) -> PathName:
+        """How `get` reads: "pvm" (same host, process_vm_readv) or "ucx" (UCX RMA GET)."""
+        path: PathName = self._c.path
+        return path
+
+    @property
+    def path_reason(self) -> str | None:
+        """Why this peer uses UCX ("different host", "process_vm_readv probe ...: ..."), or None."""
+        reason: str | None = self._c.path_reason
+        return reason
 
 
 class IncomingRequest:
@@ -250,6 +308,13 @@ class UcxEngine:
         """This worker's address blob (ucp_worker_query): peers pass it to `connect`."""
         return bytes(self._c.address)
 
+    @property
+    def locality(self) -> bytes:
+        """Opaque same-host identity (boot id, pid namespace, pid, a nonce and its address):
+        peers pass it to `connect` next to `address`. b"" when the same-host path is off
+        (`PDSERVE_KV_SAME_HOST=0`) or /proc is unreadable; passing b"" is like passing None."""
+        return bytes(self._c.locality)
+
     def register(self, addr: int, length: int, *, keepalive: object = None) -> Region:
         """Register existing memory (ucp_mem_map, no allocation) until the engine closes.
 
@@ -264,12 +329,27 @@ class UcxEngine:
             self._regions.append(region)
         return region
 
-    def connect(self, peer_address: bytes) -> Peer:
-        """Create an endpoint (peer error handling on) to the worker at `peer_address`."""
+    def connect(self, peer_address: bytes, locality: bytes | None = None) -> Peer:
+        """Create an endpoint (peer error handling on) to the worker at `peer_address`.
+
+        `locality` is the peer's `UcxEngine.locality`: when it shows a peer on this host that we
+        may read, its gets use process_vm_readv (`Peer.path == "pvm"`), else UCX.
+        """
         try:
-            return Peer(self._c.connect(bytes(peer_address)), self)
+            c = self._c.connect(bytes(peer_address),
+                                None if locality is None else bytes(locality))
         except self._native_error() as exc:
             raise PeerUnreachable(f"cannot connect: {exc}") from exc
+        peer = Peer(c, self)
+        reason = peer.path_reason
+        if locality and reason is not None and reason not in _EXPECTED_UCX_REASONS:
+            key = reason.split(" of pid ")[0] + reason.rsplit(":", 1)[-1]
+            if key not in _logged_fallbacks:
+                _logged_fallbacks.add(key)
+                logger.warning("same-host reads unavailable, using UCX: %s", reason)
+            else:
+                logger.debug("same-host reads unavailable, using UCX: %s", reason)
+        return peer
 
     def poll_requests(self) -> list[IncomingRequest]:
         """Drain the request messages received so far (non-blocking)."""

@@ -1,7 +1,9 @@
-"""The UCX RMA transport between real processes (spawned server, pytest process as client).
+"""The transport between real processes (spawned server, pytest process as client).
 
 Runs over UCX's default transports and over `UCX_TLS=tcp` (RMA emulated in software, so the
-server's progress thread must serve it).
+server's progress thread must serve it). Gets run over both read paths: "pvm" (same host,
+process_vm_readv, chosen when `connect` gets the server's locality) and "ucx" (forced with
+`PDSERVE_KV_SAME_HOST=0`, or without a locality).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +42,7 @@ def _serve(conn: Any, mode: str) -> None:
     engine = UcxEngine(name="test-server")
     buf = _pattern(NUM_BLOCKS * BLOCK, SEED)
     region = engine.register(buf.ctypes.data, buf.nbytes, keepalive=buf)
-    conn.send((engine.address, region.addr, region.length, region.rkey))
+    conn.send((engine.address, engine.locality, region.addr, region.length, region.rkey))
     while True:
         if conn.poll(0) and conn.recv() == "stop":
             break
@@ -59,6 +62,7 @@ class Server:
     proc: Any
     conn: Any
     address: bytes
+    locality: bytes
     base: int
     length: int
     rkey: bytes
@@ -82,8 +86,8 @@ def _start_server(mode: str) -> Server:
     if not parent.poll(60):
         proc.kill()
         pytest.fail("server did not publish its UCX address")
-    address, base, length, rkey = parent.recv()
-    return Server(proc, parent, address, base, length, rkey)
+    address, locality, base, length, rkey = parent.recv()
+    return Server(proc, parent, address, locality, base, length, rkey)
 
 
 @pytest.fixture(scope="module", params=["default", "tcp"])
@@ -138,17 +142,35 @@ def _remote_block_ids(n: int) -> np.ndarray:
     return np.array(ids[:n], dtype=np.int64)
 
 
-def test_get_pulls_scattered_runs_exactly(echo_server: Server, client: UcxEngine) -> None:
+def _connect(client: UcxEngine, server: Server, path: str,
+             monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Connect with the server's locality; "ucx" forces UCX through PDSERVE_KV_SAME_HOST=0."""
+    if path == "ucx":
+        monkeypatch.setenv("PDSERVE_KV_SAME_HOST", "0")
+    else:
+        monkeypatch.delenv("PDSERVE_KV_SAME_HOST", raising=False)
+    peer = client.connect(server.address, server.locality)
+    assert peer.path == path, peer.path_reason
+    if path == "ucx":
+        assert peer.path_reason == "disabled by PDSERVE_KV_SAME_HOST=0"
+    return peer
+
+
+@pytest.mark.parametrize("path", ["pvm", "ucx"])
+def test_get_pulls_scattered_runs_exactly(echo_server: Server, client: UcxEngine, path: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     n = 128
     remote_ids = _remote_block_ids(n)
     dst = np.zeros(n * BLOCK, dtype=np.uint8)
     client.register(dst.ctypes.data, dst.nbytes, keepalive=dst)
-    peer = client.connect(echo_server.address)
-    rk = peer.unpack_rkey(echo_server.rkey)
+    peer = _connect(client, echo_server, path, monkeypatch)
+    rk = peer.unpack_rkey(echo_server.rkey, base=echo_server.base, length=echo_server.length)
     ops = _scattered_ops(dst.ctypes.data, echo_server.base, rk, remote_ids)
     assert 1 < len(ops) < n  # runs were coalesced, and there is more than one
 
-    peer.get(ops).wait(DEADLINE_S)
+    transfer = peer.get(ops)
+    assert transfer.path == path
+    transfer.wait(DEADLINE_S)
 
     src = _pattern(NUM_BLOCKS * BLOCK, SEED).reshape(NUM_BLOCKS, BLOCK)
     expected = src[remote_ids].reshape(-1)
@@ -174,6 +196,97 @@ def test_get_rejects_malformed_ops(echo_server: Server, client: UcxEngine) -> No
         peer.get(np.zeros((2, 4), dtype=np.float64))
     with pytest.raises(IndexError):  # no rkey unpacked on this endpoint yet
         peer.get(np.array([[1, 1, 8, 0]], dtype=np.uint64))
+
+
+@pytest.mark.parametrize("path", ["pvm", "ucx"])
+def test_get_rejects_ranges_outside_the_region(echo_server: Server, client: UcxEngine, path: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    peer = _connect(client, echo_server, path, monkeypatch)
+    rk = peer.unpack_rkey(echo_server.rkey, base=echo_server.base, length=echo_server.length)
+    dst = np.zeros(2 * BLOCK, dtype=np.uint8)
+    end = echo_server.base + echo_server.length
+    for remote in (end - BLOCK + 1, echo_server.base - 8):
+        with pytest.raises(ValueError, match="outside region"):
+            peer.get(np.array([[dst.ctypes.data, remote, BLOCK, rk]], dtype=np.uint64))
+    peer.get(np.array([[dst.ctypes.data, end - BLOCK, BLOCK, rk]], dtype=np.uint64)).wait(
+        DEADLINE_S)  # the last block is inside
+    assert np.array_equal(dst[:BLOCK], _pattern(NUM_BLOCKS * BLOCK, SEED)[-BLOCK:])
+    with pytest.raises(ValueError):
+        peer.unpack_rkey(echo_server.rkey, base=echo_server.base)
+
+
+def test_locality_selects_the_path(echo_server: Server, client: UcxEngine,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDSERVE_KV_SAME_HOST", raising=False)
+    loc = bytearray(echo_server.locality)
+    assert len(loc) > 0 and len(client.locality) == len(loc)
+    assert client.connect(echo_server.address).path == "ucx"  # no locality: UCX
+    assert client.connect(echo_server.address, b"").path == "ucx"
+
+    wrong_nonce = bytearray(loc)
+    wrong_nonce[-1] ^= 0xFF  # same host and pid, but not that engine: the probe must refuse it
+    peer = client.connect(echo_server.address, bytes(wrong_nonce))
+    assert peer.path == "ucx" and "identity mismatch" in (peer.path_reason or "")
+    rk = peer.unpack_rkey(echo_server.rkey)
+    dst = np.zeros(BLOCK, dtype=np.uint8)
+    transfer = peer.get(np.array([[dst.ctypes.data, echo_server.base, BLOCK, rk]],
+                                 dtype=np.uint64))
+    transfer.wait(DEADLINE_S)  # the fallback still reads, over UCX
+    assert transfer.path == "ucx"
+    assert np.array_equal(dst, _pattern(BLOCK, SEED))
+
+    other_host = bytearray(loc)
+    other_host[8:12] = b"XXXX"  # boot id
+    peer = client.connect(echo_server.address, bytes(other_host))
+    assert (peer.path, peer.path_reason) == ("ucx", "different host")
+
+    monkeypatch.setenv("PDSERVE_KV_SAME_HOST", "0")
+    with UcxEngine(name="no-same-host") as engine:
+        assert engine.locality == b""
+
+
+def _big_read(peer: Any, server: Server, dst: np.ndarray, times: int) -> np.ndarray:
+    """Ops reading the whole served region `times` over into dst (same bytes each time)."""
+    rk = peer.unpack_rkey(server.rkey, base=server.base, length=server.length)
+    row = (dst.ctypes.data, server.base, server.length, rk)
+    return np.array([row] * times, dtype=np.uint64)
+
+
+def test_pvm_peer_killed_midway_errors(tls: str, client: UcxEngine,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    server = _start_server("silent")
+    try:
+        peer = _connect(client, server, "pvm", monkeypatch)
+        dst = np.zeros(NUM_BLOCKS * BLOCK, dtype=np.uint8)
+        ops = _big_read(peer, server, dst, 512)  # 4 GiB of reads: far longer than a kill takes
+        transfer = peer.get(ops)
+        assert transfer.poll() == "pending"
+        os.kill(server.proc.pid, signal.SIGKILL)
+        with pytest.raises(PeerUnreachable, match="gone"):
+            transfer.wait(DEADLINE_S)
+        assert transfer.poll() == "error" and peer.failed
+        server.proc.join(10)
+        with pytest.raises(PeerUnreachable):
+            peer.get(ops[:1])
+        peer.abort()
+    finally:
+        server.stop()
+
+
+def test_pvm_abort_stops_writes(echo_server: Server, client: UcxEngine,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    peer = _connect(client, echo_server, "pvm", monkeypatch)
+    dst = np.zeros(NUM_BLOCKS * BLOCK, dtype=np.uint8)
+    transfer = peer.get(_big_read(peer, echo_server, dst, 512))
+    with pytest.raises(TransferTimeout):
+        transfer.wait(0.01)  # aborts the peer
+    assert peer.closed and transfer.poll() == "error"
+    assert "aborted" in (transfer.error or "")
+    dst[:] = 0  # nothing may land after abort() returned
+    time.sleep(0.05)
+    assert not dst.any()
+    with pytest.raises(TransportError):
+        peer.get(np.zeros((0, 4), dtype=np.uint64))
 
 
 def test_request_reply_round_trips(echo_server: Server, client: UcxEngine) -> None:

@@ -1,0 +1,139 @@
+"""Session fixtures: a real `pdserve up` cluster and a plain vLLM server on the tiny model.
+
+Both start once per session (each vLLM start costs ~1 minute of a 2-core machine) and in
+parallel. `pdserve up` is pointed at a Redis URL where nothing listens, so it starts its own
+Redis, as a user's first `make run` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from serve.redis_server import free_port
+from serve.tiny_model import build_tiny_model
+from serve.worker import stop_process, vllm_command, vllm_env, wait_healthy
+
+SERVED_NAME = "tiny-llama"
+LEASE_S = 8.0
+START_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Cluster:
+    """A running `pdserve up`."""
+
+    proc: subprocess.Popen[str]
+    url: str
+    redis_url: str = ""
+    corrupt_flag: Path = field(default_factory=Path)
+    output: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Plain:
+    """A plain vLLM server (no connector): the reference outputs."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    return build_tiny_model()
+
+
+def _port_open(url: str) -> bool:
+    host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, int(port))) == 0
+
+
+@pytest.fixture(scope="session")
+def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[Cluster, Plain]]:
+    tmp = tmp_path_factory.mktemp("cluster")
+    plain_port = free_port()
+    plain_proc = subprocess.Popen(
+        vllm_command(str(tiny_model_dir), "127.0.0.1", plain_port, SERVED_NAME, None, None),
+        env=vllm_env(1), start_new_session=True)
+    plain = Plain(plain_proc, f"http://127.0.0.1:{plain_port}")
+
+    port = free_port()
+    flag = tmp / "corrupt-pulled-kv"
+    cmd = [sys.executable, "-m", "serve.cli", "up", "--model", str(tiny_model_dir),
+           "--served-model-name", SERVED_NAME, "--port", str(port),
+           "--redis", f"redis://127.0.0.1:{free_port()}/0", "--lease-s", str(LEASE_S),
+           f"--worker-arg=--corrupt-pulled-kv-file={flag}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cluster = Cluster(proc, f"http://127.0.0.1:{port}", corrupt_flag=flag)
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            cluster.output.append(line)
+            sys.stderr.write(line)
+            match = re.search(r"pdserve ready: .* redis (\S+)\)", line)
+            if match:
+                cluster.redis_url = match.group(1)
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        asyncio.run(wait_healthy(plain.url, plain_proc, START_TIMEOUT_S))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.wait(1.0):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("pdserve up failed to start:\n" + "".join(cluster.output[-50:]))
+        yield cluster, plain
+    finally:
+        stop_process(plain_proc)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def cluster(servers: tuple[Cluster, Plain]) -> Cluster:
+    return servers[0]
+
+
+@pytest.fixture(scope="session")
+def plain(servers: tuple[Cluster, Plain]) -> Plain:
+    return servers[1]
+
+
+@pytest.fixture(scope="session")
+def workers(cluster: Cluster) -> dict[str, str]:
+    """role -> HTTP URL of the cluster's workers, read from the real Redis registry."""
+    from router.state.registry import WorkerRegistry
+
+    async def read() -> dict[str, str]:
+        registry = WorkerRegistry(cluster.redis_url)
+        try:
+            return {r.role: r.http_url for r in await registry.list()}
+        finally:
+            await registry.close()
+
+    found = asyncio.run(read())
+    assert set(found) == {"prefill", "decode"}, found
+    return found

@@ -1,0 +1,138 @@
+"""Greedy outputs through the router (prefill -> UCX pull -> decode) equal plain vLLM's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import SERVED_NAME, Cluster, Plain
+from tests.support.metrics import scrape, value
+from tests.support.prompts import make_prompts
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.vllm
+
+# 1 to ~1,500 tokens, crossing the CPU backend's 128-token block boundaries.
+LENGTHS = [1, 2, 5, 9, 17, 33, 64, 100, 127, 128, 129, 200, 255, 257, 384, 511, 640, 800,
+           1000, 1023, 1200, 1500]
+MAX_TOKENS = 12
+
+
+def complete(base: str, prompt: str, **extra: Any) -> dict[str, Any]:
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            **extra}
+    resp = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def chat(base: str, content: str, **extra: Any) -> dict[str, Any]:
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": content}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+    resp = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def stream(base: str, path: str, body: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    """Concatenated text of an SSE stream and its usage chunk."""
+    text, usage = [], None
+    with httpx.stream("POST", f"{base}{path}", json={**body, "stream": True,
+                      "stream_options": {"include_usage": True}}, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(text), usage
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_dir: Path) -> list[str]:
+    return make_prompts(tiny_model_dir, LENGTHS, seed=1)
+
+
+def test_prompt_lengths_span_the_range(prompts: list[str], plain: Plain) -> None:
+    lengths = [complete(plain.url, p, max_tokens=1)["usage"]["prompt_tokens"] for p in prompts]
+    assert len(prompts) >= 20
+    assert min(lengths) <= 2 and max(lengths) >= 1400
+
+
+def test_completions_match_plain(cluster: Cluster, plain: Plain, prompts: list[str]) -> None:
+    for prompt in prompts:
+        ours, ref = complete(cluster.url, prompt), complete(plain.url, prompt)
+        assert ours["choices"][0]["text"] == ref["choices"][0]["text"]
+        assert ours["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+        assert ours["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"]
+
+
+def test_completions_stream_match_plain(cluster: Cluster, plain: Plain,
+                                        prompts: list[str]) -> None:
+    for prompt in prompts[::3]:
+        body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                "temperature": 0}
+        ours, ours_usage = stream(cluster.url, "/v1/completions", body)
+        ref = complete(plain.url, prompt)
+        assert ours == ref["choices"][0]["text"]
+        assert ours_usage is not None
+        assert ours_usage["completion_tokens"] == ref["usage"]["completion_tokens"]
+
+
+def test_chat_match_plain(cluster: Cluster, plain: Plain, prompts: list[str]) -> None:
+    for prompt in prompts[1::3]:
+        ours, ref = chat(cluster.url, prompt), chat(plain.url, prompt)
+        assert ours["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+        assert ours["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+
+
+def test_chat_stream_match_plain(cluster: Cluster, plain: Plain, prompts: list[str]) -> None:
+    for prompt in prompts[2::3]:
+        body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": MAX_TOKENS, "temperature": 0}
+        ours, usage = stream(cluster.url, "/v1/chat/completions", body)
+        ref = chat(plain.url, prompt)
+        assert ours == ref["choices"][0]["message"]["content"]
+        assert usage is not None and usage["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+
+
+def test_decode_pulls_instead_of_recomputing(cluster: Cluster, plain: Plain,
+                                             workers: dict[str, str],
+                                             tiny_model_dir: Path) -> None:
+    # Fresh prompts: a local prefix hit on decode would legitimately skip the pull.
+    fresh = make_prompts(tiny_model_dir, [40, 300, 700, 1100], seed=2, tag="pulltest")
+    d0, p0 = scrape(workers["decode"]), scrape(workers["prefill"])
+    prompt_tokens = 0
+    for prompt in fresh:
+        ours, ref = complete(cluster.url, prompt), complete(plain.url, prompt)
+        assert ours["choices"][0]["text"] == ref["choices"][0]["text"]
+        prompt_tokens += ours["usage"]["prompt_tokens"]
+    d1 = scrape(workers["decode"])
+    n = len(fresh)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(d1, name, **labels) - value(d0, name, **labels)
+
+    assert delta("pdserve_kv_pulls_total") == n
+    assert delta("pdserve_kv_pull_failures_total") == 0
+    assert delta("pdserve_kv_pulled_bytes_total") > 0
+    # Decode computes at most the last prompt token of each request itself (to sample from it);
+    # everything else came over the transfer.
+    assert delta("vllm:prompt_tokens_by_source_total", source="local_compute") <= n
+    assert delta("vllm:prompt_tokens_by_source_total",
+                 source="external_kv_transfer") >= prompt_tokens - n
+
+    # The prefill worker freed every leased block once the pulls were released.
+    p1 = scrape(workers["prefill"])
+    assert value(p1, "pdserve_kv_leases_released_total") - \
+        value(p0, "pdserve_kv_leases_released_total") == n
+    assert value(p1, "pdserve_kv_leases_expired_total") == value(p0, "pdserve_kv_leases_expired_total")
+    eventually(lambda: value(scrape(workers["prefill"]), "vllm:kv_cache_usage_perc"),
+               lambda usage: usage == 0.0, timeout_s=15)
