@@ -1,4 +1,5 @@
-"""KV-shaped pull benchmark: our UCX RMA transport vs NIXL READ vs a single-thread memcpy.
+"""KV-shaped pull benchmark: our transport (same-host pvm path and UCX path) vs NIXL READ vs a
+single-thread memcpy.
 
     python bench/kv_transfer.py --mib 256
 
@@ -8,10 +9,15 @@ each split into K and V halves of `num_blocks` blocks of `--block-kib`. The deco
 for every layer and K/V half, into consecutive local blocks. Runs contiguous on both sides are
 coalesced into one op, as the connector does. Every backend pulls exactly the same (local,
 remote, length) list between two spawned processes; the memcpy baseline copies the same number
-of bytes in one process with one contiguous numpy copy. Medians over `--repeats`.
+of bytes in one process with one contiguous numpy copy. Medians over `--repeats` (after one
+warm-up pull whose bytes are checked).
 
-Parameters (defaults): --mib 256, --block-kib 32, --layers 16, --repeats 5,
---configs "default,nowakeup,tcp" (ours is tried under each; the best is reported), --no-nixl.
+ours(pvm) is our transport with the server's locality passed to `connect` (same-host
+process_vm_readv path; "pvm" with 1 worker thread, "pvm2" with 2); ours(ucx) is the same transport
+forced onto UCX (`PDSERVE_KV_SAME_HOST=0`) under each UCX config, the best one reported.
+
+Parameters (defaults): --mib 256, --block-kib 32, --layers 16, --repeats 7,
+--configs "pvm,pvm2,ucx-default,ucx-nowakeup,ucx-tcp", --nixl-config default, --no-nixl.
 """
 
 from __future__ import annotations
@@ -43,6 +49,14 @@ UCX_CONFIGS: dict[str, dict[str, str]] = {
     "tcp-bigseg": {"UCX_TLS": "tcp", "UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"},
     "nowakeup": {"PDSERVE_UCX_WAKEUP": "0"},
     "spin5ms": {"PDSERVE_UCX_SPIN_US": "5000"},
+}
+
+# Our transport's configs: (expected get path, environment of both processes).
+OURS_CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
+    "pvm": ("pvm", {"PDSERVE_KV_PVM_THREADS": "1"}),
+    "pvm2": ("pvm", {"PDSERVE_KV_PVM_THREADS": "2"}),
+    **{f"ucx-{name}": ("ucx", {**env, "PDSERVE_KV_SAME_HOST": "0"})
+       for name, env in UCX_CONFIGS.items()},
 }
 
 
@@ -144,7 +158,7 @@ def _ours_server(conn: Any, layout: Layout, env: dict[str, str]) -> None:
         reg = engine.register(buf.ctypes.data, buf.nbytes, keepalive=buf)
         bufs.append(buf)
         meta.append((reg.addr, reg.rkey))
-    conn.send((engine.address, meta))
+    conn.send((engine.address, engine.locality, meta))
     conn.recv()  # client done
     engine.close()
 
@@ -154,23 +168,24 @@ def _ours_client(conn: Any, layout: Layout, runs: list[tuple[int, int, int, int]
     os.environ.update(env)
     from kvtransfer.transport import UcxEngine
 
-    address, meta = conn.recv()
+    address, locality, meta = conn.recv()
     engine = UcxEngine(name="bench-decode")
     dsts = [np.ones(layout.local_region_bytes, np.uint8) for _ in range(layout.layers)]
     for d in dsts:
         engine.register(d.ctypes.data, d.nbytes, keepalive=d)
-    peer = engine.connect(address)
-    rkeys = [peer.unpack_rkey(rk) for _addr, rk in meta]
+    peer = engine.connect(address, locality)
+    rkeys = [peer.unpack_rkey(rk, base=addr, length=layout.region_bytes) for addr, rk in meta]
     ops = np.array([(dsts[layer].ctypes.data + lo, meta[layer][0] + ro, n, rkeys[layer])
                     for layer, lo, ro, n in runs], dtype=np.uint64)
-    peer.get(ops).wait(60)  # warm-up: connection, registration caches
+    warm = peer.get(ops)  # warm-up: connection, registration caches
+    warm.wait(60)
     ok = _checksum(dsts, runs) == _expected_checksum(layout, runs)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         peer.get(ops).wait(60)
         times.append(time.perf_counter() - t0)
-    result.put((ok, times, len(ops)))
+    result.put((ok, times, len(ops), warm.path))
     conn.send("done")
     engine.close()
 
@@ -227,7 +242,7 @@ def _nixl_client(conn: Any, layout: Layout, runs: list[tuple[int, int, int, int]
         t0 = time.perf_counter()
         once()
         times.append(time.perf_counter() - t0)
-    result.put((ok, times, len(runs)))
+    result.put((ok, times, len(runs), "nixl"))
     agent.release_xfer_handle(handle)
     agent.deregister_memory(reg)
     agent.remove_remote_agent(peer)
@@ -238,7 +253,7 @@ def _nixl_client(conn: Any, layout: Layout, runs: list[tuple[int, int, int, int]
 
 
 def run_pair(server: Any, client: Any, layout: Layout, runs: list[tuple[int, int, int, int]],
-             env: dict[str, str], repeats: int) -> tuple[bool, list[float], int]:
+             env: dict[str, str], repeats: int) -> tuple[bool, list[float], int, str]:
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     result = ctx.Queue()
@@ -247,7 +262,7 @@ def run_pair(server: Any, client: Any, layout: Layout, runs: list[tuple[int, int
     ps.start()
     pc.start()
     try:
-        out: tuple[bool, list[float], int] = result.get(timeout=300)
+        out: tuple[bool, list[float], int, str] = result.get(timeout=300)
     finally:
         for p in (pc, ps):
             p.join(30)
@@ -272,15 +287,20 @@ def gbps(nbytes: int, times: list[float]) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def _spread(nbytes: int, times: list[float]) -> str:
+    rates = sorted(nbytes / t / 1e9 for t in times)
+    return f"min {rates[0]:.2f} max {rates[-1]:.2f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--mib", type=int, default=256, help="MiB pulled per transfer")
     parser.add_argument("--block-kib", type=int, default=32)
     parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--configs", default="default,nowakeup,tcp",
-                        help=f"UCX configs for ours, from {sorted(UCX_CONFIGS)}")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--configs", default="pvm,pvm2,ucx-default,ucx-nowakeup,ucx-tcp",
+                        help=f"configs for ours, from {sorted(OURS_CONFIGS)}")
     parser.add_argument("--nixl-config", default="default", help="UCX config for NIXL")
     parser.add_argument("--no-nixl", action="store_true")
     args = parser.parse_args(argv)
@@ -290,26 +310,31 @@ def main(argv: list[str] | None = None) -> int:
     runs = build_runs(layout, block_ids(layout))
     nbytes = layout.total_pulled
     logger.info("pulling %.1f MiB: %d layers x K/V, %d of %d blocks of %d KiB per half, "
-                "%d coalesced ops", nbytes / 2**20, layout.layers, layout.pulled_per_half,
-                layout.blocks_per_half, args.block_kib, len(runs))
+                "%d coalesced ops, median of %d repeats", nbytes / 2**20, layout.layers,
+                layout.pulled_per_half, layout.blocks_per_half, args.block_kib, len(runs),
+                args.repeats)
 
-    mem = gbps(nbytes, memcpy_times(nbytes, args.repeats))
-    logger.info("memcpy (numpy, 1 thread, contiguous)  %6.2f GB/s", mem)
+    times = memcpy_times(nbytes, args.repeats)
+    mem = gbps(nbytes, times)
+    logger.info("memcpy (numpy, 1 thread, contiguous)      %6.2f GB/s  (%s)", mem,
+                _spread(nbytes, times))
 
-    best: tuple[float, str] | None = None
+    best: dict[str, tuple[float, str]] = {}
     for name in args.configs.split(","):
-        env = UCX_CONFIGS[name]
-        ok, times, nops = run_pair(_ours_server, _ours_client, layout, runs, env, args.repeats)
+        want, env = OURS_CONFIGS[name]
+        ok, times, nops, path = run_pair(_ours_server, _ours_client, layout, runs, env,
+                                         args.repeats)
         rate = gbps(nbytes, times)
-        logger.info("ours  [%-7s %-18s] %6.2f GB/s  (%d ops, bytes %s)", name,
-                    env.get("UCX_TLS", "UCX_TLS unset"), rate, nops, "ok" if ok else "WRONG")
+        logger.info("ours  [%-13s path %-3s] %6.2f GB/s  (%s; %d ops, bytes %s)", name, path,
+                    rate, _spread(nbytes, times), nops, "ok" if ok else "WRONG")
         if not ok:
             logger.error("ours pulled wrong bytes with config %s", name)
             return 1
-        if best is None or rate > best[0]:
-            best = (rate, name)
-    assert best is not None
-    ours, ours_cfg = best
+        if path != want:
+            logger.error("config %s used path %s, expected %s", name, path, want)
+            return 1
+        if path not in best or rate > best[path][0]:
+            best[path] = (rate, name)
 
     nixl: float | None = None
     if not args.no_nixl:
@@ -320,19 +345,26 @@ def main(argv: list[str] | None = None) -> int:
                            "nixl-cu12): skipping the NIXL READ comparison")
         else:
             env = UCX_CONFIGS[args.nixl_config]
-            ok, times, _ = run_pair(_nixl_server, _nixl_client, layout, runs, env, args.repeats)
+            ok, times, _, _ = run_pair(_nixl_server, _nixl_client, layout, runs, env,
+                                       args.repeats)
             nixl = gbps(nbytes, times)
-            logger.info("NIXL READ [%s]                  %6.2f GB/s  (bytes %s)",
-                        args.nixl_config, nixl, "ok" if ok else "WRONG")
+            logger.info("NIXL READ [%-19s] %6.2f GB/s  (%s; bytes %s)", args.nixl_config, nixl,
+                        _spread(nbytes, times), "ok" if ok else "WRONG")
+            if not ok:
+                logger.error("NIXL pulled wrong bytes")
+                return 1
 
     logger.info("--")
-    logger.info("ours best config: %s (%s)", ours_cfg,
-                UCX_CONFIGS[ours_cfg].get("UCX_TLS", "UCX_TLS unset"))
-    logger.info("ours %.2f GB/s | memcpy %.2f GB/s | ours/memcpy %.2f", ours, mem, ours / mem)
-    if nixl is not None:
-        logger.info("NIXL READ %.2f GB/s | ours/NIXL %.2f", nixl, ours / nixl)
-    else:
-        logger.info("NIXL READ not measured")
+    logger.info("memcpy %.2f GB/s | NIXL READ %s", mem,
+                f"{nixl:.2f} GB/s" if nixl is not None else "not measured")
+    for path in ("pvm", "ucx"):
+        if path not in best:
+            continue
+        rate, name = best[path]
+        line = f"ours({path}) {rate:.2f} GB/s [{name}] | ours/memcpy {rate / mem:.2f}"
+        if nixl is not None:
+            line += f" | ours/NIXL {rate / nixl:.2f}"
+        logger.info("%s", line)
     return 0
 
 

@@ -103,13 +103,18 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         yield cluster, plain
     finally:
         stop_process(plain_proc)
+        worker_urls = re.findall(r'"url": "(http://[^"]+)"', "".join(cluster.output))
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(timeout=120)
+            code = proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            raise AssertionError("pdserve up did not stop within 120 s of Ctrl-C") from None
+    # Ctrl-C stops every child cleanly: exit code 0, no worker or router left listening.
+    assert code == 0, "".join(cluster.output[-30:])
+    assert worker_urls and not any(_port_open(u) for u in [*worker_urls, cluster.url])
 
 
 @pytest.fixture(scope="session")
