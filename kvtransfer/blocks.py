@@ -9,7 +9,8 @@ import numpy as np
 from kvtransfer.protocol import RegionSpec
 
 
-def coalesce_runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+def coalesce_runs(local_ids: Sequence[int],
+                  remote_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """Group pairs (local[i], remote[i]) into runs contiguous on both sides.
 
     Returns ``(local_start, remote_start, count)`` triples in input order; one run becomes one
@@ -40,7 +41,8 @@ def build_read_ops(runs: Sequence[tuple[int, int, int]], local: Sequence[RegionS
     ops: list[tuple[int, int, int, int]] = []
     for loc, rem, rkey in zip(local, remote, rkey_indices, strict=True):
         if loc.block_bytes != rem.block_bytes:
-            raise ValueError(f"region {loc.name}: block size {loc.block_bytes} != {rem.block_bytes}")
+            raise ValueError(f"region {loc.name}: block size {loc.block_bytes} "
+                             f"!= {rem.block_bytes}")
         dense = loc.block_stride == loc.block_bytes and rem.block_stride == rem.block_bytes
         for l0, r0, n in runs:
             if max(l0, r0) < 0 or l0 + n > loc.num_blocks or r0 + n > rem.num_blocks:

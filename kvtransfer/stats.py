@@ -84,6 +84,8 @@ class TransferPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter_cls: Any = self._counter_cls
+        histogram_cls: Any = self._histogram_cls
         docs = {
             "pulls": "KV pulls completed (decode side).",
             "pull_failures": "KV pulls that failed; their blocks were recomputed.",
@@ -92,16 +94,17 @@ class TransferPromMetrics(KVConnectorPromMetrics):
             "leases_released": "Prefill leases ended by a decode release.",
             "leases_expired": "Prefill leases that expired before any release.",
         }
-        self._counters = {}
+        self._counters: dict[str, dict[int, Any]] = {}
         for key, doc in docs.items():
-            metric = self._counter_cls(name=f"pdserve_kv_{key}_total", documentation=doc,
+            metric = counter_cls(name=f"pdserve_kv_{key}_total", documentation=doc,
                                        labelnames=labelnames)
             self._counters[key] = {idx: metric.labels(*values)
                                    for idx, values in per_engine_labelvalues.items()}
-        hist = self._histogram_cls(name="pdserve_kv_pull_duration_seconds",
+        hist = histogram_cls(name="pdserve_kv_pull_duration_seconds",
                                    documentation="Time from posting the reads to a released lease.",
                                    labelnames=labelnames, buckets=PULL_SECONDS_BUCKETS)
-        self._hist = {idx: hist.labels(*values) for idx, values in per_engine_labelvalues.items()}
+        self._hist: dict[int, Any] = {idx: hist.labels(*values)
+                                      for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, per_engine in self._counters.items():

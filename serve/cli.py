@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         from serve.worker import WorkerLauncher, settings_from_args
 
         return asyncio.run(WorkerLauncher(settings_from_args(args, extra)).run())
-    from serve.supervisor import run_cluster, settings_from_args as up_settings
+    from serve.supervisor import run_cluster
+    from serve.supervisor import settings_from_args as up_settings
 
     return asyncio.run(run_cluster(up_settings(args)))
 

@@ -61,7 +61,8 @@ def start_redis(port: int | None = None, ready_timeout_s: float = 10.0) -> Redis
     """Start ``redis-server`` (no persistence) and wait until it answers PING."""
     binary = shutil.which("redis-server")
     if binary is None:
-        raise RuntimeError("redis-server not found; run `make setup` (installs Debian's redis-server)")
+        raise RuntimeError("redis-server not found; run `make setup` "
+                           "(it installs Debian's redis-server)")
     port = port or free_port()
     workdir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
     cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

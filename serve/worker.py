@@ -63,7 +63,8 @@ class WorkerSettings:
 
 
 def kv_transfer_config(engine_id: str, *, lease_s: float, pull_timeout_s: float,
-                       handshake_file: str | None, corrupt_pulled_kv_file: str | None = None) -> dict:
+                       handshake_file: str | None,
+                       corrupt_pulled_kv_file: str | None = None) -> dict:
     """The ``--kv-transfer-config`` that loads our connector (both roles; recompute on failure)."""
     extra: dict[str, object] = {"lease_s": lease_s, "pull_timeout_s": pull_timeout_s}
     if handshake_file:
@@ -251,4 +252,5 @@ def settings_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerSett
                           redis_url=args.redis, served_model_name=args.served_model_name,
                           lease_s=args.lease_s, pull_timeout_s=args.pull_timeout_s,
                           kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
-                          corrupt_pulled_kv_file=args.corrupt_pulled_kv_file, extra_vllm_args=tuple(extra))
+                          corrupt_pulled_kv_file=args.corrupt_pulled_kv_file,
+                          extra_vllm_args=tuple(extra))

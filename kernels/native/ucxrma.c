@@ -44,8 +44,10 @@
 #include <stdlib.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -58,6 +60,9 @@
 #endif
 #ifndef PR_SET_PTRACER_ANY
 #define PR_SET_PTRACER_ANY ((unsigned long)-1)
+#endif
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
 #endif
 #ifndef IOV_MAX
 #define IOV_MAX 1024
@@ -711,7 +716,11 @@ static void *pvm_main(void *arg)
 static int pvm_start(EngineObject *e)
 {
     if (e->pvm_started) return 0;
+    /* Default: 2 workers when we may run on 2+ CPUs (measured: 13.6 -> 19.5 GB/s for 256 MiB
+     * KV-shaped pulls on a 2-core VM; one batch pins remote pages one by one, two overlap). */
     int n = 1;
+    cpu_set_t cs;
+    if (sched_getaffinity(0, sizeof(cs), &cs) == 0 && CPU_COUNT(&cs) >= 2) n = 2;
     const char *v = getenv("PDSERVE_KV_PVM_THREADS");
     if (v != NULL && *v != '\0') n = atoi(v);
     if (n < 1) n = 1;
@@ -1192,6 +1201,22 @@ static PyObject *engine_get_failed_replies(EngineObject *self, void *Py_UNUSED(c
     return PyLong_FromUnsignedLongLong(v);
 }
 
+/* Back registered host memory with transparent huge pages (PDSERVE_KV_THP, default "collapse";
+ * "advise": MADV_HUGEPAGE only; "0": leave it).  process_vm_readv pins remote pages one by one,
+ * which costs ~4x in throughput on 4 KiB pages.  Only the 2 MiB-aligned interior is touched;
+ * every failure (no THP, old kernel, pinned pages) is ignored: this is an optimisation. */
+static void advise_hugepages(uintptr_t addr, size_t length)
+{
+    const char *v = getenv("PDSERVE_KV_THP");
+    if (v != NULL && strcmp(v, "0") == 0) return;
+    const uintptr_t huge = 2u << 20;
+    uintptr_t lo = (addr + huge - 1) & ~(huge - 1), hi = (addr + length) & ~(huge - 1);
+    if (hi <= lo) return;
+    if (madvise((void *)lo, hi - lo, MADV_HUGEPAGE) != 0) return;
+    if (v != NULL && strcmp(v, "advise") == 0) return;
+    (void)madvise((void *)lo, hi - lo, MADV_COLLAPSE);
+}
+
 static PyObject *engine_register(EngineObject *self, PyObject *args)
 {
     unsigned long long addr, length;
@@ -1217,6 +1242,12 @@ static PyObject *engine_register(EngineObject *self, PyObject *args)
     ucs_status_t st;
     st = ucp_mem_map(self->ctx, &mp, &memh); /* under the GIL, like connect */
     if (st != UCS_OK) return raise_status("ucp_mem_map", st);
+    ucp_mem_attr_t ma = {.field_mask = UCP_MEM_ATTR_FIELD_MEM_TYPE};
+    if (ucp_mem_query(memh, &ma) == UCS_OK && ma.mem_type == UCS_MEMORY_TYPE_HOST) {
+        Py_BEGIN_ALLOW_THREADS
+        advise_hugepages((uintptr_t)addr, (size_t)length);
+        Py_END_ALLOW_THREADS
+    }
     void *rk = NULL;
     size_t rklen = 0;
     st = ucp_rkey_pack(self->ctx, memh, &rk, &rklen);

@@ -1,4 +1,4 @@
-"""KV transport: one-sided UCX RMA (see `ucx.py`)."""
+"""KV transport: one-sided pulls (UCX RMA, or process_vm_readv on the same host; see `ucx.py`)."""
 
 from kvtransfer.errors import KVTransferError, PeerUnreachable, TransferTimeout, TransportError
 from kvtransfer.transport.ucx import IncomingRequest, Peer, Region, Transfer, UcxEngine

@@ -8,7 +8,7 @@ changes its own state while choosing. The caller reports what actually happened 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -23,6 +23,18 @@ class RouteRequest:
     model: str
     prompt_token_ids: tuple[int, ...] = ()
     """The rendered prompt's token ids, for prefix-aware policies; empty when not tokenized."""
+    block_hashes: tuple[int, ...] = ()
+    """Chained block hashes of the prompt (:mod:`router.policy.hashing`). Optional: prefix-aware
+    policies hash ``prompt_token_ids`` themselves when this is empty; the simulator fills it
+    directly (it models prompts as block hashes, not tokens)."""
+    num_prompt_tokens: int = 0
+    """Prompt length in tokens when ``prompt_token_ids`` is not given (simulator); 0 = use
+    ``len(prompt_token_ids)``."""
+
+    @property
+    def prompt_len(self) -> int:
+        """Prompt length in tokens."""
+        return self.num_prompt_tokens or len(self.prompt_token_ids)
 
 
 @dataclass(frozen=True)
@@ -34,6 +46,12 @@ class Candidate:
     """Requests the router has dispatched to this worker and not yet seen finish."""
     recently_failed: bool = False
     """True while the worker is in its failure cool-down; policies should prefer others."""
+    pending_prefill_tokens: int = 0
+    """Uncached prompt tokens dispatched to this worker and not finished (router accounting)."""
+    running: int = 0
+    """Sequences running on the worker (decode): router accounting or ``vllm:num_requests_running``."""
+    kv_usage: float = 0.0
+    """Fraction of the worker's KV cache in use (``vllm:kv_cache_usage_perc``), 0 when unknown."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +61,8 @@ class Dispatched:
     request_id: str
     worker_id: str
     model: str = ""
+    request: RouteRequest | None = None
+    """The routed request, so prefix-aware policies can record what the worker will cache."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +75,19 @@ class Finished:
     ok: bool = True
 
 
-PolicyEvent = Dispatched | Finished
+@dataclass(frozen=True)
+class Membership:
+    """The live workers of ``model`` for one role are now exactly ``worker_ids``.
+
+    Sent by the caller when membership changes (join, leave, scale); ring-based policies update
+    their rings here, so only keys whose candidates change move.
+    """
+
+    model: str
+    worker_ids: tuple[str, ...]
+
+
+PolicyEvent = Dispatched | Finished | Membership
 
 
 @runtime_checkable
@@ -75,6 +107,44 @@ class PlacementPolicy(Protocol):
     ) -> Candidate | None: ...
 
     def observe(self, event: PolicyEvent) -> None: ...
+
+
+@runtime_checkable
+class PrefixAware(Protocol):
+    """Optional extension: a policy that models what each worker has cached.
+
+    The router asks it, after ``select``, how many of the request's prompt tokens it expects
+    ``worker_id`` to find cached, so its in-flight accounting counts only uncached tokens
+    (``Candidate.pending_prefill_tokens``). Pure query, no state change.
+    """
+
+    def cached_prefix_tokens(self, request: RouteRequest, worker_id: str) -> int: ...
+
+
+def index_candidates(candidates: Sequence[Candidate]) -> Mapping[str, Candidate]:
+    """``worker_id -> Candidate``; uses the sequence's own ``by_id`` index when it has one
+    (:class:`CandidatePool`, the simulator's lazy pool) so large pools are not re-indexed."""
+    by_id = getattr(candidates, "by_id", None)
+    if by_id is not None:
+        return by_id  # type: ignore[no-any-return]
+    return {c.worker_id: c for c in candidates}
+
+
+class CandidatePool(Sequence[Candidate]):
+    """An immutable candidate list that carries its ``worker_id`` index (built once)."""
+
+    def __init__(self, candidates: Sequence[Candidate]) -> None:
+        self._items = tuple(candidates)
+        self.by_id: Mapping[str, Candidate] = {c.worker_id: c for c in self._items}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def,override]
+        return self._items[i]
+
+    def __iter__(self):  # type: ignore[no-untyped-def,override]
+        return iter(self._items)
 
 
 def preferred(candidates: Sequence[Candidate]) -> list[Candidate]:

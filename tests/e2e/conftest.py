@@ -104,6 +104,7 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     finally:
         stop_process(plain_proc)
         worker_urls = re.findall(r'"url": "(http://[^"]+)"', "".join(cluster.output))
+        leaves = _LeaveListener(cluster.redis_url) if cluster.redis_url else None
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
         try:
@@ -112,9 +113,42 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise AssertionError("pdserve up did not stop within 120 s of Ctrl-C") from None
-    # Ctrl-C stops every child cleanly: exit code 0, no worker or router left listening.
+    # Ctrl-C stops every child cleanly: exit code 0, each worker deregistered itself (a leave
+    # event before `up` stopped its Redis), no worker or router left listening.
     assert code == 0, "".join(cluster.output[-30:])
-    assert worker_urls and not any(_port_open(u) for u in [*worker_urls, cluster.url])
+    assert leaves is not None and len(leaves.stop()) == len(worker_urls) == 2
+    assert not any(_port_open(u) for u in [*worker_urls, cluster.url])
+
+
+class _LeaveListener:
+    """Collects registry "leave" events in a thread until stop()."""
+
+    def __init__(self, redis_url: str) -> None:
+        import redis
+
+        self._pubsub = redis.Redis.from_url(redis_url).pubsub()
+        self._pubsub.subscribe("pdserve:events")
+        self.worker_ids: set[str] = set()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import json
+
+        import redis
+
+        try:
+            for message in self._pubsub.listen():
+                if message["type"] == "message":
+                    event = json.loads(message["data"])
+                    if event.get("type") == "leave":
+                        self.worker_ids.add(event["worker_id"])
+        except (redis.RedisError, ValueError, OSError):
+            return  # `up` stopped its Redis
+
+    def stop(self) -> set[str]:
+        self._thread.join(timeout=10)
+        return self.worker_ids
 
 
 @pytest.fixture(scope="session")

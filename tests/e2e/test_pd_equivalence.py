@@ -133,6 +133,7 @@ def test_decode_pulls_instead_of_recomputing(cluster: Cluster, plain: Plain,
     p1 = scrape(workers["prefill"])
     assert value(p1, "pdserve_kv_leases_released_total") - \
         value(p0, "pdserve_kv_leases_released_total") == n
-    assert value(p1, "pdserve_kv_leases_expired_total") == value(p0, "pdserve_kv_leases_expired_total")
+    expired = "pdserve_kv_leases_expired_total"
+    assert value(p1, expired) == value(p0, expired)
     eventually(lambda: value(scrape(workers["prefill"]), "vllm:kv_cache_usage_perc"),
                lambda usage: usage == 0.0, timeout_s=15)

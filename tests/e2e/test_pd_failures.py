@@ -1,4 +1,4 @@
-"""Failure paths of the P/D flow against real workers: corrupted pulls, expired leases, bad input."""
+"""Failure paths of P/D against real workers: corrupted pulls, expired leases, bad input."""
 
 from __future__ import annotations
 

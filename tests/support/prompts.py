@@ -7,9 +7,12 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-WORDS = ("river stone lantern copper meadow violet thunder orbit pepper glacier harbor sable "
-         "crimson falcon willow ember quartz saffron tundra mosaic beacon cobalt juniper "
-         "nectar obsidian prairie raven sierra tangent umber vertex walnut zephyr").split()
+WORDS = [
+    "river", "stone", "lantern", "copper", "meadow", "violet", "thunder", "orbit", "pepper",
+    "glacier", "harbor", "sable", "crimson", "falcon", "willow", "ember", "quartz", "saffron",
+    "tundra", "mosaic", "beacon", "cobalt", "juniper", "nectar", "obsidian", "prairie", "raven",
+    "sierra", "tangent", "umber", "vertex", "walnut", "zephyr",
+]
 
 
 def prompt_of_tokens(tokenizer, target: int, rng: random.Random) -> str:  # noqa: ANN001

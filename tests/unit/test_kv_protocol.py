@@ -15,7 +15,8 @@ from kvtransfer.protocol import (
     release_message,
 )
 
-HS = Handshake("eng-1", b"\x00\x01ucx-address", (RegionSpec("l0#0", 4096, 65536, 65536, 10, b"rk"),),
+HS = Handshake("eng-1", b"\x00\x01ucx-address",
+               (RegionSpec("l0#0", 4096, 65536, 65536, 10, b"rk"),),
                compat_hash(model="m", layers=4))
 
 
