@@ -56,6 +56,8 @@ class Handshake:
     ucx_address: bytes
     regions: tuple[RegionSpec, ...]
     compat: str
+    locality: bytes = b""
+    """Same-host identity of the engine (empty: read over UCX only)."""
 
     def to_wire(self) -> str:
         """Compact ASCII form for JSON transport."""
@@ -64,6 +66,7 @@ class Handshake:
             "e": self.engine_id,
             "a": base64.b64encode(self.ucx_address).decode(),
             "c": self.compat,
+            "l": base64.b64encode(self.locality).decode(),
             "r": [[r.name, r.base, r.block_stride, r.block_bytes, r.num_blocks,
                    base64.b64encode(r.rkey).decode()] for r in self.regions],
         }
@@ -79,7 +82,8 @@ class Handshake:
             regions = tuple(
                 RegionSpec(str(n), int(b), int(s), int(bb), int(nb), base64.b64decode(k))
                 for n, b, s, bb, nb, k in doc["r"])
-            return cls(str(doc["e"]), base64.b64decode(doc["a"]), regions, str(doc["c"]))
+            return cls(str(doc["e"]), base64.b64decode(doc["a"]), regions, str(doc["c"]),
+                       base64.b64decode(doc.get("l", "")))
         except HandshakeError:
             raise
         except (ValueError, KeyError, TypeError) as exc:

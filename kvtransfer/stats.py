@@ -15,8 +15,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-_COUNTERS = ("pulls", "pull_failures", "pulled_bytes", "pulled_blocks", "leases_released",
-             "leases_expired")
+_COUNTERS = ("pulls", "pulls_same_host", "pull_failures", "pulled_bytes", "pulled_blocks",
+             "leases_released", "leases_expired")
 PULL_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
                         5.0, 10.0)
 
@@ -31,9 +31,11 @@ class TransferStats(KVConnectorStats):
 
     data: dict[str, Any] = field(default_factory=_empty)
 
-    def record_pull(self, nbytes: int, nblocks: int, seconds: float) -> None:
-        """One successful pull."""
+    def record_pull(self, nbytes: int, nblocks: int, seconds: float,
+                    same_host: bool = False) -> None:
+        """One successful pull (``same_host``: read with process_vm_readv, not over UCX)."""
         self.data["pulls"] += 1
+        self.data["pulls_same_host"] += int(same_host)
         self.data["pulled_bytes"] += nbytes
         self.data["pulled_blocks"] += nblocks
         self.data["pull_seconds"].append(seconds)
@@ -88,6 +90,7 @@ class TransferPromMetrics(KVConnectorPromMetrics):
         histogram_cls: Any = self._histogram_cls
         docs = {
             "pulls": "KV pulls completed (decode side).",
+            "pulls_same_host": "KV pulls read with the same-host path (process_vm_readv).",
             "pull_failures": "KV pulls that failed; their blocks were recomputed.",
             "pulled_bytes": "Bytes of KV pulled over UCX (decode side).",
             "pulled_blocks": "KV blocks pulled over UCX (decode side).",

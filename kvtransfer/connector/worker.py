@@ -126,14 +126,16 @@ class WorkerHalf:
         self._engine = UcxEngine(name=f"pdserve-{self.engine_id[:8]}")
         regions = []
         for _, tensor, block_dim, spec in described:
-            reg = self._engine.register(spec.base, spec.num_blocks * spec.block_stride)
+            reg = self._engine.register(spec.base, spec.num_blocks * spec.block_stride,
+                                        keepalive=tensor)
             regions.append(RegionSpec(spec.name, spec.base, spec.block_stride, spec.block_bytes,
                                       spec.num_blocks, reg.rkey))
             self._tensors.append((tensor, block_dim))
         self._regions = regions
         compat = compat_hash(**self._compat_facts,
                              regions=[(r.name, r.block_bytes) for r in regions])
-        self._handshake = Handshake(self.engine_id, self._engine.address, tuple(regions), compat)
+        self._handshake = Handshake(self.engine_id, self._engine.address, tuple(regions), compat,
+                                    self._engine.locality)
         self._responder = threading.Thread(target=self._serve_releases, daemon=True,
                                            name="pdserve-kv-releases")
         self._responder.start()
@@ -186,8 +188,12 @@ class WorkerHalf:
         if hs.compat != self._handshake.compat or len(hs.regions) != len(self._regions):
             raise HandshakeError(f"engine {hs.engine_id} is incompatible (compat {hs.compat} "
                                  f"!= {self._handshake.compat})")
-        peer = self._engine.connect(hs.ucx_address)
-        state = _PeerState(peer, hs, [peer.unpack_rkey(r.rkey) for r in hs.regions])
+        peer = self._engine.connect(hs.ucx_address, hs.locality or None)
+        rkeys = [peer.unpack_rkey(r.rkey, base=r.base, length=r.num_blocks * r.block_stride)
+                 for r in hs.regions]
+        state = _PeerState(peer, hs, rkeys)
+        logger.info("connected to engine %s over %s%s", hs.engine_id, peer.path,
+                    f" ({peer.path_reason})" if peer.path_reason else "")
         self._peers[remote.engine_id] = state
         return state
 
@@ -276,7 +282,8 @@ class WorkerHalf:
             if reply == RELEASE_OK:
                 self._finished_recving.add(request_id)
                 self.stats.record_pull(pull.nbytes, len(pull.spec.local_block_ids),
-                                       time.monotonic() - pull.started)
+                                       time.monotonic() - pull.started,
+                                       same_host=pull.peer.path == "pvm")
             else:
                 self._fail(pull.spec, "lease expired before the pull finished"
                            if reply == RELEASE_EXPIRED else f"bad release reply {reply!r}")

@@ -121,6 +121,7 @@ def test_decode_pulls_instead_of_recomputing(cluster: Cluster, plain: Plain,
         return value(d1, name, **labels) - value(d0, name, **labels)
 
     assert delta("pdserve_kv_pulls_total") == n
+    assert delta("pdserve_kv_pulls_same_host_total") == n  # one-sided same-host read path
     assert delta("pdserve_kv_pull_failures_total") == 0
     assert delta("pdserve_kv_pulled_bytes_total") > 0
     # Decode computes at most the last prompt token of each request itself (to sample from it);

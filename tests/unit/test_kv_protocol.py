@@ -17,7 +17,7 @@ from kvtransfer.protocol import (
 
 HS = Handshake("eng-1", b"\x00\x01ucx-address",
                (RegionSpec("l0#0", 4096, 65536, 65536, 10, b"rk"),),
-               compat_hash(model="m", layers=4))
+               compat_hash(model="m", layers=4), b"\x07locality")
 
 
 def test_handshake_round_trips() -> None:
