@@ -25,8 +25,12 @@ class RouterSettings:
     """Redis holding the worker registry."""
     redis_prefix: str = "pdserve"
     """Key prefix of the registry (``{prefix}:worker:{id}``, ``{prefix}:events``)."""
-    policy: str = "round_robin"
+    policy: str = "dualmap"
     """Prefill placement policy, a name in ``router.policy.registry.PREFILL_POLICIES``."""
+    ttft_slo_s: float = 5.0
+    """TTFT SLO the prefill policy aims for (DualMap leaves cache affinity for load at half)."""
+    prefill_s_per_token: float = 1e-4
+    """Calibrated prefill seconds per uncached prompt token (DualMap's TTFT prediction)."""
     decode_policy: str = "least_loaded"
     """Decode placement policy, a name in ``router.policy.registry.DECODE_POLICIES``."""
     log_level: str = "INFO"
@@ -67,7 +71,8 @@ class RouterSettings:
                 f"unknown log_level {self.log_level!r}; allowed: {', '.join(LOG_LEVELS)}"
             )
         for name in ("refresh_interval_s", "connect_timeout_s", "prefill_timeout_s",
-                     "decode_timeout_s", "max_upstream_connections"):
+                     "decode_timeout_s", "max_upstream_connections", "ttft_slo_s",
+                     "prefill_s_per_token"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("prefill_retries", "decode_retries", "failure_cooldown_s"):
@@ -89,7 +94,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="port (PDSERVE_ROUTER_PORT, default 8000)")
     p.add_argument("--redis", dest="redis_url",
                    help="Redis URL (PDSERVE_ROUTER_REDIS, default redis://127.0.0.1:6379/0)")
-    p.add_argument("--policy", help="prefill policy (PDSERVE_ROUTER_POLICY, default round_robin)")
+    p.add_argument("--policy", help="prefill policy (PDSERVE_ROUTER_POLICY, default dualmap; "
+                   "also round_robin, least_loaded, consistent_hash, bounded_load_hash, "
+                   "prefix_only)")
+    p.add_argument("--ttft-slo-s", dest="ttft_slo_s", type=float,
+                   help="TTFT SLO in seconds for the prefill policy (PDSERVE_ROUTER_TTFT_SLO_S, "
+                   "default 5.0)")
+    p.add_argument("--prefill-s-per-token", dest="prefill_s_per_token", type=float,
+                   help="calibrated prefill seconds per uncached token "
+                   "(PDSERVE_ROUTER_PREFILL_S_PER_TOKEN, default 1e-4)")
     p.add_argument("--log-level", dest="log_level",
                    help="log level (PDSERVE_ROUTER_LOG_LEVEL, default INFO)")
     return p
@@ -102,6 +115,8 @@ _ENV_NAMES = {
     "redis_url": "REDIS",
     "redis_prefix": "REDIS_PREFIX",
     "policy": "POLICY",
+    "ttft_slo_s": "TTFT_SLO_S",
+    "prefill_s_per_token": "PREFILL_S_PER_TOKEN",
     "decode_policy": "DECODE_POLICY",
     "log_level": "LOG_LEVEL",
     "refresh_interval_s": "REFRESH_INTERVAL_S",

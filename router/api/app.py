@@ -31,6 +31,7 @@ from router.config import RouterSettings
 from router.errors import APIError, InvalidRequestError
 from router.metrics import RouterMetrics
 from router.policy.base import RouteRequest
+from router.policy.hashing import block_hashes
 from router.policy.registry import create_decode_policy, create_prefill_policy
 from router.state.cluster import ClusterSource, ClusterView
 from router.state.load import LoadTracker
@@ -50,7 +51,11 @@ class RouterService:
         self.tracker = LoadTracker(settings.failure_cooldown_s)
         self.client: httpx.AsyncClient | None = None
         self.proxy: PDProxy | None = None
-        self._prefill_policy = create_prefill_policy(settings.policy)
+        params: dict[str, Any] = {}
+        if settings.policy == "dualmap":
+            params = {"ttft_slo_s": settings.ttft_slo_s,
+                      "per_token_s": settings.prefill_s_per_token}
+        self._prefill_policy = create_prefill_policy(settings.policy, **params)
         self._decode_policy = create_decode_policy(settings.decode_policy)
 
     async def start(self) -> None:
@@ -129,7 +134,9 @@ class RouterService:
                 raise APIError(f"no live {role} worker for model '{req.model}'", status=503,
                                code="no_workers_available", type="service_unavailable")
         token_ids = await self._check_context(req, records, body)
-        route = RouteRequest(request_id=request_id, model=req.model, prompt_token_ids=token_ids)
+        # hashed once here; prefix-aware policies and the load accounting reuse the blocks
+        route = RouteRequest(request_id=request_id, model=req.model, prompt_token_ids=token_ids,
+                             block_hashes=block_hashes(token_ids))
         incoming = {k.lower(): v for k, v in request.headers.items()}
         assert self.proxy is not None, "RouterService.start() was not awaited"
         result = await self.proxy.prefill(endpoint, body, route, incoming)

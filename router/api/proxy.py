@@ -25,7 +25,14 @@ from router.api.schemas import Endpoint
 from router.config import RouterSettings
 from router.errors import APIError, UpstreamError
 from router.metrics import RouterMetrics
-from router.policy.base import Dispatched, Finished, PlacementPolicy, RouteRequest
+from router.policy.base import (
+    Dispatched,
+    Finished,
+    Membership,
+    PlacementPolicy,
+    PrefixAware,
+    RouteRequest,
+)
 from router.state.cluster import ClusterSource
 from router.state.load import LoadTracker
 from router.state.registry import WorkerRecord
@@ -138,12 +145,19 @@ class PDProxy:
                                               connect=settings.connect_timeout_s)
         self._decode_timeout = httpx.Timeout(settings.decode_timeout_s,
                                              connect=settings.connect_timeout_s)
+        # (role, model) -> worker ids last announced to the policy (ring membership)
+        self._members: dict[tuple[str, str], tuple[str, ...]] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------
 
     def _choose(self, role: str, route: RouteRequest, tried: set[str]) -> WorkerRecord | None:
-        records = [r for r in self.cluster.workers(role, route.model) if r.worker_id not in tried]
+        live = self.cluster.workers(role, route.model)
         policy = self.prefill_policy if role == "prefill" else self.decode_policy
+        members = tuple(sorted(r.worker_id for r in live))
+        if self._members.get((role, route.model)) != members:
+            self._members[(role, route.model)] = members
+            policy.observe(Membership(route.model, members))
+        records = [r for r in live if r.worker_id not in tried]
         choice = policy.select(route, self.tracker.candidates(records))
         if choice is None:
             return None
@@ -153,14 +167,20 @@ class PDProxy:
 
     def _begin(self, role: str, route: RouteRequest, worker: WorkerRecord) -> None:
         policy = self.prefill_policy if role == "prefill" else self.decode_policy
-        policy.observe(Dispatched(route.request_id, worker.worker_id, route.model))
-        self.tracker.start(worker.worker_id)
+        tokens = 0
+        if role == "prefill":
+            # uncached tokens: asked before Dispatched, which records the prompt as cached there
+            cached = (policy.cached_prefix_tokens(route, worker.worker_id)
+                      if isinstance(policy, PrefixAware) else 0)
+            tokens = max(route.prompt_len - cached, 0)
+        policy.observe(Dispatched(route.request_id, worker.worker_id, route.model, route))
+        self.tracker.start(worker.worker_id, route.request_id, tokens)
         self.metrics.in_flight.labels(role=role).inc()
 
     def _end(self, role: str, route: RouteRequest, worker: WorkerRecord, ok: bool) -> None:
         policy = self.prefill_policy if role == "prefill" else self.decode_policy
         policy.observe(Finished(route.request_id, worker.worker_id, route.model, ok))
-        self.tracker.finish(worker.worker_id)
+        self.tracker.finish(worker.worker_id, route.request_id)
         self.metrics.in_flight.labels(role=role).dec()
 
     def _failed(self, worker: WorkerRecord, err: UpstreamError) -> None:

@@ -7,7 +7,7 @@ The memo is a cache, not decision state: the same inputs always give the same ri
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from router.policy.base import Candidate
 from router.policy.ring import DEFAULT_VNODES, DualRing
@@ -45,8 +45,12 @@ class ModelRings:
         return memo
 
 
-def allowed_ids(index: Mapping[str, Candidate]) -> Mapping[str, Candidate]:
-    """Candidates not in failure cool-down, or all when every one is cooling down."""
+def allowed_ids(candidates: Sequence[Candidate],
+                index: Mapping[str, Candidate]) -> Mapping[str, Candidate]:
+    """Candidates not in failure cool-down, or all when every one is cooling down. A pool that
+    knows it has no failed member (``any_failed`` False) is returned without a scan."""
+    if getattr(candidates, "any_failed", True) is False:
+        return index
     for c in index.values():
         if c.recently_failed:
             break

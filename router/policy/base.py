@@ -49,7 +49,7 @@ class Candidate:
     pending_prefill_tokens: int = 0
     """Uncached prompt tokens dispatched to this worker and not finished (router accounting)."""
     running: int = 0
-    """Sequences running on the worker (decode): router accounting or ``vllm:num_requests_running``."""
+    """Sequences running on the worker (decode), e.g. ``vllm:num_requests_running``."""
     kv_usage: float = 0.0
     """Fraction of the worker's KV cache in use (``vllm:kv_cache_usage_perc``), 0 when unknown."""
 
@@ -136,6 +136,7 @@ class CandidatePool(Sequence[Candidate]):
     def __init__(self, candidates: Sequence[Candidate]) -> None:
         self._items = tuple(candidates)
         self.by_id: Mapping[str, Candidate] = {c.worker_id: c for c in self._items}
+        self.any_failed = any(c.recently_failed for c in self._items)
 
     def __len__(self) -> int:
         return len(self._items)

@@ -2,9 +2,11 @@
 
 Parameters: none.
 
-Picks the candidate with the fewest in-flight requests (``Candidate.in_flight``, router-side
-accounting). Ties are broken round-robin by ``worker_id`` after the last dispatched worker, so an
-idle pool still spreads sequential requests instead of piling them on the first worker.
+Picks the candidate with the fewest outstanding prompt tokens
+(``Candidate.pending_prefill_tokens``, router-side accounting; 0 for decode workers), then the
+fewest in-flight requests (``Candidate.in_flight``). Ties are broken round-robin by
+``worker_id`` after the last dispatched worker, so an idle pool still spreads sequential
+requests instead of piling them on the first worker.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ class LeastLoadedPolicy:
         pool = preferred(candidates)
         if not pool:
             return None
-        low = min(c.in_flight for c in pool)
-        return self._ties.select(request, [c for c in pool if c.in_flight == low])
+        low = min((c.pending_prefill_tokens, c.in_flight) for c in pool)
+        return self._ties.select(
+            request, [c for c in pool if (c.pending_prefill_tokens, c.in_flight) == low])
 
     def observe(self, event: PolicyEvent) -> None:
         self._ties.observe(event)

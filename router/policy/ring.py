@@ -15,8 +15,8 @@ cool-down) by walking on clockwise; the walk is deterministic.
 
 from __future__ import annotations
 
-from bisect import bisect_right, insort
-from collections.abc import Callable, Container, Iterable
+from bisect import bisect_right
+from collections.abc import Container, Iterable
 
 from router.policy.hashing import hash_int, hash_str
 
@@ -165,5 +165,3 @@ class DualRing:
             return None, None
         return first, self.ring2.lookup(key, allowed, exclude=first)
 
-
-RingFactory = Callable[[Iterable[str]], DualRing]

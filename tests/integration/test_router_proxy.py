@@ -80,7 +80,9 @@ def start_router(redis_server: RedisServer) -> Iterator[Callable[..., str]]:
     def start(redis_url: str | None = None, **overrides: Any) -> str:
         opts: dict[str, Any] = {"redis_url": redis_url or redis_server.url,
                                 "redis_prefix": PREFIX, "refresh_interval_s": 0.1,
-                                "prefill_timeout_s": 10.0, "decode_timeout_s": 10.0}
+                                "prefill_timeout_s": 10.0, "decode_timeout_s": 10.0,
+                                # these tests assert round-robin order; the default is dualmap
+                                "policy": "round_robin"}
         opts.update(overrides)
         server = ServerThread(create_app(RouterSettings(**opts))).start()
         servers.append(server)

@@ -11,7 +11,7 @@ from router.errors import ConfigError
 def test_defaults() -> None:
     s = load([], env={})
     assert (s.host, s.port, s.redis_url, s.policy, s.log_level) == (
-        "127.0.0.1", 8000, "redis://127.0.0.1:6379/0", "round_robin", "INFO")
+        "127.0.0.1", 8000, "redis://127.0.0.1:6379/0", "dualmap", "INFO")
 
 
 def test_env_then_cli_precedence() -> None:
@@ -26,7 +26,7 @@ def test_env_then_cli_precedence() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"policy": "magic"}, "allowed: least_loaded, round_robin"),
+    ({"policy": "magic"}, "allowed: bounded_load_hash, consistent_hash, dualmap, least_loaded"),
     ({"decode_policy": "magic"}, "allowed"),
     ({"port": 0}, "port"),
     ({"log_level": "LOUD"}, "allowed: DEBUG"),

@@ -121,7 +121,7 @@ def test_registry_names_and_unknown_name() -> None:
     assert create_decode_policy("least_loaded").name == "least_loaded"
     for name in PREFILL_POLICIES:
         assert isinstance(create_prefill_policy(name), PlacementPolicy)
-    with pytest.raises(ConfigError, match="allowed: least_loaded, round_robin"):
+    with pytest.raises(ConfigError, match="allowed: bounded_load_hash, consistent_hash, dualmap"):
         create_prefill_policy("nope")
 
 

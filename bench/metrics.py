@@ -1,0 +1,86 @@
+"""Run metrics from recorded per-request timestamps (pure; definitions follow vLLM's bench).
+
+TTFT: send -> first content chunk. E2E: send -> last content chunk. TPOT: (E2E - TTFT) /
+(output tokens - 1), for outputs of 2+ tokens. ITL: every gap between consecutive chunks.
+Percentiles interpolate linearly (numpy's default), as ``vllm bench serve`` does.
+
+SLO attainment: the share of *scheduled* requests that completed with TTFT <= ``slo_ttft_s``
+and TPOT <= ``slo_tpot_s`` (an SLO left unset always holds; a one-token output meets any TPOT
+SLO; failed requests miss). Goodput: requests meeting both per second of run (vLLM's
+``--goodput`` form; the DistServe form, the highest rate with >= 90% attainment, is the sweep's).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from bench.client import RequestResult
+
+PERCENTILES = (50, 90, 99)
+
+
+def distribution(values: Sequence[float]) -> dict[str, float | None]:
+    """mean, p50, p90, p99 (None when empty)."""
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    arr = np.asarray(values, dtype=float)
+    out: dict[str, float | None] = {"mean": float(arr.mean())}
+    for p in PERCENTILES:
+        out[f"p{p}"] = float(np.percentile(arr, p))
+    return out
+
+
+def meets_slo(r: RequestResult, slo_ttft_s: float | None, slo_tpot_s: float | None) -> bool:
+    """True when ``r`` completed within both SLOs."""
+    if not r.ok or r.ttft_s is None:
+        return False
+    if slo_ttft_s is not None and r.ttft_s > slo_ttft_s:
+        return False
+    tpot = r.tpot_s
+    return not (slo_tpot_s is not None and tpot is not None and tpot > slo_tpot_s)
+
+
+def summarize(results: Sequence[RequestResult], duration_s: float, *,
+              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None
+              ) -> dict[str, Any]:
+    """Flat summary metrics of one run (seconds, requests, tokens)."""
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+    tpot = [t for t in (r.tpot_s for r in ok) if t is not None]
+    itl = [g for r in ok for g in r.itl_s]
+    lag = [r.lag_s for r in results if r.lag_s == r.lag_s]  # NaN: never sent
+    good = sum(1 for r in results if meets_slo(r, slo_ttft_s, slo_tpot_s))
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+
+    def per_s(x: float) -> float | None:
+        return x / duration_s if duration_s > 0 else None
+
+    summary: dict[str, Any] = {
+        "requests_scheduled": len(results),
+        "requests_sent": len(lag),
+        "requests_completed": len(ok),
+        "requests_failed": len(results) - len(ok),
+        "duration_s": duration_s,
+        "request_throughput_rps": per_s(len(ok)),
+        "output_token_throughput_tps": per_s(out_tokens),
+        "total_token_throughput_tps": per_s(in_tokens + out_tokens),
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "slo_ttft_s": slo_ttft_s,
+        "slo_tpot_s": slo_tpot_s,
+        "slo_attainment": good / len(results) if results else None,
+        "goodput_rps": per_s(good),
+        "errors": dict(sorted(Counter(r.error_type for r in results if not r.ok).items())),
+    }
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e),
+                         ("schedule_lag", lag)):
+        for stat, v in distribution(values).items():
+            summary[f"{name}_{stat}"] = v
+    summary["schedule_lag_max"] = max(lag) if lag else None
+    return summary

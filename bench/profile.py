@@ -1,0 +1,81 @@
+"""`bench profile`: a worker's prefill time per token and decode step time vs batch size.
+
+Prefill: one request at a time (an idle server), ``max_tokens=1``, for each prompt length;
+the median TTFT per length is fitted as ``fixed_s + per_token_s * tokens`` (least squares).
+Decode: ``B`` requests started together with short prompts and ``ignore_eos``; the median
+inter-token gap of all of them (first ``skip`` gaps dropped) is the step time at batch ``B``.
+
+The output is the calibration JSON the simulator takes (schema ``pdserve.bench.profile/1``)::
+
+    {"schema", "created", "url", "model",
+     "prefill": {"fixed_s", "per_token_s", "points": [{"tokens", "ttft_s"}]},
+     "decode": {"points": [{"batch_size", "step_s"}], "output_tokens"}}
+
+Parameters (defaults): prompt_lengths=(32, 128, 512, 1024), batch_sizes=(1, 2, 4, 8, 16),
+repeats=3, decode_tokens=32, decode_prompt_tokens=16, skip=2.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from bench.client import ClientConfig, RequestSpec, run_open_loop
+from bench.prompts import PromptSynthesizer
+
+logger = logging.getLogger(__name__)
+
+PROFILE_SCHEMA = "pdserve.bench.profile/1"
+
+
+async def profile(cfg: ClientConfig, prompts: PromptSynthesizer, *,
+                  prompt_lengths: Sequence[int] = (32, 128, 512, 1024),
+                  batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), repeats: int = 3,
+                  decode_tokens: int = 32, decode_prompt_tokens: int = 16,
+                  skip: int = 2) -> dict[str, Any]:
+    """Measure and return the profile document."""
+    # Warm-up so the first measured request does not pay for lazy initialisation.
+    await run_open_loop([RequestSpec(0, 0.0, prompts.prompt(8).text, 8, 2)], cfg)
+    prefill_points = []
+    for n in prompt_lengths:
+        ttfts = []
+        for _ in range(repeats):
+            p = prompts.prompt(n)  # fresh text each time: no prefix-cache hits
+            run = await run_open_loop([RequestSpec(0, 0.0, p.text, p.num_tokens, 1)], cfg)
+            r = run.results[0]
+            if r.ttft_s is None:
+                raise RuntimeError(f"prefill probe of {n} tokens failed: {r.error_type} {r.error}")
+            ttfts.append(r.ttft_s)
+        prefill_points.append({"tokens": n, "ttft_s": statistics.median(ttfts)})
+        logger.info("profile: prefill %d tokens -> %.4f s", n, prefill_points[-1]["ttft_s"])
+    xs = np.array([p["tokens"] for p in prefill_points], dtype=float)
+    ys = np.array([p["ttft_s"] for p in prefill_points], dtype=float)
+    if len(xs) >= 2:
+        per_token, fixed = (float(v) for v in np.polyfit(xs, ys, 1))
+    else:
+        per_token, fixed = float(ys[0] / xs[0]), 0.0
+    decode_points = []
+    for b in batch_sizes:
+        specs = []
+        for i in range(b):
+            p = prompts.prompt(decode_prompt_tokens)
+            specs.append(RequestSpec(i, 0.0, p.text, p.num_tokens, decode_tokens))
+        run = await run_open_loop(specs, cfg)
+        gaps = [g for r in run.results for g in r.itl_s[skip:]]
+        failed = [r for r in run.results if not r.ok]
+        if failed or not gaps:
+            raise RuntimeError(f"decode probe at batch {b} failed: "
+                               f"{[(r.error_type, r.error) for r in failed][:3]}")
+        decode_points.append({"batch_size": b, "step_s": statistics.median(gaps)})
+        logger.info("profile: decode batch %d -> %.4f s/step", b, decode_points[-1]["step_s"])
+    return {"schema": PROFILE_SCHEMA,
+            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "url": cfg.url, "model": cfg.model,
+            "prefill": {"fixed_s": max(0.0, fixed), "per_token_s": max(0.0, per_token),
+                        "points": prefill_points},
+            "decode": {"points": decode_points, "output_tokens": decode_tokens}}
