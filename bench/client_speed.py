@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-cpu", type=int, default=1)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.client_cpu})
     rows = []

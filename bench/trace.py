@@ -182,18 +182,18 @@ def read_trace(source: str | Path | IO[str], *, models: Iterable[str] | None = N
             assert window_end is not None
             if ts >= window_end:
                 break
+            if resp == 0:
+                stats.drop("failed")
+                continue
+            if req == 0:
+                stats.drop("zero_request_tokens")
+                continue
             model, log_type = row[i_model].strip(), row[i_log].strip()
             if model_set is not None and model.lower() not in model_set:
                 stats.drop("model")
                 continue
             if log_set is not None and log_type.lower() not in log_set:
                 stats.drop("log_type")
-                continue
-            if resp == 0:
-                stats.drop("failed")
-                continue
-            if req == 0:
-                stats.drop("zero_request_tokens")
                 continue
             session = (row[i_sess].strip() or None) if i_sess is not None else None
             elapsed = (_parse_float(row[i_elapsed], COL_ELAPSED, line, name)

@@ -21,6 +21,13 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_worker_args(w)
     sub.add_parser("router", help="run the OpenAI-compatible router (see `pdserve router -h`)",
                    add_help=False)
+    sub.add_parser("bench", help="load-test harness: replay/synth/sweep/compare/profile "
+                   "(see `pdserve bench -h`)", add_help=False)
+    sub.add_parser("sim", help="cluster simulator (see `pdserve sim -h`)", add_help=False)
+    from router.autoscale.service import add_autoscale_args
+
+    scale = sub.add_parser("autoscale", help="size the prefill and decode pools to the SLOs")
+    add_autoscale_args(scale)
     model = sub.add_parser("model", help="build models")
     msub = model.add_subparsers(dest="model_command", required=True)
     tiny = msub.add_parser("tiny", help="write the tiny offline Llama + tokenizer")
@@ -36,6 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         from router.main import main as router_main
 
         return router_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv[:1] == ["sim"]:
+        from bench.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "worker":
@@ -51,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         from serve.worker import WorkerLauncher, settings_from_args
 
         return asyncio.run(WorkerLauncher(settings_from_args(args, extra)).run())
+    if args.command == "autoscale":
+        from router.autoscale.service import run_autoscaler
+        from router.autoscale.service import settings_from_args as scale_settings
+
+        return asyncio.run(run_autoscaler(scale_settings(args)))
     from serve.supervisor import run_cluster
     from serve.supervisor import settings_from_args as up_settings
 

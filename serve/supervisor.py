@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from router.autoscale.actuators import DesiredReplicas
+from router.state.registry import WorkerRegistry
 from serve.redis_server import RedisServer, free_port, redis_reachable, start_redis
 from serve.worker import stop_process
 
@@ -36,7 +38,9 @@ class ClusterSettings:
     """Model dir or HF id; None builds and serves the tiny offline model."""
     served_model_name: str | None = None
     prefill: int = 1
+    """Prefill workers (with ``autoscale``: the pool's maximum)."""
     decode: int = 1
+    """Decode workers (with ``autoscale``: the pool's maximum)."""
     port: int = 8000
     host: str = "127.0.0.1"
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -45,24 +49,40 @@ class ClusterSettings:
     kv_cache_gib: float = 1.0
     ready_timeout_s: float = 900.0
     worker_args: tuple[str, ...] = field(default_factory=tuple)
+    autoscale: bool = False
+    """Start one worker per pool and let `pdserve autoscale` size the pools."""
+    autoscale_args: tuple[str, ...] = field(default_factory=tuple)
+    drain_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
             raise ValueError("--prefill and --decode must be >= 1")
 
 
+@dataclass
+class WorkerProc:
+    """One `pdserve worker` child."""
+
+    role: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    draining: bool = False
+
+
 class Cluster:
-    """Owns the child processes of one local cluster."""
+    """Owns the child processes of one local cluster and reconciles pool sizes."""
 
     def __init__(self, settings: ClusterSettings) -> None:
         self.settings = settings
         self.redis: RedisServer | None = None
         self.redis_url = settings.redis_url
-        self.workers: list[subprocess.Popen[bytes]] = []
+        self.workers: list[WorkerProc] = []
         self.router: subprocess.Popen[bytes] | None = None
+        self.autoscaler: subprocess.Popen[bytes] | None = None
         self.model = settings.model
         self.served_name = settings.served_model_name or (
             DEFAULT_SERVED_NAME if settings.model is None else settings.model)
+        self._drains: set[asyncio.Task[None]] = set()
 
     @property
     def url(self) -> str:
@@ -80,27 +100,42 @@ class Cluster:
             self.redis_url = self.redis.url
             logger.info("no Redis at %s: started one at %s", s.redis_url, self.redis_url)
         for role, count in (("prefill", s.prefill), ("decode", s.decode)):
-            for _ in range(count):
-                self.workers.append(self._spawn_worker(role))
+            for _ in range(1 if s.autoscale else count):
+                self.spawn_worker(role)
         cmd = [sys.executable, "-m", "router.main", "--host", s.host, "--port", str(s.port),
                "--redis", self.redis_url, "--policy", s.policy]
         self.router = subprocess.Popen(cmd, start_new_session=True)
+        if s.autoscale:
+            cmd = [sys.executable, "-m", "serve.cli", "autoscale", "--redis", self.redis_url,
+                   "--router", self.url, "--max-prefill", str(s.prefill),
+                   "--max-decode", str(s.decode), *s.autoscale_args]
+            self.autoscaler = subprocess.Popen(cmd, start_new_session=True)
 
-    def _spawn_worker(self, role: str) -> subprocess.Popen[bytes]:
+    def spawn_worker(self, role: str) -> WorkerProc:
+        """Start one worker of ``role``."""
         s = self.settings
         assert self.model is not None
+        port = free_port(s.host)
         cmd = [sys.executable, "-m", "serve.cli", "worker", "--role", role, "--model", self.model,
                "--served-model-name", self.served_name, "--redis", self.redis_url,
-               "--port", str(free_port(s.host)), "--host", s.host, "--lease-s", str(s.lease_s),
+               "--port", str(port), "--host", s.host, "--lease-s", str(s.lease_s),
                "--kv-cache-gib", str(s.kv_cache_gib), *s.worker_args]
-        return subprocess.Popen(cmd, start_new_session=True)
+        worker = WorkerProc(role, f"http://{s.host}:{port}",
+                            subprocess.Popen(cmd, start_new_session=True))
+        self.workers.append(worker)
+        logger.info("started %s worker at %s", role, worker.url)
+        return worker
+
+    def _children(self) -> list[subprocess.Popen[bytes]]:
+        procs = [w.proc for w in self.workers]
+        return [p for p in [*procs, self.router, self.autoscaler] if p is not None]
 
     async def wait_ready(self) -> None:
         """Wait until the router reports both pools live; fail if a child dies first."""
         deadline = asyncio.get_running_loop().time() + self.settings.ready_timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
             while asyncio.get_running_loop().time() < deadline:
-                dead = [p for p in [*self.workers, self.router] if p and p.poll() is not None]
+                dead = [p for p in self._children() if p.poll() is not None]
                 if dead:
                     raise RuntimeError(f"{len(dead)} cluster process(es) exited during start-up")
                 with contextlib.suppress(httpx.HTTPError):
@@ -110,19 +145,83 @@ class Cluster:
         raise TimeoutError(f"cluster not ready within {self.settings.ready_timeout_s} s")
 
     def children_alive(self) -> bool:
-        return all(p.poll() is None for p in [*self.workers, self.router] if p is not None)
+        """False when a child died that the cluster cannot do without."""
+        if any(p.poll() is not None for p in [self.router, self.autoscaler] if p is not None):
+            return False
+        dead = [w for w in self.workers if w.proc.poll() is not None and not w.draining]
+        if dead and not self.settings.autoscale:
+            return False
+        for w in dead:  # autoscaled pools: reconcile replaces a crashed worker
+            logger.error("%s worker %s exited with %s", w.role, w.url, w.proc.returncode)
+            self.workers.remove(w)
+        return True
+
+    async def reconcile(self, registry: WorkerRegistry, desired: dict[str, int]) -> None:
+        """Move each pool toward the autoscaler's desired size (one drain at a time per pool)."""
+        live = {w.worker_id: w.http_url for w in await registry.list()}
+        for role, maximum in (("prefill", self.settings.prefill),
+                              ("decode", self.settings.decode)):
+            if role not in desired:
+                continue
+            want = min(maximum, max(1, desired[role]))
+            active = [w for w in self.workers if w.role == role and not w.draining]
+            starting = [w for w in active if w.url not in live.values()]
+            if len(active) < want:
+                for _ in range(want - len(active)):
+                    self.spawn_worker(role)
+            elif len(active) > want and not starting and \
+                    not any(w.role == role and w.draining for w in self.workers):
+                victim = active[-1]
+                worker_id = next(wid for wid, url in live.items() if url == victim.url)
+                victim.draining = True
+                task = asyncio.create_task(self.drain(registry, worker_id, victim))
+                self._drains.add(task)
+                task.add_done_callback(self._drains.discard)
+
+    async def drain(self, registry: WorkerRegistry, worker_id: str, worker: WorkerProc) -> None:
+        """No new work, wait until idle (no running or queued requests, no leased KV), stop."""
+        logger.info("draining %s worker %s", worker.role, worker_id)
+        await registry.mark_draining(worker_id)
+        await asyncio.sleep(3.0)  # routers refresh membership every second
+        deadline = asyncio.get_running_loop().time() + self.settings.drain_timeout_s
+        idle_checks = 0
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            while idle_checks < 2 and asyncio.get_running_loop().time() < deadline:
+                idle_checks = idle_checks + 1 if await _idle(client, worker.url) else 0
+                await asyncio.sleep(1.0)
+        await asyncio.to_thread(stop_process, worker.proc, 30.0)
+        if worker in self.workers:
+            self.workers.remove(worker)
+        logger.info("drained and stopped %s worker %s", worker.role, worker_id)
 
     def stop(self) -> None:
-        """Router first, then workers (they deregister), then our Redis."""
-        if self.router is not None:
-            stop_process(self.router, timeout_s=10)
-        for proc in self.workers:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.workers:
-            stop_process(proc, timeout_s=30)
+        """Autoscaler and router first, then workers (they deregister), then our Redis."""
+        for proc in (self.autoscaler, self.router):
+            if proc is not None:
+                stop_process(proc, timeout_s=10)
+        for w in self.workers:
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGTERM)
+        for w in self.workers:
+            stop_process(w.proc, timeout_s=30)
         if self.redis is not None:
             self.redis.stop()
+
+
+async def _idle(client: httpx.AsyncClient, url: str) -> bool:
+    """True when the worker runs and queues nothing and holds no KV blocks (no leases)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = (await client.get(f"{url}/metrics")).text
+    except httpx.HTTPError:
+        return True  # already gone
+    busy = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                           "vllm:kv_cache_usage_perc"):
+            busy += sum(sample.value for sample in family.samples)
+    return busy == 0.0
 
 
 async def run_cluster(settings: ClusterSettings) -> int:
@@ -142,16 +241,30 @@ async def run_cluster(settings: ClusterSettings) -> int:
             return 130
         stop.cancel()
         ready.result()
-        print(f"pdserve ready: {cluster.url}/v1 (model {cluster.served_name}, "
-              f"{settings.prefill} prefill + {settings.decode} decode, redis {cluster.redis_url})",
-              flush=True)
-        while not stopping.is_set():
-            if not cluster.children_alive():
-                logger.error("a cluster process exited; stopping the cluster")
-                return 1
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stopping.wait(), timeout=1.0)
-        return 0
+        pools = f"{settings.prefill} prefill + {settings.decode} decode"
+        if settings.autoscale:
+            pools = f"autoscaled up to {pools}"
+        print(f"pdserve ready: {cluster.url}/v1 (model {cluster.served_name}, {pools}, "
+              f"redis {cluster.redis_url})", flush=True)
+        registry = WorkerRegistry(cluster.redis_url) if settings.autoscale else None
+        desired = DesiredReplicas(cluster.redis_url) if settings.autoscale else None
+        try:
+            while not stopping.is_set():
+                if not cluster.children_alive():
+                    logger.error("a cluster process exited; stopping the cluster")
+                    return 1
+                if registry is not None and desired is not None:
+                    try:
+                        await cluster.reconcile(registry, await desired.read())
+                    except Exception:  # Redis hiccup: try again next second
+                        logger.exception("reconcile failed")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stopping.wait(), timeout=1.0)
+            return 0
+        finally:
+            if registry is not None and desired is not None:
+                await registry.close()
+                await desired.close()
     finally:
         await asyncio.to_thread(cluster.stop)
 
@@ -173,6 +286,12 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                         default=float(env("PDSERVE_WORKER_KV_CACHE_GIB", "1")))
     parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                         help="extra argument passed to every `pdserve worker` (repeatable)")
+    parser.add_argument("--autoscale", action="store_true",
+                        default=env("PDSERVE_AUTOSCALE", "") in ("1", "true"),
+                        help="start 1 worker per pool; `pdserve autoscale` sizes the pools up to "
+                             "--prefill/--decode")
+    parser.add_argument("--autoscale-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument passed to `pdserve autoscale` (repeatable)")
 
 
 def settings_from_args(args: argparse.Namespace) -> ClusterSettings:
@@ -181,4 +300,5 @@ def settings_from_args(args: argparse.Namespace) -> ClusterSettings:
                            prefill=args.prefill, decode=args.decode, port=args.port,
                            host=args.host, redis_url=args.redis, policy=args.policy,
                            lease_s=args.lease_s, kv_cache_gib=args.kv_cache_gib,
-                           worker_args=tuple(args.worker_arg))
+                           worker_args=tuple(args.worker_arg), autoscale=args.autoscale,
+                           autoscale_args=tuple(args.autoscale_arg))

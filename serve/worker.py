@@ -45,6 +45,8 @@ class WorkerSettings:
     port: int = 0
     """HTTP port of vLLM's server; 0 picks a free one."""
     host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    """Host put in the registered http_url (reachable by the router); None = ``host``."""
     redis_url: str | None = None
     served_model_name: str | None = None
     lease_s: float = 30.0
@@ -144,6 +146,8 @@ class WorkerLauncher:
         self.engine_id = uuid.uuid4().hex
         self.port = settings.port or free_port(settings.host)
         self.url = f"http://{settings.host}:{self.port}"
+        # The bind address may be 0.0.0.0; peers need a reachable one (container or pod IP).
+        self.advertised_url = f"http://{settings.advertise_host or settings.host}:{self.port}"
         self.served_name = settings.served_model_name or settings.model
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-worker-")
         self.handshake_file = os.path.join(self._tmp.name, "handshake.json")
@@ -172,7 +176,7 @@ class WorkerLauncher:
         address = Handshake.from_wire(hs["handshake"]).ucx_address
         return WorkerRecord(worker_id=self.worker_id, role=self.settings.role,  # type: ignore[arg-type]
                             model=self.served_name, model_path=self.settings.model,
-                            http_url=self.url, engine_id=self.engine_id,
+                            http_url=self.advertised_url, engine_id=self.engine_id,
                             ucx_address=base64.b64encode(address).decode(),
                             max_model_len=max_len, started_at=time.time())
 
@@ -230,6 +234,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="model dir or HF id (default: the tiny offline model)")
     parser.add_argument("--port", type=int, default=int(env("PDSERVE_WORKER_PORT", "0")))
     parser.add_argument("--host", default=env("PDSERVE_WORKER_HOST", "127.0.0.1"))
+    parser.add_argument("--advertise-host", default=env("PDSERVE_WORKER_ADVERTISE_HOST"),
+                        help="host in the URL registered for the router (default: --host); "
+                        "set it when --host is 0.0.0.0, e.g. to the container or pod IP")
     parser.add_argument("--redis", default=env("PDSERVE_REDIS_URL"))
     parser.add_argument("--served-model-name", default=env("PDSERVE_WORKER_SERVED_MODEL_NAME"))
     parser.add_argument("--lease-s", type=float, default=float(env("PDSERVE_KV_LEASE_S", "30")))
@@ -249,6 +256,7 @@ def settings_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerSett
 
         model = str(build_tiny_model())
     return WorkerSettings(role=args.role, model=model, port=args.port, host=args.host,
+                          advertise_host=args.advertise_host or None,
                           redis_url=args.redis, served_model_name=args.served_model_name,
                           lease_s=args.lease_s, pull_timeout_s=args.pull_timeout_s,
                           kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,

@@ -34,6 +34,10 @@ class PlannerConfig:
     tpot_slo_s: float = 0.1
     min_replicas: int = 1
     max_replicas: int = 16
+    max_prefill_replicas: int | None = None
+    """Overrides ``max_replicas`` for the prefill pool."""
+    max_decode_replicas: int | None = None
+    """Overrides ``max_replicas`` for the decode pool."""
     target_utilisation: float = 0.8
     """Plan for this fraction of an instance's SLO capacity (headroom for bursts)."""
     safety_utilisation: float = 0.6
@@ -43,7 +47,7 @@ class PlannerConfig:
     panic_factor: float = 1.5
     panic_hold_s: float = 60.0
     predictor: str = "holt"
-    correction_alpha: float = 0.3
+    correction_alpha: float = 0.3  # 0 disables the online correction
     """EWMA weight of each new observed/predicted latency ratio."""
     correction_bounds: tuple[float, float] = (0.25, 4.0)
 
@@ -149,9 +153,10 @@ class Planner:
         cap_p = (self.prefill_model.tokens_per_s(isl_hat, cfg.ttft_slo_s)
                  / self.correction("prefill"))
         load_p = rate_hat * isl_hat
-        # Decode: concurrent sequences (Little: rate x tokens x time per token at the SLO).
+        # Decode: concurrent sequences by Little's law (rate x tokens x observed time per token;
+        # the model's single-sequence step time until a TPOT was observed).
         cap_d = self.decode_model.max_batch(cfg.tpot_slo_s / self.correction("decode"))
-        load_d = rate_hat * osl_hat * min(cfg.tpot_slo_s, self.decode_model.step_s(cap_d or 1))
+        load_d = rate_hat * osl_hat * (obs.tpot_mean_s or self.decode_model.step_s(1))
         return (self._decide("prefill", obs.prefill_replicas, load_p, cap_p, obs.ttft_p90_s,
                              cfg.ttft_slo_s, obs.now_s),
                 self._decide("decode", obs.decode_replicas, load_d, float(cap_d),
@@ -161,7 +166,10 @@ class Planner:
                 observed_p90: float | None, slo: float, now: float) -> Decision:
         cfg, state = self.config, self._pools[pool]
         usable = capacity * cfg.target_utilisation
-        needed = math.ceil(load / usable) if usable > 0 else cfg.max_replicas
+        if load <= 0:
+            needed = cfg.min_replicas
+        else:
+            needed = math.ceil(load / usable) if usable > 0 else cfg.max_replicas
         desired, reason = current, "steady"
         breach = observed_p90 is not None and observed_p90 > cfg.panic_factor * slo
         if breach and needed <= current:
@@ -175,13 +183,19 @@ class Planner:
             desired = min(needed, cap)
             reason = "panic" if reason == "panic" else "scale_up"
         elif needed < current:
-            remaining_util = load / (capacity * (current - 1)) if current > 1 and capacity > 0 \
-                else math.inf
+            if load <= 0:
+                remaining_util = 0.0
+            elif current > 1 and capacity > 0:
+                remaining_util = load / (capacity * (current - 1))
+            else:
+                remaining_util = math.inf
             if now < state.panic_until_s or now - state.last_change_s < cfg.scale_down_cooldown_s:
                 reason = "cooldown"
             elif remaining_util <= cfg.safety_utilisation:
                 desired, reason = current - 1, "scale_down"
-        bounded = min(cfg.max_replicas, max(cfg.min_replicas, desired))
+        ceiling = (cfg.max_prefill_replicas if pool == "prefill" else cfg.max_decode_replicas) \
+            or cfg.max_replicas
+        bounded = min(ceiling, max(cfg.min_replicas, desired))
         if bounded != desired:
             desired, reason = bounded, "bounds"
         if desired != current:

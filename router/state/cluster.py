@@ -54,6 +54,8 @@ class ClusterView:
         """Re-read membership once; on failure keep the previous one. Returns success."""
         try:
             records = await self._registry.list()
+            draining = await self._registry.draining()
+            records = [r for r in records if r.worker_id not in draining]
         except RegistryError as exc:
             if self._redis_ok:
                 logger.warning("registry unreachable, keeping last membership (%d workers): %s",

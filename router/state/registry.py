@@ -106,8 +106,29 @@ class WorkerRegistry:
             raise RegistryError(f"cannot heartbeat {record.worker_id}: {exc}") from exc
         logger.warning("registry key of %s had expired; re-registered", record.worker_id)
 
+    @property
+    def _draining_key(self) -> str:
+        return f"{self.prefix}:draining"
+
+    async def mark_draining(self, worker_id: str) -> None:
+        """Take ``worker_id`` out of routing (it keeps serving what it has) before a scale-down."""
+        try:
+            await self._redis.sadd(self._draining_key, worker_id)
+            await self._publish("drain", worker_id)
+        except (RedisError, OSError) as exc:
+            raise RegistryError(f"cannot mark {worker_id} draining: {exc}") from exc
+
+    async def draining(self) -> set[str]:
+        """Ids of workers being drained (routers send them no new requests)."""
+        try:
+            members = await self._redis.smembers(self._draining_key)
+        except (RedisError, OSError) as exc:
+            raise RegistryError(f"cannot read draining workers: {exc}") from exc
+        return {m.decode() if isinstance(m, bytes) else str(m) for m in members}
+
     async def deregister(self, worker_id: str) -> None:
         try:
+            await self._redis.srem(self._draining_key, worker_id)
             await self._redis.delete(self._key(worker_id))
             await self._publish("leave", worker_id)
         except (RedisError, OSError) as exc:

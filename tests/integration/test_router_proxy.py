@@ -377,3 +377,15 @@ def test_router_keeps_serving_when_redis_stops(
         assert sum(_calls(fakes).values()) == 2
     finally:
         own.stop()
+
+
+def test_dualmap_keeps_a_repeated_prompt_on_one_prefill_worker(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router(policy="dualmap")
+    prompt = "same prompt " * 3  # >= 16 tokens (one hashed block), within the 64-token context
+    for _ in range(3):
+        resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt})
+        assert resp.status_code == 200, resp.text
+    calls = _calls(fakes)
+    assert sorted([calls["p0"], calls["p1"]]) == [0, 3]

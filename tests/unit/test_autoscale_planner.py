@@ -42,6 +42,7 @@ def test_predictors() -> None:
 
 
 def obs(now: float, rate: float, prefill: int = 1, decode: int = 1, **kw: float) -> Observation:
+    kw.setdefault("tpot_mean_s", 0.1)
     return Observation(now_s=now, interval_s=10.0, arrivals=round(rate * 10), mean_isl=1000,
                        mean_osl=100, prefill_replicas=prefill, decode_replicas=decode, **kw)
 
@@ -58,13 +59,15 @@ def run(planner: Planner, rates: list[float], start: tuple[int, int] = (1, 1)
 
 
 def planner(**kw: object) -> Planner:
+    kw.setdefault("correction_alpha", 0.0)
     cfg = PlannerConfig(predictor="last", scale_down_cooldown_s=30.0, **kw)  # type: ignore[arg-type]
     return Planner(cfg, PREFILL, DECODE)
 
 
 def test_replicas_follow_the_formula() -> None:
     # 30 req/s x 1000 tokens = 30k tokens/s; one instance: 9473.7 x 0.8 usable -> ceil = 4.
-    # Decode: 30 x 100 tokens x 0.1 s/token = 300 sequences; 90 per instance x 0.8 -> 5.
+    # Decode (Little): 30 req/s x 100 tokens x 0.1 s observed per token = 300 sequences;
+    # 90 per instance x 0.8 -> 5.
     (p, d), = run(planner(), [30.0])
     assert p == min(4, 2) and d == 2  # at most 2x per interval from 1 replica
     assert run(planner(), [30.0] * 3)[-1] == (4, 5)
@@ -106,7 +109,7 @@ def test_panic_adds_capacity_on_slo_breach_and_holds_scale_down() -> None:
 
 def test_correction_converges_on_a_biased_capacity_model() -> None:
     truth = PrefillModel(s_per_token=2e-4, overhead_s=0.0)  # the profile is 2x optimistic
-    p = Planner(PlannerConfig(predictor="last"), PREFILL, DECODE)
+    p = Planner(PlannerConfig(predictor="last", correction_alpha=0.3), PREFILL, DECODE)
     replicas = 4
     for i in range(40):
         per_instance = 15.0 * 1000 / replicas
@@ -128,3 +131,13 @@ def test_threshold_autoscaler_is_hpa_like() -> None:
     assert hpa.desired(0, 2, 1.0) == 4           # ceil(2 * 1.0 / 0.5)
     assert hpa.desired(30, 4, 0.1) == 4          # scale-down waits for the window
     assert hpa.desired(61, 4, 0.1) == 1          # ceil(4 * 0.2)
+
+
+def test_idle_pool_shrinks_even_when_the_model_rates_capacity_at_zero() -> None:
+    slow = DecodeModel(step_base_s=0.5, step_per_seq_s=0.1)  # cannot meet a 0.1 s TPOT at all
+    p = Planner(PlannerConfig(predictor="last", scale_down_cooldown_s=0.0, max_replicas=2),
+                PREFILL, slow)
+    _, dd = p.plan(obs(0.0, 5.0, decode=2))
+    assert dd.desired == 2 and dd.capacity_per_instance == 0  # load with no capacity: hold max
+    _, dd = p.plan(obs(10.0, 0.0, decode=2))
+    assert (dd.desired, dd.reason) == (1, "scale_down")

@@ -1,0 +1,1 @@
+"""Discrete-event cluster simulator that drives the router's own placement policies."""

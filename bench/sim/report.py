@@ -1,0 +1,96 @@
+"""Writes ``summary.json``, ``report.md`` and the PNG plots of one comparison."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from router.policy.registry import BASELINES
+
+
+def write_summary(out: Path, summary: Mapping[str, Mapping[str, Any]]) -> Path:
+    """``DIR/summary.json``: policy name -> metrics."""
+    path = out / "summary.json"
+    path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def comparison_table(summary: Mapping[str, Mapping[str, Any]]) -> str:
+    """Markdown table; capacity ratio against the best baseline present."""
+    base = [summary[n]["effective_capacity_rps"] for n in BASELINES if n in summary]
+    best = max(base) if base else 0.0
+    head = ("| policy | effective capacity (req/s) | vs best baseline | TTFT p50 (s) | "
+            "TTFT p99 (s) | SLO attainment | cache hit ratio | load max/mean |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for name, m in summary.items():
+        ratio = f"{m['effective_capacity_rps'] / best:.2f}x" if best else "n/a"
+        lines.append(f"| {name} | {m['effective_capacity_rps']:.2f} | {ratio} | "
+                     f"{m['ttft_p50']:.3f} | {m['ttft_p99']:.3f} | {m['slo_attainment']:.3f} | "
+                     f"{m['cache_hit_ratio']:.3f} | {m['load_max_over_mean']:.2f} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def write_report(out: Path, summary: Mapping[str, Mapping[str, Any]], meta: Mapping[str, Any],
+                 curves: Mapping[str, Sequence[tuple[float, float]]],
+                 ttfts: Mapping[str, Sequence[float]],
+                 loads: Mapping[str, Mapping[str, float]]) -> list[Path]:
+    """``report.md`` plus ``attainment.png``, ``ttft_cdf.png`` and ``load.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, pts in curves.items():
+        ax.plot([r for r, _ in pts], [a for _, a in pts], marker="o", label=name)
+    ax.axhline(0.9, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("arrival rate (req/s)")
+    ax.set_ylabel(f"share with TTFT <= {meta['slo_ttft_s']} s")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "attainment.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, xs in ttfts.items():
+        s = sorted(xs)
+        if s:
+            ax.plot(s, [(i + 1) / len(s) for i in range(len(s))], label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"TTFT (s) at {meta['reference_rps']:.2f} req/s")
+    ax.set_ylabel("CDF")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "ttft_cdf.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = list(loads)
+    ax.bar(names, [max(v.values()) / (sum(v.values()) / len(v)) if v and sum(v.values()) else 0
+                   for v in loads.values()])
+    ax.set_ylabel("prefill busy time, max / mean instance")
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    paths.append(out / "load.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    md = [f"# Simulated prefill placement: {', '.join(summary)}", "",
+          f"Trace `{meta['trace']}` ({meta['requests']} requests), {meta['n_prefill']} prefill / "
+          f"{meta['n_decode']} decode instances, TTFT SLO {meta['slo_ttft_s']} s, TPOT SLO "
+          f"{meta['slo_tpot_s']} s, seed {meta['seed']}.", "",
+          "Effective capacity = highest arrival rate with >= 90 % of requests within the TTFT "
+          "SLO (rate sweep). The other columns are measured at the reference rate "
+          f"{meta['reference_rps']:.2f} req/s (the best baseline's capacity).", "",
+          comparison_table(summary), "",
+          "![SLO attainment vs rate](attainment.png)", "![TTFT CDF](ttft_cdf.png)",
+          "![load spread](load.png)", ""]
+    paths.append(out / "report.md")
+    paths[-1].write_text("\n".join(md))
+    return paths

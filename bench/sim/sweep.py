@@ -1,0 +1,125 @@
+"""Rate sweep: effective request capacity = the highest arrival rate at which >= 90 % of
+requests meet the TTFT SLO (DualMap's metric; DistServe's goodput with TTFT only).
+
+The same requests are replayed with arrival times scaled; the search doubles the rate until the
+SLO attainment drops under the target, then bisects ``bisect_steps`` (7) times.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.sim.engine import RunResult, simulate
+from bench.sim.perf import DecodePerf, PrefillPerf
+from bench.sim.workload import SimRequest
+from router.policy.base import PlacementPolicy
+from router.policy.registry import create_prefill_policy
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """What one comparison holds fixed."""
+
+    n_prefill: int
+    n_decode: int
+    ttft_slo_s: float
+    tpot_slo_s: float
+    prefill: PrefillPerf = field(default_factory=PrefillPerf)
+    decode: DecodePerf = field(default_factory=DecodePerf)
+    target_attainment: float = 0.9
+    warmup_fraction: float = 0.1
+    bisect_steps: int = 7
+    rebalance: bool = True
+
+
+def make_policy(name: str, cfg: SweepConfig) -> PlacementPolicy:
+    """A fresh policy; DualMap gets the SLO and the cost model."""
+    if name == "dualmap":
+        return create_prefill_policy(name, ttft_slo_s=cfg.ttft_slo_s,
+                                     per_token_s=cfg.prefill.per_token_s,
+                                     cache_capacity_blocks=cfg.prefill.cache_blocks,
+                                     block_tokens=cfg.prefill.block_tokens)
+    if name == "prefix_only":
+        return create_prefill_policy(name, block_tokens=cfg.prefill.block_tokens,
+                                     cache_capacity_blocks=cfg.prefill.cache_blocks)
+    return create_prefill_policy(name)
+
+
+def run_at(name: str, reqs: Sequence[SimRequest], cfg: SweepConfig, rate_rps: float,
+           native_rps: float) -> RunResult:
+    """One run of ``name`` at ``rate_rps``."""
+    threshold = cfg.ttft_slo_s if (cfg.rebalance and name == "dualmap") else None
+    return simulate(reqs, make_policy(name, cfg), cfg.n_prefill, cfg.n_decode, cfg.prefill,
+                    cfg.decode, rate_scale=native_rps / rate_rps,
+                    rebalance_threshold_s=threshold,
+                    warmup=int(len(reqs) * cfg.warmup_fraction))
+
+
+def attainment(res: RunResult, slo_s: float) -> float:
+    """Share of measured requests with TTFT within ``slo_s``."""
+    return sum(t <= slo_s for t in res.ttft_s) / len(res.ttft_s) if res.ttft_s else 0.0
+
+
+def effective_capacity(name: str, reqs: Sequence[SimRequest], cfg: SweepConfig,
+                       native_rps: float, start_rps: float,
+                       progress: Callable[[str], None] | None = None
+                       ) -> tuple[float, list[tuple[float, float]]]:
+    """(capacity in req/s, [(rate, attainment)] of every point run)."""
+    points: list[tuple[float, float]] = []
+
+    def ok(rate: float) -> bool:
+        att = attainment(run_at(name, reqs, cfg, rate, native_rps), cfg.ttft_slo_s)
+        points.append((rate, att))
+        if progress:
+            progress(f"{name} {rate:.2f} req/s -> {att:.3f}")
+        return att >= cfg.target_attainment
+
+    lo, hi = 0.0, start_rps
+    for _ in range(20):
+        if not ok(hi):
+            break
+        lo, hi = hi, hi * 2
+    else:
+        return hi, points
+    if lo == 0.0:
+        for _ in range(20):
+            hi_fail, lo = hi, hi / 2
+            if ok(lo):
+                hi = hi_fail
+                break
+            hi = lo
+        else:
+            return 0.0, points
+    for _ in range(cfg.bisect_steps):
+        mid = (lo + hi) / 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, sorted(points)
+
+
+def summarize(res: RunResult, cfg: SweepConfig) -> dict[str, Any]:
+    """The per-policy metrics of one run."""
+    ttft = sorted(res.ttft_s)
+    tpot = sorted(res.tpot_s) or [0.0]
+    busy = list(res.busy_s.values())
+    mean_busy = statistics.fmean(busy) if busy else 0.0
+
+    def pct(xs: list[float], q: float) -> float:
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+    return {
+        "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9), "ttft_p99": pct(ttft, 0.99),
+        "tpot_p50": pct(tpot, 0.5), "tpot_p99": pct(tpot, 0.99),
+        "slo_attainment": attainment(res, cfg.ttft_slo_s),
+        "slo_attainment_ttft_tpot": (
+            sum(1 for t in res.ttft_s if t <= cfg.ttft_slo_s) / len(res.ttft_s)
+            if res.ttft_s and pct(tpot, 0.99) <= cfg.tpot_slo_s else 0.0),
+        "cache_hit_ratio": res.cached_tokens / res.prompt_tokens if res.prompt_tokens else 0.0,
+        "load_max_over_mean": max(busy) / mean_busy if mean_busy else 0.0,
+        "migrations": res.migrations,
+    }

@@ -1,0 +1,199 @@
+"""`pdserve autoscale`: scrape, plan, act, every interval (the I/O shell around the planner).
+
+Several replicas may run; a Redis lock (``SET NX PX``) lets exactly one act at a time. Each
+interval it scrapes the router and every registered worker, turns two snapshots into an
+:class:`Observation`, asks the :class:`Planner`, exports the decisions
+(``pdserve_autoscaler_desired_replicas{pool}``, ``pdserve_autoscaler_decisions_total{pool,
+direction,reason}``) and hands them to the actuator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+
+import httpx
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.autoscale.actuators import Actuator, ComposeActuator, RedisActuator
+from router.autoscale.capacity import DecodeModel, PrefillModel, load_profile
+from router.autoscale.planner import Planner, PlannerConfig
+from router.autoscale.signals import Samples, Snapshot, observe
+from router.state.registry import WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AutoscalerSettings:
+    """Settings of one autoscaler process."""
+
+    redis_url: str
+    router_url: str
+    interval_s: float = 10.0
+    profile: str | None = None
+    actuator: str = "redis"
+    compose_file: str | None = None
+    metrics_port: int = 0
+    prefix: str = "pdserve"
+    planner: PlannerConfig = PlannerConfig()
+
+
+async def scrape(client: httpx.AsyncClient, url: str) -> Samples:
+    """Samples of ``url``/metrics (empty on failure: that source is skipped this interval)."""
+    try:
+        text = (await client.get(f"{url}/metrics")).text
+    except httpx.HTTPError as exc:
+        logger.warning("cannot scrape %s: %s", url, exc)
+        return {}
+    out: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+class Autoscaler:
+    """The loop; ``run`` returns when ``stop`` is set."""
+
+    def __init__(self, settings: AutoscalerSettings, actuator: Actuator) -> None:
+        self.settings = settings
+        prefill, decode = (load_profile(settings.profile) if settings.profile
+                           else (PrefillModel(), DecodeModel()))
+        self.planner = Planner(settings.planner, prefill, decode)
+        self.actuator = actuator
+        self.registry = WorkerRegistry(settings.redis_url, prefix=settings.prefix)
+        self._redis = aioredis.from_url(settings.redis_url, socket_connect_timeout=1.0,
+                                        socket_timeout=2.0)
+        self._lock_key = f"{settings.prefix}:autoscaler:lock"
+        self._me = uuid.uuid4().hex
+        self.stop = asyncio.Event()
+        self.metrics = CollectorRegistry()
+        self.desired = Gauge("pdserve_autoscaler_desired_replicas", "Replicas the planner wants.",
+                             ["pool"], registry=self.metrics)
+        self.decisions = Counter("pdserve_autoscaler_decisions_total",
+                                 "Planner decisions by pool, direction and reason.",
+                                 ["pool", "direction", "reason"], registry=self.metrics)
+
+    async def _leader(self) -> bool:
+        ttl_ms = int(self.settings.interval_s * 3000)
+        holder = await self._redis.get(self._lock_key)
+        if holder in (self._me, self._me.encode()):
+            await self._redis.pexpire(self._lock_key, ttl_ms)
+            return True
+        return bool(await self._redis.set(self._lock_key, self._me, nx=True, px=ttl_ms))
+
+    async def snapshot(self, client: httpx.AsyncClient) -> Snapshot:
+        """Scrape the router and every routable worker."""
+        workers = await self.registry.list()
+        draining = await self.registry.draining()
+        live = [w for w in workers if w.worker_id not in draining]
+        router = await scrape(client, self.settings.router_url)
+        pools: dict[str, dict[str, Samples]] = {"prefill": {}, "decode": {}}
+        for w in live:
+            pools[w.role][w.worker_id] = await scrape(client, w.http_url)
+        return Snapshot(time.monotonic(), router, pools["prefill"], pools["decode"])
+
+    async def run(self) -> None:
+        previous: Snapshot | None = None
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            while not self.stop.is_set():
+                try:
+                    if await self._leader():
+                        current = await self.snapshot(client)
+                        if previous is not None and current.prefill and current.decode:
+                            await self.step(previous, current)
+                        previous = current
+                    else:
+                        previous = None
+                except Exception:  # keep the loop alive through Redis/worker hiccups
+                    logger.exception("autoscaler interval failed")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), timeout=self.settings.interval_s)
+        await self.registry.close()
+        await self._redis.aclose()
+
+    async def step(self, previous: Snapshot, current: Snapshot) -> None:
+        """One planning interval."""
+        obs = observe(previous, current)
+        decisions = self.planner.plan(obs)
+        for d in decisions:
+            self.desired.labels(pool=d.pool).set(d.desired)
+            self.decisions.labels(pool=d.pool, direction=d.direction, reason=d.reason).inc()
+            log = logger.info if d.direction != "none" else logger.debug
+            log("%s: %d -> %d (%s; load %.2f, capacity/instance %.2f)", d.pool, d.current,
+                d.desired, d.reason, d.load, d.capacity_per_instance)
+        await self.actuator.apply(decisions, obs.now_s)
+
+
+def add_autoscale_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve autoscale` (each mirrors a PDSERVE_AUTOSCALE_* env var)."""
+    env = os.environ.get
+    parser.add_argument("--redis", default=env("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--router", default=env("PDSERVE_AUTOSCALE_ROUTER",
+                                                "http://127.0.0.1:8000"))
+    parser.add_argument("--interval-s", type=float,
+                        default=float(env("PDSERVE_AUTOSCALE_INTERVAL_S", "10")))
+    parser.add_argument("--profile", default=env("PDSERVE_AUTOSCALE_PROFILE"),
+                        help="profile JSON from `pdserve bench profile`")
+    parser.add_argument("--ttft-slo-s", type=float, default=float(env("PDSERVE_SLO_TTFT_S", "1")))
+    parser.add_argument("--tpot-slo-s", type=float, default=float(env("PDSERVE_SLO_TPOT_S",
+                                                                       "0.1")))
+    parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument("--max-prefill", type=int, default=int(env("PDSERVE_MAX_PREFILL", "4")))
+    parser.add_argument("--max-decode", type=int, default=int(env("PDSERVE_MAX_DECODE", "4")))
+    parser.add_argument("--cooldown-s", type=float,
+                        default=float(env("PDSERVE_AUTOSCALE_COOLDOWN_S", "60")))
+    parser.add_argument("--predictor", default="holt", choices=["last", "ewma", "holt"])
+    parser.add_argument("--correction-alpha", type=float, default=0.3,
+                        help="weight of each observed/predicted latency ratio (0: no correction)")
+    parser.add_argument("--actuator", default="redis", choices=["redis", "compose"])
+    parser.add_argument("--compose-file", default=None)
+    parser.add_argument("--metrics-port", type=int, default=0)
+
+
+def settings_from_args(args: argparse.Namespace) -> AutoscalerSettings:
+    """AutoscalerSettings from parsed flags."""
+    planner = PlannerConfig(ttft_slo_s=args.ttft_slo_s, tpot_slo_s=args.tpot_slo_s,
+                            min_replicas=args.min_replicas,
+                            max_replicas=max(args.max_prefill, args.max_decode),
+                            max_prefill_replicas=args.max_prefill,
+                            max_decode_replicas=args.max_decode,
+                            scale_down_cooldown_s=args.cooldown_s, predictor=args.predictor,
+                            correction_alpha=args.correction_alpha)
+    return AutoscalerSettings(redis_url=args.redis, router_url=args.router,
+                              interval_s=args.interval_s, profile=args.profile,
+                              actuator=args.actuator, compose_file=args.compose_file,
+                              metrics_port=args.metrics_port, planner=planner)
+
+
+async def run_autoscaler(settings: AutoscalerSettings) -> int:
+    """Run until SIGTERM/SIGINT."""
+    actuator: Actuator
+    if settings.actuator == "compose":
+        if not settings.compose_file:
+            raise SystemExit("--actuator compose needs --compose-file")
+        actuator = ComposeActuator(settings.compose_file)
+    else:
+        actuator = RedisActuator(settings.redis_url, settings.prefix)
+    scaler = Autoscaler(settings, actuator)
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, registry=scaler.metrics)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, scaler.stop.set)
+    logger.info("autoscaler started (interval %.1f s, actuator %s)", settings.interval_s,
+                settings.actuator)
+    await scaler.run()
+    if isinstance(actuator, RedisActuator):
+        await actuator.close()
+    return 0

@@ -1,0 +1,101 @@
+"""Turn two metric snapshots into one planner :class:`Observation` (pure).
+
+A snapshot maps ``(sample name, frozenset(labels))`` to a value, as scraped from the router
+and from each worker. Counters and histograms are differenced between the two snapshots; a
+worker present in only one of them contributes nothing (it joined or left in between).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from router.autoscale.planner import Observation
+
+Samples = Mapping[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of samples named ``name`` whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= lab)
+
+
+def histogram_delta(before: Samples, after: Samples, name: str
+                    ) -> tuple[float, float, list[tuple[float, float]]]:
+    """(sum, count, cumulative buckets [(le, count)]) of a histogram between two snapshots."""
+    def buckets(samples: Samples) -> dict[float, float]:
+        out: dict[float, float] = {}
+        for (n, lab), v in samples.items():
+            if n == f"{name}_bucket":
+                le = float(dict(lab)["le"])
+                out[le] = out.get(le, 0.0) + v
+        return out
+
+    b0, b1 = buckets(before), buckets(after)
+    cum = sorted((le, b1[le] - b0.get(le, 0.0)) for le in b1)
+    return (total(after, f"{name}_sum") - total(before, f"{name}_sum"),
+            total(after, f"{name}_count") - total(before, f"{name}_count"), cum)
+
+
+def quantile(cumulative: list[tuple[float, float]], q: float) -> float | None:
+    """Prometheus-style ``histogram_quantile`` over cumulative buckets; None when empty."""
+    if not cumulative or cumulative[-1][1] <= 0:
+        return None
+    rank = q * cumulative[-1][1]
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in cumulative:
+        if count >= rank:
+            if math.isinf(le):
+                return prev_le
+            span = count - prev_count
+            return prev_le + (le - prev_le) * ((rank - prev_count) / span if span > 0 else 1.0)
+        prev_le, prev_count = le, count
+    return prev_le
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything scraped at one instant."""
+
+    time_s: float
+    router: Samples
+    prefill: Mapping[str, Samples]
+    """worker id -> samples"""
+    decode: Mapping[str, Samples]
+
+
+def _worker_delta(before: Mapping[str, Samples], after: Mapping[str, Samples], name: str,
+                  **labels: str) -> float:
+    return sum(total(after[w], name, **labels) - total(before[w], name, **labels)
+               for w in after if w in before)
+
+
+def observe(before: Snapshot, after: Snapshot) -> Observation:
+    """The planner's view of the interval between two snapshots."""
+    interval = max(1e-9, after.time_s - before.time_s)
+    arrivals = max(0.0, total(after.router, "pdserve_router_requests_total", status="200")
+                   - total(before.router, "pdserve_router_requests_total", status="200"))
+    isl_tokens = _worker_delta(before.prefill, after.prefill,
+                               "vllm:prompt_tokens_by_source_total", source="local_compute")
+    osl_tokens = _worker_delta(before.decode, after.decode, "vllm:generation_tokens_total")
+    ttft_sum, ttft_n, ttft_b = histogram_delta(before.router, after.router,
+                                               "pdserve_router_ttft_seconds")
+    tpot_sum = tpot_n = 0.0
+    tpot_buckets: dict[float, float] = {}
+    for w in after.decode:
+        if w in before.decode:
+            s, n, b = histogram_delta(before.decode[w], after.decode[w],
+                                      "vllm:inter_token_latency_seconds")
+            tpot_sum, tpot_n = tpot_sum + s, tpot_n + n
+            for le, c in b:
+                tpot_buckets[le] = tpot_buckets.get(le, 0.0) + c
+    per_request = max(arrivals, 1.0)
+    return Observation(
+        now_s=after.time_s, interval_s=interval, arrivals=int(arrivals),
+        mean_isl=isl_tokens / per_request, mean_osl=osl_tokens / per_request,
+        prefill_replicas=len(after.prefill), decode_replicas=len(after.decode),
+        ttft_p90_s=quantile(ttft_b, 0.9), ttft_mean_s=ttft_sum / ttft_n if ttft_n else None,
+        tpot_p90_s=quantile(sorted(tpot_buckets.items()), 0.9),
+        tpot_mean_s=tpot_sum / tpot_n if tpot_n else None)

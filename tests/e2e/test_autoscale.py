@@ -1,0 +1,147 @@
+"""Real processes: `pdserve up --autoscale` grows the decode pool under load and shrinks it
+back after the load stops, with no failed request and no leaked KV blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from router.state.registry import WorkerRegistry
+from serve.redis_server import free_port
+from tests.e2e.conftest import SERVED_NAME
+from tests.support.metrics import scrape, value
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.vllm
+
+# A decode instance "sustains" 4 sequences within a 1 s TPOT (0.02 + 0.2 * b <= 1), 3.2 at the
+# target utilisation, so 8 concurrent streams ask for a second decode worker while one
+# sequential request at a time fits in one; prefill capacity is ample. Online correction is off
+# so the capacity is the profile's, whatever this shared machine's speed.
+PROFILE = {"prefill": {"s_per_token": 1e-6, "overhead_s": 0.001},
+           "decode": {"step_base_s": 0.02, "step_per_seq_s": 0.2, "max_seqs": 256}}
+
+
+@pytest.fixture(scope="module")
+def autoscaled(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[tuple[str, str]]:
+    tmp = tmp_path_factory.mktemp("autoscale")
+    profile = tmp / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    port = free_port()
+    cmd = [sys.executable, "-m", "serve.cli", "up", "--model", str(tiny_model_dir),
+           "--served-model-name", SERVED_NAME, "--port", str(port), "--prefill", "1",
+           "--decode", "2", "--redis", f"redis://127.0.0.1:{free_port()}/0", "--autoscale",
+           f"--autoscale-arg=--profile={profile}", "--autoscale-arg=--interval-s=2",
+           "--autoscale-arg=--cooldown-s=10", "--autoscale-arg=--tpot-slo-s=1.0",
+           "--autoscale-arg=--ttft-slo-s=30", "--autoscale-arg=--correction-alpha=0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    ready, found = threading.Event(), {}
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            match = re.search(r"pdserve ready: .* redis (\S+)\)", line)
+            if match:
+                found["redis"] = match.group(1)
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert ready.wait(600), "autoscaled cluster did not start"
+        yield f"http://127.0.0.1:{port}", found["redis"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def workers(redis_url: str) -> dict[str, list[str]]:
+    async def read() -> dict[str, list[str]]:
+        registry = WorkerRegistry(redis_url)
+        try:
+            out: dict[str, list[str]] = {"prefill": [], "decode": []}
+            for r in await registry.list():
+                out[r.role].append(r.http_url)
+            return out
+        finally:
+            await registry.close()
+
+    return asyncio.run(read())
+
+
+def one_request(url: str, max_tokens: int) -> bool:
+    body = {"model": SERVED_NAME, "prompt": "copper lantern " * 20, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+            if resp.status_code != 200:
+                return False
+            return not any('"error"' in line for line in resp.iter_lines())
+    except httpx.HTTPError:
+        return False
+
+
+def test_decode_pool_grows_under_load_and_shrinks_after(autoscaled: tuple[str, str]) -> None:
+    url, redis_url = autoscaled
+    assert {k: len(v) for k, v in workers(redis_url).items()} == {"prefill": 1, "decode": 1}
+    prefill_url = workers(redis_url)["prefill"][0]
+    p0 = scrape(prefill_url)
+    stop, results = threading.Event(), []
+
+    def load() -> None:
+        while not stop.is_set():
+            results.append(one_request(url, 96))
+
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(8):
+            pool.submit(load)
+        try:
+            eventually(lambda: len(workers(redis_url)["decode"]), lambda n: n == 2,
+                       timeout_s=400, interval_s=2)
+            # Both decode workers serve while the load goes on.
+            urls = workers(redis_url)["decode"]
+            before = {u: value(scrape(u), "vllm:request_success_total") for u in urls}
+            eventually(lambda: [value(scrape(u), "vllm:request_success_total") for u in urls],
+                       lambda now: all(n > before[u] for u, n in zip(urls, now, strict=True)),
+                       timeout_s=120, interval_s=2)
+        finally:
+            stop.set()
+
+    # Load gone: after the cooldown the pool drains back to one worker; a trickle of requests
+    # keeps flowing through the drain and every one of them succeeds.
+    trickle: list[bool] = []
+    eventually(lambda: (trickle.append(one_request(url, 8)), len(workers(redis_url)["decode"]))[1],
+               lambda n: n == 1, timeout_s=240, interval_s=1)
+    assert results and all(results), f"{results.count(False)} of {len(results)} failed"
+    assert trickle and all(trickle)
+
+    # No leaked KV: every lease was released by a pull, none expired; prefill holds no blocks.
+    p1 = scrape(prefill_url)
+    expired = "pdserve_kv_leases_expired_total"
+    assert value(p1, expired) == value(p0, expired)
+    eventually(lambda: value(scrape(prefill_url), "vllm:kv_cache_usage_perc"),
+               lambda usage: usage == 0.0, timeout_s=15)
+
+    decisions = [json.loads(d) for d in
+                 redis.Redis.from_url(redis_url).lrange("pdserve:autoscaler:decisions", 0, -1)]
+    reasons = {(d["pool"], d["reason"]) for d in decisions if d["desired"] != d["current"]}
+    assert ("decode", "scale_up") in reasons and ("decode", "scale_down") in reasons

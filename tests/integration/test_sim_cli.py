@@ -1,0 +1,62 @@
+"""``pdserve sim`` CLI contract: outputs, names, and exit 2 on bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.sim.cli import main
+from bench.sim.trace_input import synth_rows, write_trace
+
+KEYS = {"effective_capacity_rps", "ttft_p50", "ttft_p99", "slo_attainment", "cache_hit_ratio",
+        "load_max_over_mean"}
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    path = tmp_path / "trace.csv"
+    write_trace(path, synth_rows(300, rate_rps=2.0, seed=5))
+    return path
+
+
+def test_writes_summary_report_and_plots(trace: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    rc = main(["--trace", str(trace), "--prefill", "4", "--decode", "2",
+               "--policies", "dualmap,round_robin", "--slo-ttft", "2", "--slo-tpot", "0.1",
+               "--out", str(out), "--seed", "1"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"dualmap", "round_robin"}
+    for metrics in summary.values():
+        assert set(metrics) >= KEYS
+        assert metrics["effective_capacity_rps"] > 0
+        assert 0 <= metrics["cache_hit_ratio"] <= 1
+    report = (out / "report.md").read_text()
+    assert "| dualmap |" in report and "| round_robin |" in report
+    for png in ("attainment.png", "ttft_cdf.png", "load.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--policies", "dualmap,magic"], "unknown policy magic"),
+    (["--trace", "/nonexistent.csv"], "cannot read trace"),
+    (["--prefill", "0"], "--prefill"),
+])
+def test_bad_input_exits_2(trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                           args: list[str], message: str) -> None:
+    base = {"--trace": str(trace), "--prefill": "2", "--decode": "1", "--policies": "dualmap",
+            "--slo-ttft": "2", "--slo-tpot": "0.1", "--out": str(tmp_path / "o")}
+    base.update(dict(zip(args[::2], args[1::2], strict=True)))
+    assert main([x for kv in base.items() for x in kv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_malformed_trace_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time,tokens\n1,2\n")
+    rc = main(["--trace", str(bad), "--prefill", "2", "--decode", "1", "--policies", "dualmap",
+               "--slo-ttft", "2", "--slo-tpot", "0.1", "--out", str(tmp_path / "o")])
+    assert rc == 2
+    assert "missing column" in capsys.readouterr().err
