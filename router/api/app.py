@@ -60,7 +60,10 @@ class RouterService:
 
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=self.settings.max_upstream_connections,
-                              max_keepalive_connections=100)
+                              max_keepalive_connections=100,
+                              # below uvicorn's 5 s keep-alive, so we rarely reuse a connection
+                              # the worker is closing at that moment
+                              keepalive_expiry=3.0)
         # trust_env=False: workers are reached directly, never through an HTTP(S)_PROXY.
         self.client = httpx.AsyncClient(limits=limits, trust_env=False)
         self.proxy = PDProxy(self.settings, self.cluster, self.metrics, self._prefill_policy,

@@ -56,6 +56,18 @@ def _upstream_error(role: str, worker: WorkerRecord, exc: Exception) -> Upstream
                          kind=kind)
 
 
+# Errors of a pooled keep-alive connection the worker closed just as we reused it: the worker
+# may be fine, so one retry on the same worker is allowed (useful when it is the only one).
+_STALE_CONNECTION = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+def _allow_same_worker_retry(exc: Exception, worker: WorkerRecord, tried: set[str],
+                             retried: set[str]) -> None:
+    if isinstance(exc, _STALE_CONNECTION) and worker.worker_id not in retried:
+        retried.add(worker.worker_id)
+        tried.discard(worker.worker_id)
+
+
 def _relay_body(resp_content: bytes, status: int, content_type: str | None) -> Response:
     return Response(content=resp_content, status_code=status,
                     media_type=content_type or "application/json")
@@ -205,6 +217,7 @@ class PDProxy:
         content = encode(prefill_body(endpoint, body))
         headers = self._headers(route, incoming)
         tried: set[str] = set()
+        retried: set[str] = set()
         last: UpstreamError | None = None
         for attempt in range(self.settings.prefill_retries + 1):
             worker = self._choose("prefill", route, tried)
@@ -223,6 +236,7 @@ class PDProxy:
             except httpx.HTTPError as exc:
                 last = _upstream_error("prefill", worker, exc)
                 self._failed(worker, last)
+                _allow_same_worker_retry(exc, worker, tried, retried)
                 continue
             finally:
                 self._end("prefill", route, worker, ok)
@@ -262,6 +276,7 @@ class PDProxy:
         content = encode(decode_body(body, kv_params))
         headers = self._headers(route, incoming)
         tried: set[str] = set()
+        retried: set[str] = set()
         last: UpstreamError | None = None
         for attempt in range(self.settings.decode_retries + 1):
             worker = self._choose("decode", route, tried)
@@ -307,6 +322,7 @@ class PDProxy:
             except httpx.HTTPError as exc:
                 last = _upstream_error("decode", worker, exc)
                 self._failed(worker, last)
+                _allow_same_worker_retry(exc, worker, tried, retried)
                 continue
             finally:
                 if not handed_over:
