@@ -67,12 +67,35 @@ class DecodeModel:
                           math.floor((tpot_slo_s - self.step_base_s) / self.step_per_seq_s)))
 
 
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``(intercept, slope)`` of y over x; a flat line through one point."""
+    if not points:
+        raise ValueError("no points to fit")
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx == 0:
+        return my, 0.0
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - slope * mx, slope
+
+
 def load_profile(path: str | Path) -> tuple[PrefillModel, DecodeModel]:
-    """Read a profile JSON (``prefill.s_per_token``, ``decode.step_base_s`` ...)."""
+    """Read a profile JSON: the one `pdserve bench profile` writes (``fixed_s``/``per_token_s``
+    and decode ``points``), or explicit model fields (``s_per_token``, ``step_base_s`` ...)."""
     doc = json.loads(Path(path).read_text())
     p, d = doc.get("prefill", {}), doc.get("decode", {})
-    return (PrefillModel(float(p.get("s_per_token", PrefillModel.s_per_token)),
-                         float(p.get("overhead_s", PrefillModel.overhead_s))),
-            DecodeModel(float(d.get("step_base_s", DecodeModel.step_base_s)),
-                        float(d.get("step_per_seq_s", DecodeModel.step_per_seq_s)),
-                        int(d.get("max_seqs", DecodeModel.max_seqs))))
+    s_per_token = p.get("s_per_token", p.get("per_token_s", PrefillModel.s_per_token))
+    overhead = p.get("overhead_s", p.get("fixed_s", PrefillModel.overhead_s))
+    prefill = PrefillModel(float(s_per_token), float(overhead))
+    if "points" in d and d["points"]:
+        base, per_seq = fit_line([(float(pt["batch_size"]), float(pt["step_s"]))
+                                  for pt in d["points"]])
+        decode = DecodeModel(max(base, 0.0), max(per_seq, 1e-9),
+                             int(d.get("max_seqs", DecodeModel.max_seqs)))
+    else:
+        decode = DecodeModel(float(d.get("step_base_s", DecodeModel.step_base_s)),
+                             float(d.get("step_per_seq_s", DecodeModel.step_per_seq_s)),
+                             int(d.get("max_seqs", DecodeModel.max_seqs)))
+    return prefill, decode

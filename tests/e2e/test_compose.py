@@ -130,6 +130,24 @@ def test_compose_file_validates(tools: None) -> None:
                "--profile", profile, "config", "-q"], timeout_s=60)
 
 
+def test_prometheus_and_grafana_provisioning_parse() -> None:
+    yaml = pytest.importorskip("yaml", reason="PyYAML not installed")
+    prom = yaml.safe_load((c.DEPLOY / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
+    assert jobs["pdserve-router"]["static_configs"] == [{"targets": ["router:8000"]}]
+    assert jobs["pdserve-workers"]["dns_sd_configs"][0]["names"] == ["prefill", "decode"]
+    ds = yaml.safe_load((c.DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    uid = ds["datasources"][0]["uid"]
+    dash = json.loads((c.DEPLOY / "grafana/dashboards/pdserve.json").read_text())
+    titles = {p["title"] for p in dash["panels"]}
+    assert {"TTFT (router, streams)", "TPOT (decode workers)", "Request rate by status",
+            "Routing decisions by reason", "KV pull bandwidth", "KV pulls and failures",
+            "Pool sizes"} <= titles
+    for panel in dash["panels"]:
+        assert panel["datasource"]["uid"] == uid
+        assert all(t["expr"] for t in panel["targets"])
+
+
 def _stream(cluster: Cluster, prompt: str, max_tokens: int = 16) -> str:
     from openai import OpenAI
 

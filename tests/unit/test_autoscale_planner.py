@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -141,3 +142,17 @@ def test_idle_pool_shrinks_even_when_the_model_rates_capacity_at_zero() -> None:
     assert dd.desired == 2 and dd.capacity_per_instance == 0  # load with no capacity: hold max
     _, dd = p.plan(obs(10.0, 0.0, decode=2))
     assert (dd.desired, dd.reason) == (1, "scale_down")
+
+
+def test_profile_from_bench_profile_schema(tmp_path) -> None:  # noqa: ANN001
+    from router.autoscale.capacity import load_profile
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({
+        "schema": "pdserve.bench.profile/1",
+        "prefill": {"fixed_s": 0.02, "per_token_s": 2e-4, "points": []},
+        "decode": {"points": [{"batch_size": b, "step_s": 0.01 + 0.001 * b} for b in (1, 3, 5)]}}))
+    prefill, decode = load_profile(path)
+    assert (prefill.s_per_token, prefill.overhead_s) == (2e-4, 0.02)
+    assert decode.step_base_s == pytest.approx(0.010)
+    assert decode.step_per_seq_s == pytest.approx(0.001)
