@@ -37,7 +37,9 @@ from typing import Any
 import numpy as np
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    # Run as a script, sys.path[0] is bench/, whose trace.py and profile.py would shadow the
+    # standard library's modules of those names: put the repository root there instead.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 logger = logging.getLogger("bench.kv_transfer")
 

@@ -32,7 +32,9 @@ from pathlib import Path
 import httpx
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    # Run as a script, sys.path[0] is bench/, whose trace.py and profile.py would shadow the
+    # standard library's modules of those names: put the repository root there instead.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from serve.redis_server import free_port, start_redis  # noqa: E402
 from serve.tiny_model import build_tiny_model  # noqa: E402
