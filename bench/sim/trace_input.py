@@ -7,10 +7,12 @@ optional. Failed requests (``Response tokens == 0``) are dropped, as vLLM's harn
 
 from __future__ import annotations
 
+import bisect
 import csv
+import itertools
 import math
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,11 +103,52 @@ def iter_synth_rows(n: int, rate_rps: float = 2.0, seed: int = 0,
                     session_ids: bool = True) -> Iterator[TraceRow]:
     """Lazy :func:`synth_rows`; ``session_ids=False`` leaves sessions to the workload model."""
     rng = random.Random(seed)
+    return _synth(rng, n, lambda t: rng.gammavariate(burstiness, 1.0 / (rate_rps * burstiness)),
+                  conversation_share, new_session_p, open_sessions, session_ids)
+
+
+def iter_varying_rows(knots: Sequence[tuple[float, float]], seed: int = 0,
+                      burstiness: float = 0.5, conversation_share: float = 0.8,
+                      new_session_p: float = 0.25, open_sessions: int = 300,
+                      session_ids: bool = True) -> Iterator[TraceRow]:
+    """:func:`iter_synth_rows` with an arrival rate that changes over time: ``knots`` are
+    ``(time_s, rate_rps)`` points, linearly interpolated; the trace ends at the last knot."""
+    if len(knots) < 2 or any(b[0] <= a[0] for a, b in zip(knots, knots[1:], strict=False)):
+        raise ValueError("need >= 2 knots with increasing times")
+    if any(r <= 0 for _, r in knots):
+        raise ValueError("knot rates must be > 0")
+    rng = random.Random(seed)
+    end = knots[-1][0]
+
+    def rate_at(t: float) -> float:
+        i = bisect.bisect_right([k[0] for k in knots], t)
+        if i == 0:
+            return knots[0][1]
+        if i >= len(knots):
+            return knots[-1][1]
+        (t0, r0), (t1, r1) = knots[i - 1], knots[i]
+        return r0 + (r1 - r0) * (t - t0) / (t1 - t0)
+
+    def gap(t: float) -> float:
+        # the gap is drawn at the rate of its start: fine while the rate changes slowly
+        # compared with the mean gap
+        return rng.gammavariate(burstiness, 1.0 / (rate_at(t) * burstiness))
+
+    for row in _synth(rng, None, gap, conversation_share, new_session_p, open_sessions,
+                      session_ids):
+        if row.timestamp_s > end:
+            return
+        yield row
+
+
+def _synth(rng: random.Random, n: int | None, gap: Callable[[float], float],
+           conversation_share: float, new_session_p: float, open_sessions: int,
+           session_ids: bool) -> Iterator[TraceRow]:
     t = 0.0
     sessions: list[str] = []
     next_sid = 0
-    for _ in range(n):
-        t += rng.gammavariate(burstiness, 1.0 / (rate_rps * burstiness))
+    for _ in itertools.count() if n is None else range(n):
+        t += gap(t)
         req = int(min(max(rng.lognormvariate(5.6, 0.9), 16), 4096))
         resp = int(min(max(rng.lognormvariate(5.0, 0.8), 1), 2048))
         if rng.random() < conversation_share:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,11 +42,11 @@ class ComposeSetupError(RuntimeError):
 
 
 def run(cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None,
-        input_bytes: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``cmd``; on failure raise with its output (the tail is what explains a failure)."""
     logger.info("$ %s", " ".join(cmd))
-    proc = subprocess.run(cmd, capture_output=True, timeout=timeout_s, env=env,
-                          input=input_bytes.decode() if input_bytes else None, text=True)
+    proc = subprocess.run(cmd, capture_output=True, timeout=timeout_s, env=env, text=True,
+                          stdin=subprocess.DEVNULL)
     if check and proc.returncode != 0:
         raise ComposeSetupError(f"{' '.join(cmd)} exited {proc.returncode}:\n"
                                 f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
@@ -96,7 +97,7 @@ def _spawn_daemon(cmd: list[str], log_name: str) -> None:
                          start_new_session=True)
 
 
-def _wait(probe_ok, what: str, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+def _wait(probe_ok: Callable[[], bool], what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not probe_ok():
         if time.monotonic() > deadline:

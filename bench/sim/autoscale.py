@@ -1,0 +1,263 @@
+"""Autoscalers driving the simulator's pools, and what a run of them reports.
+
+Controllers (:class:`bench.sim.engine.PoolController`), each asked every ``interval_s`` (10 s):
+- :class:`PlannerController`: ``router.autoscale.planner.Planner`` on an
+  :class:`~router.autoscale.planner.Observation` built from the interval (arrivals, mean
+  uncached ISL = prefilled tokens / arrivals, mean OSL = output tokens / arrivals, TTFT and
+  TPOT mean and p90, current replicas). Its capacity models come from the simulator's own perf
+  models (:func:`capacity_models`), times ``profile_bias`` (1.0; below 1 the profile is
+  optimistic, above pessimistic) to show the online correction at work.
+- :class:`ThresholdController`: ``router.autoscale.threshold.ThresholdAutoscaler`` per pool
+  (HPA-style) on the prefill busy fraction and the decode batch-slot occupancy
+  (running / ``max_running``, the simulator's analogue of ``vllm:kv_cache_usage_perc``).
+- :class:`ScriptedController`: fixed ``(time_s, prefill, decode)`` steps (tests).
+
+The static pool needs no controller. :func:`autoscale_summary` gives the per-run numbers of
+``pdserve sim --autoscale``: billed instance-seconds, SLO attainment on both SLOs, maxima.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bench.sim.engine import IntervalStats, ReplicaPoint, RunResult
+from bench.sim.perf import DecodePerf, PrefillPerf
+from router.autoscale.capacity import DecodeModel, PrefillModel
+from router.autoscale.planner import Decision, Observation, Planner, PlannerConfig
+from router.autoscale.threshold import ThresholdAutoscaler
+
+AUTOSCALERS = ("planner", "threshold", "static")
+
+
+def capacity_models(prefill: PrefillPerf, decode: DecodePerf, mean_context_tokens: float,
+                    bias: float = 1.0) -> tuple[PrefillModel, DecodeModel]:
+    """The planner's profile of the simulated hardware: prefill cost per token and per
+    request, decode step time per running sequence at the workload's mean context (the
+    simulator charges ``per_ctx_token_s`` per context token); every time multiplied by
+    ``bias``."""
+    if bias <= 0:
+        raise ValueError("profile bias must be > 0")
+    return (PrefillModel(prefill.per_token_s * bias, prefill.overhead_s * bias),
+            DecodeModel(decode.step_s * bias,
+                        (decode.per_seq_s + decode.per_ctx_token_s * mean_context_tokens) * bias,
+                        decode.max_running))
+
+
+def _p90(xs: Sequence[float]) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(0.9 * len(s)))]
+
+
+def observation(stats: IntervalStats) -> Observation:
+    """The planner's view of one simulated interval."""
+    per_request = max(stats.arrivals, 1)
+    return Observation(
+        now_s=stats.now_s, interval_s=stats.interval_s, arrivals=stats.arrivals,
+        mean_isl=stats.uncached_tokens / per_request,
+        mean_osl=stats.output_tokens / per_request,
+        prefill_replicas=stats.prefill_replicas, decode_replicas=stats.decode_replicas,
+        ttft_p90_s=_p90(stats.ttft_s),
+        ttft_mean_s=statistics.fmean(stats.ttft_s) if stats.ttft_s else None,
+        tpot_p90_s=_p90(stats.tpot_s),
+        tpot_mean_s=statistics.fmean(stats.tpot_s) if stats.tpot_s else None)
+
+
+@dataclass
+class PlannerController:
+    """The SLO planner sizing both pools."""
+
+    planner: Planner
+    start: tuple[int, int] = (1, 1)
+    interval_s: float = 10.0
+    decisions: list[tuple[Decision, Decision]] = field(default_factory=list)
+    """Every interval's decisions, for reports and tests."""
+
+    def initial(self) -> tuple[int, int]:
+        return self.start
+
+    def decide(self, stats: IntervalStats) -> tuple[int, int]:
+        p, d = self.planner.plan(observation(stats))
+        self.decisions.append((p, d))
+        return p.desired, d.desired
+
+
+@dataclass
+class ThresholdController:
+    """One HPA-style threshold autoscaler per pool."""
+
+    prefill: ThresholdAutoscaler
+    decode: ThresholdAutoscaler
+    start: tuple[int, int] = (1, 1)
+    interval_s: float = 10.0
+
+    def initial(self) -> tuple[int, int]:
+        return self.start
+
+    def decide(self, stats: IntervalStats) -> tuple[int, int]:
+        return (self.prefill.desired(stats.now_s, stats.prefill_replicas, stats.prefill_busy),
+                self.decode.desired(stats.now_s, stats.decode_replicas, stats.decode_slots))
+
+
+@dataclass
+class ScriptedController:
+    """Pool sizes from a script: ``steps`` are ``(time_s, prefill, decode)``, applied at the
+    first interval at or after ``time_s``."""
+
+    start: tuple[int, int]
+    steps: Sequence[tuple[float, int, int]]
+    interval_s: float = 10.0
+    seen: list[IntervalStats] = field(default_factory=list)
+
+    def initial(self) -> tuple[int, int]:
+        return self.start
+
+    def decide(self, stats: IntervalStats) -> tuple[int, int]:
+        self.seen.append(stats)
+        want = self.start
+        for t, p, d in self.steps:
+            if stats.now_s >= t:
+                want = (p, d)
+        return want
+
+
+@dataclass(frozen=True)
+class AutoscaleSettings:
+    """How ``pdserve sim --autoscale`` sizes the pools."""
+
+    mode: str = "static"
+    """One of ``planner``, ``threshold``, ``static``."""
+    max_prefill: int = 1
+    """Static: the prefill pool; otherwise its maximum."""
+    max_decode: int = 1
+    min_replicas: int = 1
+    """Start and floor of each pool (planner, threshold)."""
+    interval_s: float = 10.0
+    start_delay_s: float = 30.0
+    profile_bias: float = 1.0
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """Planner knobs; its SLOs, bounds and min are overwritten from the fields above."""
+    threshold_target: float = 0.7
+    threshold_cooldown_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in AUTOSCALERS:
+            raise ValueError(f"unknown autoscaler {self.mode!r}; allowed: "
+                             f"{', '.join(AUTOSCALERS)}")
+        if not 1 <= self.min_replicas <= min(self.max_prefill, self.max_decode):
+            raise ValueError("need 1 <= --min <= --prefill and --decode")
+        if self.interval_s <= 0 or self.start_delay_s < 0 or self.profile_bias <= 0:
+            raise ValueError("need interval > 0, start delay >= 0 and profile bias > 0")
+
+
+def make_controller(settings: AutoscaleSettings, ttft_slo_s: float, tpot_slo_s: float,
+                    prefill: PrefillPerf, decode: DecodePerf, mean_context_tokens: float
+                    ) -> PlannerController | ThresholdController | None:
+    """The controller for ``settings.mode`` (None: static pools)."""
+    s = settings
+    start = (s.min_replicas, s.min_replicas)
+    if s.mode == "planner":
+        cfg = replace(s.planner, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s,
+                      min_replicas=s.min_replicas,
+                      max_replicas=max(s.max_prefill, s.max_decode),
+                      max_prefill_replicas=s.max_prefill, max_decode_replicas=s.max_decode)
+        pm, dm = capacity_models(prefill, decode, mean_context_tokens, s.profile_bias)
+        return PlannerController(Planner(cfg, pm, dm), start, s.interval_s)
+    if s.mode == "threshold":
+        def one(n: int) -> ThresholdAutoscaler:
+            return ThresholdAutoscaler(target=s.threshold_target,
+                                       scale_down_cooldown_s=s.threshold_cooldown_s,
+                                       min_replicas=s.min_replicas, max_replicas=n)
+        return ThresholdController(one(s.max_prefill), one(s.max_decode), start, s.interval_s)
+    return None
+
+
+def autoscale_summary(res: RunResult, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, Any]:
+    """Billed instance-seconds, SLO attainment (both SLOs, and each alone), latency
+    percentiles and pool maxima of one run."""
+    n = len(res.ttft_s)
+    ttft_ok = [t <= ttft_slo_s for t in res.ttft_s]
+    tpot_ok = [t <= tpot_slo_s for t in res.req_tpot_s]
+    ttft, tpot = sorted(res.ttft_s), sorted(res.tpot_s)
+
+    def pct(xs: list[float], q: float) -> float:
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+    pts = res.replicas
+    return {
+        "requests": n,
+        "instance_seconds": {"total": res.instance_s["prefill"] + res.instance_s["decode"],
+                             **res.instance_s},
+        "slo_attainment": sum(a and b for a, b in zip(ttft_ok, tpot_ok, strict=True)) / n
+        if n else 0.0,
+        "slo_attainment_ttft": sum(ttft_ok) / n if n else 0.0,
+        "slo_attainment_tpot": sum(tpot_ok) / n if n else 0.0,
+        "replicas_max": {"prefill": max(p.prefill_target for p in pts),
+                         "decode": max(p.decode_target for p in pts)},
+        "billed_max": {"prefill": max(p.prefill_billed for p in pts),
+                       "decode": max(p.decode_billed for p in pts)},
+        "replicas_mean": {"prefill": res.instance_s["prefill"] / res.sim_end_s
+                          if res.sim_end_s else 0.0,
+                          "decode": res.instance_s["decode"] / res.sim_end_s
+                          if res.sim_end_s else 0.0},
+        "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9), "ttft_p99": pct(ttft, 0.99),
+        "tpot_p50": pct(tpot, 0.5), "tpot_p90": pct(tpot, 0.9), "tpot_p99": pct(tpot, 0.99),
+        "cache_hit_ratio": res.cached_tokens / res.prompt_tokens if res.prompt_tokens else 0.0,
+        "migrations": res.migrations,
+        "sim_end_s": res.sim_end_s,
+    }
+
+
+def _steps(points: Sequence[ReplicaPoint], end_s: float, attr: str
+           ) -> tuple[list[float], list[int]]:
+    xs = [p.t_s for p in points] + [end_s]
+    ys = [getattr(p, attr) for p in points]
+    return xs, [*ys, ys[-1]]
+
+
+def plot_replicas(path: Path, runs: Mapping[str, RunResult],
+                  rate: Sequence[tuple[float, float]] = ()) -> Path:
+    """Step plot of ready and billed replicas per pool over time, one panel per pool, with
+    the arrival rate (req/s per ``rate`` bucket) on a second axis when given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for ax, pool in zip(axes, ("prefill", "decode"), strict=True):
+        for i, (name, res) in enumerate(runs.items()):
+            color = f"C{i}"
+            xs, ys = _steps(res.replicas, res.sim_end_s, f"{pool}_ready")
+            ax.step(xs, ys, where="post", color=color, label=f"{name} ready")
+            xs, ys = _steps(res.replicas, res.sim_end_s, f"{pool}_billed")
+            ax.step(xs, ys, where="post", color=color, linestyle=":", linewidth=1,
+                    label=f"{name} billed")
+        ax.set_ylabel(f"{pool} instances")
+        if rate:
+            twin = ax.twinx()
+            twin.plot([t for t, _ in rate], [r for _, r in rate], color="grey", alpha=0.4)
+            twin.set_ylabel("arrivals (req/s)", color="grey")
+    axes[0].legend(fontsize=7, ncol=2)
+    axes[-1].set_xlabel("simulated time (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def arrival_rate(arrivals_s: Sequence[float], bucket_s: float = 60.0
+                 ) -> list[tuple[float, float]]:
+    """``(bucket midpoint, req/s)`` of arrival times."""
+    if not arrivals_s:
+        return []
+    counts = [0] * (math.floor(max(arrivals_s) / bucket_s) + 1)
+    for t in arrivals_s:
+        counts[math.floor(t / bucket_s)] += 1
+    return [((i + 0.5) * bucket_s, c / bucket_s) for i, c in enumerate(counts)]
