@@ -8,7 +8,9 @@ STAMP     := $(VENV)/.pdserve-setup
 NATIVE    := kernels/native/ucxrma.c
 PYTEST_ARGS ?=
 
-.PHONY: setup native redis run test lint bench-deps clean
+COMPOSE   ?= $(shell command -v docker-compose >/dev/null 2>&1 && echo docker-compose || echo docker compose)
+
+.PHONY: setup native redis run test lint bench-deps clean images compose-up compose-down
 
 setup: $(STAMP) native redis
 
@@ -47,3 +49,13 @@ bench-deps: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info kernels/native/*.so
+
+# Docker Compose cluster (see README "Run the cluster with Docker Compose").
+images:
+	deploy/scripts/build_base_image.sh
+
+compose-up:
+	$(COMPOSE) -f deploy/docker-compose.yml up -d --build
+
+compose-down:
+	$(COMPOSE) -f deploy/docker-compose.yml down -v --remove-orphans

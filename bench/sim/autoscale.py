@@ -36,13 +36,20 @@ AUTOSCALERS = ("planner", "threshold", "static")
 
 def capacity_models(prefill: PrefillPerf, decode: DecodePerf, mean_context_tokens: float,
                     bias: float = 1.0) -> tuple[PrefillModel, DecodeModel]:
-    """The planner's profile of the simulated hardware: prefill cost per token and per
-    request, decode step time per running sequence at the workload's mean context (the
-    simulator charges ``per_ctx_token_s`` per context token); every time multiplied by
-    ``bias``."""
+    """The planner's profile of the simulated hardware, as ``pdserve bench profile`` would
+    measure it; every time multiplied by ``bias``.
+
+    Prefill: cost per uncached token, and a per-request overhead that is the TTFT of an idle
+    cluster minus the prefill compute: batch overhead + KV transfer + first decode step at the
+    workload's mean context. (The planner corrects its model by observed/predicted TTFT; an
+    overhead without the transfer and first step would read as a model 1.5x too optimistic
+    at every load.) Decode: step time per running sequence at the mean context (the simulator
+    charges ``per_ctx_token_s`` per context token)."""
     if bias <= 0:
         raise ValueError("profile bias must be > 0")
-    return (PrefillModel(prefill.per_token_s * bias, prefill.overhead_s * bias),
+    fixed = (prefill.overhead_s + decode.kv_transfer_s_per_token * mean_context_tokens
+             + decode.step_time_s(1, round(mean_context_tokens)))
+    return (PrefillModel(prefill.per_token_s * bias, fixed * bias),
             DecodeModel(decode.step_s * bias,
                         (decode.per_seq_s + decode.per_ctx_token_s * mean_context_tokens) * bias,
                         decode.max_running))

@@ -2,9 +2,21 @@
 
     pdserve sim --trace FILE.csv --prefill N --decode M --policies dualmap,round_robin,...
                 --slo-ttft SECONDS --slo-tpot SECONDS --out DIR [--seed S]
+                [--autoscale planner|threshold|static [--min N] [--autoscale-interval-s 10]
+                 [--start-delay-s 30] [--profile-bias 1.0]]
 
-Writes ``DIR/summary.json`` (policy -> effective_capacity_rps, ttft_p50, ttft_p99,
-slo_attainment, cache_hit_ratio, load_max_over_mean, ...), ``DIR/report.md`` and PNG plots.
+Without ``--autoscale``: a rate sweep per policy on fixed pools; writes ``DIR/summary.json``
+(policy -> effective_capacity_rps, ttft_p50, ttft_p99, slo_attainment, cache_hit_ratio,
+load_max_over_mean, ...), ``DIR/report.md`` and PNG plots.
+
+With ``--autoscale``: each policy replays the trace once at its own timing, the pools sized by
+the autoscaler (``static``: fixed at ``--prefill``/``--decode``; ``planner`` or ``threshold``:
+from ``--min`` each up to those sizes, re-planned every ``--autoscale-interval-s``, added
+instances serving after ``--start-delay-s``). ``DIR/summary.json`` per policy then holds
+``instance_seconds`` (total, prefill, decode), ``slo_attainment`` (share of requests within
+both SLOs), ``replicas_max`` (per pool), latency percentiles; ``DIR/replicas.png`` plots the
+pools over time and ``DIR/report.md`` has the table.
+
 Unknown policy, bad trace or bad numbers: a message on stderr and exit status 2.
 """
 
@@ -12,15 +24,25 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
+from bench.sim.autoscale import (
+    AUTOSCALERS,
+    AutoscaleSettings,
+    arrival_rate,
+    autoscale_summary,
+    make_controller,
+    plot_replicas,
+)
+from bench.sim.engine import RunResult, simulate
 from bench.sim.perf import DecodePerf, PrefillPerf, load_calibration
-from bench.sim.report import write_report, write_summary
-from bench.sim.sweep import SweepConfig, effective_capacity, run_at, summarize
+from bench.sim.report import write_autoscale_report, write_report, write_summary
+from bench.sim.sweep import SweepConfig, effective_capacity, make_policy, run_at, summarize
 from bench.sim.trace_input import TraceError, native_rate, read_trace
-from bench.sim.workload import WorkloadConfig, build_requests
+from bench.sim.workload import SimRequest, WorkloadConfig, build_requests
 from router.policy.registry import BASELINES, PREFILL_POLICIES
 
 logger = logging.getLogger(__name__)
@@ -42,6 +64,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hot-share", type=float, default=0.0,
                    help="share of requests on one system prompt (default 0)")
     p.add_argument("--no-rebalance", action="store_true", help="disable DualMap rebalancing")
+    p.add_argument("--autoscale", default=None,
+                   help=f"size the pools during one replay: {', '.join(AUTOSCALERS)} "
+                        "(default: no replay, a rate sweep on fixed pools)")
+    p.add_argument("--min", type=int, default=1, dest="min_replicas",
+                   help="autoscaled pools start at and never go below this (default 1)")
+    p.add_argument("--autoscale-interval-s", type=float, default=10.0,
+                   help="simulated seconds between autoscaler decisions (default 10)")
+    p.add_argument("--start-delay-s", type=float, default=30.0,
+                   help="an added instance serves this long after the decision (default 30)")
+    p.add_argument("--profile-bias", type=float, default=1.0,
+                   help="multiply the planner's profiled times by this (default 1.0 = exact; "
+                        "e.g. 0.5 = optimistic profile, for the online correction to fix)")
     return p
 
 
@@ -77,14 +111,24 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(f"bad calibration {args.calibration}: {exc}")
     cfg = SweepConfig(args.prefill, args.decode, args.slo_ttft, args.slo_tpot, prefill, decode,
                       rebalance=not args.no_rebalance)
+    settings = None
+    if args.autoscale is not None:
+        try:
+            settings = AutoscaleSettings(
+                args.autoscale, args.prefill, args.decode, args.min_replicas,
+                args.autoscale_interval_s, args.start_delay_s, args.profile_bias)
+        except ValueError as exc:
+            return _fail(str(exc))
     reqs = build_requests(rows, WorkloadConfig(hot_share=args.hot_share,
                                                block_tokens=prefill.block_tokens), args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if settings is not None:
+        return _replay(names, reqs, cfg, settings, out, args)
     native = native_rate(rows)
     # a starting guess: all prefill capacity busy on a mean prompt with no cache reuse
     mean_prompt = sum(r.prompt_tokens for r in reqs) / len(reqs)
     start = args.prefill / (prefill.overhead_s + mean_prompt * prefill.per_token_s)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     caps: dict[str, float] = {}
     curves: dict[str, list[tuple[float, float]]] = {}
     for name in names:
@@ -106,6 +150,34 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed, "reference_rps": reference}
     write_summary(out, summary)
     write_report(out, summary, meta, curves, ttfts, loads)
+    return 0
+
+
+def _replay(names: list[str], reqs: list[SimRequest], cfg: SweepConfig,
+            settings: AutoscaleSettings, out: Path, args: argparse.Namespace) -> int:
+    """One autoscaled replay per policy at the trace's own timing."""
+    ctx = statistics.fmean(r.prompt_tokens for r in reqs)
+    summary: dict[str, dict[str, Any]] = {}
+    runs: dict[str, RunResult] = {}
+    for name in names:
+        controller = make_controller(settings, cfg.ttft_slo_s, cfg.tpot_slo_s, cfg.prefill,
+                                     cfg.decode, ctx)
+        threshold = cfg.ttft_slo_s if (cfg.rebalance and name == "dualmap") else None
+        res = simulate(reqs, make_policy(name, cfg), cfg.n_prefill, cfg.n_decode, cfg.prefill,
+                       cfg.decode, rebalance_threshold_s=threshold, controller=controller,
+                       start_delay_s=settings.start_delay_s)
+        runs[name] = res
+        summary[name] = {"autoscale": settings.mode,
+                         **autoscale_summary(res, cfg.ttft_slo_s, cfg.tpot_slo_s)}
+        logger.info("%s/%s: attainment %.4f, %.0f instance-s", name, settings.mode,
+                    summary[name]["slo_attainment"], summary[name]["instance_seconds"]["total"])
+    write_summary(out, summary)
+    plot_replicas(out / "replicas.png", runs, arrival_rate([r.arrival_s for r in reqs]))
+    meta = {"trace": args.trace, "requests": len(reqs), "autoscale": settings.mode,
+            "max_prefill": settings.max_prefill, "max_decode": settings.max_decode,
+            "min": settings.min_replicas, "slo_ttft_s": cfg.ttft_slo_s,
+            "slo_tpot_s": cfg.tpot_slo_s, "seed": args.seed}
+    write_autoscale_report(out, summary, meta)
     return 0
 
 

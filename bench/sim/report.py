@@ -94,3 +94,34 @@ def write_report(out: Path, summary: Mapping[str, Mapping[str, Any]], meta: Mapp
     paths.append(out / "report.md")
     paths[-1].write_text("\n".join(md))
     return paths
+
+
+def autoscale_table(summary: Mapping[str, Mapping[str, Any]]) -> str:
+    """Markdown table of autoscaled runs (``pdserve sim --autoscale``)."""
+    head = ("| policy | autoscaler | SLO attainment (both) | TTFT only | TPOT only | "
+            "instance-s (prefill + decode) | replicas max (P+D) | TTFT p99 (s) |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for name, m in summary.items():
+        inst, mx = m["instance_seconds"], m["replicas_max"]
+        lines.append(f"| {name} | {m['autoscale']} | {m['slo_attainment']:.4f} | "
+                     f"{m['slo_attainment_ttft']:.4f} | {m['slo_attainment_tpot']:.4f} | "
+                     f"{inst['total']:.0f} ({inst['prefill']:.0f} + {inst['decode']:.0f}) | "
+                     f"{mx['prefill']}+{mx['decode']} | {m['ttft_p99']:.3f} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def write_autoscale_report(out: Path, summary: Mapping[str, Mapping[str, Any]],
+                           meta: Mapping[str, Any]) -> Path:
+    """``report.md`` of an autoscaled replay (the plot ``replicas.png`` is written beside)."""
+    md = [f"# Simulated autoscaling ({meta['autoscale']}): {', '.join(summary)}", "",
+          f"Trace `{meta['trace']}` ({meta['requests']} requests) replayed at its own timing; "
+          f"pools of at most {meta['max_prefill']} prefill / {meta['max_decode']} decode "
+          f"instances (from {meta['min']} each unless static), TTFT SLO {meta['slo_ttft_s']} s, "
+          f"TPOT SLO {meta['slo_tpot_s']} s, seed {meta['seed']}.", "",
+          "Instance-seconds are billed from the scale-up decision (including the worker start) "
+          "until a drained instance finished its last request.", "",
+          autoscale_table(summary), "", "![replicas over time](replicas.png)", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(md))
+    return path

@@ -17,7 +17,9 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
@@ -26,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.autoscale.actuators import Actuator, ComposeActuator, RedisActuator
 from router.autoscale.capacity import DecodeModel, PrefillModel, load_profile
-from router.autoscale.planner import Planner, PlannerConfig
+from router.autoscale.planner import Decision, Planner, PlannerConfig
 from router.autoscale.signals import Samples, Snapshot, observe
 from router.state.registry import WorkerRegistry
 
@@ -45,6 +47,9 @@ class AutoscalerSettings:
     compose_file: str | None = None
     metrics_port: int = 0
     prefix: str = "pdserve"
+    namespace: str = "pdserve"
+    prefill_deployment: str = "pdserve-prefill"
+    decode_deployment: str = "pdserve-decode"
     planner: PlannerConfig = PlannerConfig()
 
 
@@ -139,8 +144,8 @@ def add_autoscale_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `pdserve autoscale` (each mirrors a PDSERVE_AUTOSCALE_* env var)."""
     env = os.environ.get
     parser.add_argument("--redis", default=env("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    parser.add_argument("--router", default=env("PDSERVE_AUTOSCALE_ROUTER",
-                                                "http://127.0.0.1:8000"))
+    parser.add_argument("--router", "--router-url", dest="router",
+                        default=env("PDSERVE_AUTOSCALE_ROUTER", "http://127.0.0.1:8000"))
     parser.add_argument("--interval-s", type=float,
                         default=float(env("PDSERVE_AUTOSCALE_INTERVAL_S", "10")))
     parser.add_argument("--profile", default=env("PDSERVE_AUTOSCALE_PROFILE"),
@@ -156,8 +161,12 @@ def add_autoscale_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--predictor", default="holt", choices=["last", "ewma", "holt"])
     parser.add_argument("--correction-alpha", type=float, default=0.3,
                         help="weight of each observed/predicted latency ratio (0: no correction)")
-    parser.add_argument("--actuator", default="redis", choices=["redis", "compose"])
-    parser.add_argument("--compose-file", default=None)
+    parser.add_argument("--actuator", default=env("PDSERVE_AUTOSCALE_ACTUATOR", "redis"),
+                        choices=["redis", "compose", "kubernetes"])
+    parser.add_argument("--compose-file", default=env("PDSERVE_AUTOSCALE_COMPOSE_FILE"))
+    parser.add_argument("--namespace", default=env("PDSERVE_AUTOSCALE_NAMESPACE", "pdserve"))
+    parser.add_argument("--prefill-deployment", default="pdserve-prefill")
+    parser.add_argument("--decode-deployment", default="pdserve-decode")
     parser.add_argument("--metrics-port", type=int, default=0)
 
 
@@ -173,7 +182,20 @@ def settings_from_args(args: argparse.Namespace) -> AutoscalerSettings:
     return AutoscalerSettings(redis_url=args.redis, router_url=args.router,
                               interval_s=args.interval_s, profile=args.profile,
                               actuator=args.actuator, compose_file=args.compose_file,
-                              metrics_port=args.metrics_port, planner=planner)
+                              metrics_port=args.metrics_port, planner=planner,
+                              namespace=args.namespace,
+                              prefill_deployment=args.prefill_deployment,
+                              decode_deployment=args.decode_deployment)
+
+
+class _ThreadedActuator:
+    """Runs a blocking actuator's ``apply(decisions)`` off the event loop."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    async def apply(self, decisions: Sequence[Decision], now_s: float) -> None:
+        await asyncio.to_thread(self._inner.apply, decisions)
 
 
 async def run_autoscaler(settings: AutoscalerSettings) -> int:
@@ -183,6 +205,12 @@ async def run_autoscaler(settings: AutoscalerSettings) -> int:
         if not settings.compose_file:
             raise SystemExit("--actuator compose needs --compose-file")
         actuator = ComposeActuator(settings.compose_file)
+    elif settings.actuator == "kubernetes":
+        from router.autoscale.kubernetes import KubernetesActuator, KubernetesActuatorConfig
+
+        actuator = _ThreadedActuator(KubernetesActuator(KubernetesActuatorConfig(
+            namespace=settings.namespace, prefill_deployment=settings.prefill_deployment,
+            decode_deployment=settings.decode_deployment)))
     else:
         actuator = RedisActuator(settings.redis_url, settings.prefix)
     scaler = Autoscaler(settings, actuator)
