@@ -56,6 +56,11 @@ class RouterMetrics:
             "pdserve_router_upstream_retries_total",
             "Upstream calls retried on another worker, by role.",
             ["role"], registry=r)
+        self.routing_decisions = Counter(
+            "pdserve_router_routing_decisions_total",
+            "Placement decisions by worker role and reason (dualmap: cache_affinity, "
+            "slo_switch, load, single_candidate; other policies: the policy's name).",
+            ["role", "reason"], registry=r)
         self.workers = Gauge(
             "pdserve_router_workers",
             "Live workers in the router's membership view, by role.",

@@ -26,6 +26,7 @@ from router.config import RouterSettings
 from router.errors import APIError, UpstreamError
 from router.metrics import RouterMetrics
 from router.policy.base import (
+    Candidate,
     Dispatched,
     Finished,
     Membership,
@@ -66,6 +67,27 @@ def _allow_same_worker_retry(exc: Exception, worker: WorkerRecord, tried: set[st
     if isinstance(exc, _STALE_CONNECTION) and worker.worker_id not in retried:
         retried.add(worker.worker_id)
         tried.discard(worker.worker_id)
+
+
+def _select_with_reason(policy: Any, route: RouteRequest,
+                        candidates: list[Candidate]) -> tuple[Candidate | None, str]:
+    """The policy's choice and a bounded reason label for the decisions metric."""
+    decide = getattr(policy, "decide", None)
+    if decide is None:
+        return policy.select(route, candidates), str(getattr(policy, "name", "policy"))
+    decision = decide(route, candidates)
+    if decision is None:
+        return None, "none"
+    chosen = next(c for c in candidates if c.worker_id == decision.chosen)
+    if decision.alternate is None:
+        reason = "single_candidate"
+    elif decision.switched:
+        reason = "slo_switch"
+    elif decision.cached_tokens[decision.chosen] > decision.cached_tokens[decision.alternate]:
+        reason = "cache_affinity"
+    else:
+        reason = "load"
+    return chosen, reason
 
 
 def _relay_body(resp_content: bytes, status: int, content_type: str | None) -> Response:
@@ -170,9 +192,11 @@ class PDProxy:
             self._members[(role, route.model)] = members
             policy.observe(Membership(route.model, members))
         records = [r for r in live if r.worker_id not in tried]
-        choice = policy.select(route, self.tracker.candidates(records))
+        candidates = self.tracker.candidates(records)
+        choice, reason = _select_with_reason(policy, route, candidates)
         if choice is None:
             return None
+        self.metrics.routing_decisions.labels(role=role, reason=reason).inc()
         worker = next(r for r in records if r.worker_id == choice.worker_id)
         tried.add(worker.worker_id)
         return worker

@@ -108,7 +108,7 @@ def test_decode_pulls_instead_of_recomputing(cluster: Cluster, plain: Plain,
                                              tiny_model_dir: Path) -> None:
     # Fresh prompts: a local prefix hit on decode would legitimately skip the pull.
     fresh = make_prompts(tiny_model_dir, [40, 300, 700, 1100], seed=2, tag="pulltest")
-    d0, p0 = scrape(workers["decode"]), scrape(workers["prefill"])
+    d0, p0, r0 = scrape(workers["decode"]), scrape(workers["prefill"]), scrape(cluster.url)
     prompt_tokens = 0
     for prompt in fresh:
         ours, ref = complete(cluster.url, prompt), complete(plain.url, prompt)
@@ -116,6 +116,10 @@ def test_decode_pulls_instead_of_recomputing(cluster: Cluster, plain: Plain,
         prompt_tokens += ours["usage"]["prompt_tokens"]
     d1 = scrape(workers["decode"])
     n = len(fresh)
+    decisions = "pdserve_router_routing_decisions_total"
+    r1 = scrape(cluster.url)
+    assert value(r1, decisions, role="prefill") - value(r0, decisions, role="prefill") == n
+    assert value(r1, decisions, role="decode") - value(r0, decisions, role="decode") == n
 
     def delta(name: str, **labels: str) -> float:
         return value(d1, name, **labels) - value(d0, name, **labels)
