@@ -1,7 +1,7 @@
 """Autoscaling in simulation: the SLO planner vs an HPA-style threshold autoscaler vs a static
 pool sized for the peak, on a bursty BurstGPT-shaped trace whose rate varies 10x.
 
-    python -m bench.autoscale_sim [--scale 1.0] [--duration-s 3600] [--policy dualmap]
+    python -m bench.autoscale_sim [--duration-s 3600] [--peak-rps 80] [--policy dualmap]
                                   [--out DIR]
 
 The trace: gamma inter-arrivals (shape 0.5, BurstGPT's burstiness) at a rate that follows
@@ -23,7 +23,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +51,15 @@ SHAPE: tuple[tuple[float, float], ...] = (
 TARGET = 0.95
 
 
-def make_trace(duration_s: float, peak_rps: float, seed: int) -> list[SimRequest]:
+#: a gentler shape for short runs (the small-config test): one 30 % ramp up and down
+RAMP: tuple[tuple[float, float], ...] = (
+    (0.0, 0.1), (0.15, 0.1), (0.45, 1.0), (0.6, 1.0), (0.85, 0.1), (1.0, 0.1))
+
+
+def make_trace(duration_s: float, peak_rps: float, seed: int,
+               shape: Sequence[tuple[float, float]] = SHAPE) -> list[SimRequest]:
     """The bursty trace as simulator requests."""
-    knots = [(f * duration_s, r * peak_rps) for f, r in SHAPE]
+    knots = [(f * duration_s, r * peak_rps) for f, r in shape]
     rows = list(iter_varying_rows(knots, seed=seed))
     return build_requests(rows, WorkloadConfig(), seed)
 
@@ -76,37 +82,41 @@ def _attainment(res: RunResult, ttft_slo_s: float, tpot_slo_s: float) -> float:
 
 
 def static_peak(reqs: Sequence[SimRequest], policy: str, ttft_slo_s: float, tpot_slo_s: float,
-                limit: int = 64) -> tuple[int, int, RunResult]:
-    """The smallest static (prefill, decode) pool meeting the target on the whole trace."""
-    def ok(p: int, d: int) -> tuple[bool, RunResult]:
-        res = run(reqs, policy, AutoscaleSettings("static", p, d), ttft_slo_s, tpot_slo_s)
-        att = _attainment(res, ttft_slo_s, tpot_slo_s)
-        logger.info("static %d+%d -> %.4f", p, d, att)
-        return att >= TARGET, res
+                max_prefill: int, max_decode: int) -> tuple[int, int, RunResult]:
+    """The smallest static (prefill, decode) pool meeting the target on the whole trace:
+    bisect decode with prefill at its maximum, then prefill with that decode pool."""
+    runs: dict[tuple[int, int], tuple[bool, RunResult]] = {}
 
-    big_d = limit
-    # decode first, with plenty of prefill: the fewest decode instances meeting the TPOT part
-    p, d = limit, 1
-    while not ok(p, d)[0]:
-        d += 1
-        if d > limit:
-            raise RuntimeError("no static pool meets the target")
-    del big_d
-    p = 1
-    while True:
-        good, res = ok(p, d)
-        if good:
-            return p, d, res
-        p += 1
-        if p > limit:
-            raise RuntimeError("no static pool meets the target")
+    def ok(p: int, d: int) -> bool:
+        if (p, d) not in runs:
+            res = run(reqs, policy, AutoscaleSettings("static", p, d), ttft_slo_s, tpot_slo_s)
+            att = _attainment(res, ttft_slo_s, tpot_slo_s)
+            logger.info("static %d+%d -> %.4f", p, d, att)
+            runs[p, d] = (att >= TARGET, res)
+        return runs[p, d][0]
+
+    def smallest(hi: int, good: Callable[[int], bool]) -> int:
+        if not good(hi):
+            raise RuntimeError(f"even {hi} instances miss the target; raise the maximum")
+        lo = 0  # lo fails (0 instances), hi meets the target
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if good(mid):
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    d = smallest(max_decode, lambda d: ok(max_prefill, d))
+    p = smallest(max_prefill, lambda p: ok(p, d))
+    return p, d, runs[p, d][1]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison, print the table, write ``DIR/summary.json`` and the plot."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration-s", type=float, default=3600.0)
-    ap.add_argument("--peak-rps", type=float, default=40.0)
+    ap.add_argument("--peak-rps", type=float, default=80.0)
     ap.add_argument("--policy", default="dualmap")
     ap.add_argument("--slo-ttft", type=float, default=1.0)
     ap.add_argument("--slo-tpot", type=float, default=0.05)
@@ -116,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="autoscalers' maximum = static-peak pool x this (default 1.5)")
     ap.add_argument("--profile-bias", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--static", default=None,
+                    help="static-peak pool as P+D (default: search for the smallest)")
+    ap.add_argument("--search-max-prefill", type=int, default=16)
+    ap.add_argument("--search-max-decode", type=int, default=8)
     ap.add_argument("--out", default=None, help="write summary.json and replicas.png here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -123,7 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     reqs = make_trace(args.duration_s, args.peak_rps, args.seed)
     logger.info("%d requests over %.0f s (mean %.1f req/s, peak %.0f req/s)", len(reqs),
                 args.duration_s, len(reqs) / args.duration_s, args.peak_rps)
-    sp, sd, static_res = static_peak(reqs, args.policy, args.slo_ttft, args.slo_tpot)
+    if args.static:
+        sp, sd = (int(x) for x in args.static.split("+"))
+        static_res = run(reqs, args.policy, AutoscaleSettings("static", sp, sd), args.slo_ttft,
+                         args.slo_tpot)
+    else:
+        sp, sd, static_res = static_peak(reqs, args.policy, args.slo_ttft, args.slo_tpot,
+                                         args.search_max_prefill, args.search_max_decode)
     runs: dict[str, RunResult] = {f"static-peak ({sp}+{sd})": static_res}
     mp, md = math.ceil(sp * args.headroom), math.ceil(sd * args.headroom)
     for mode in ("planner", "threshold"):

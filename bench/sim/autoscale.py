@@ -33,6 +33,13 @@ from router.autoscale.threshold import ThresholdAutoscaler
 
 AUTOSCALERS = ("planner", "threshold", "static")
 
+#: The planner's knobs in the simulator: its defaults except a 20 s scale-down cooldown (the
+#: planner removes one instance per step, so with 60 s a pool comes down from a peak of N
+#: instances in N minutes, the largest waste in simulation) and corrections bounded to
+#: [0.5, 2] (with [0.25, 4] the backlog after a burst reads as a 4x-wrong profile and sends the
+#: pool to its maximum; 2x still covers a profile off by half).
+SIM_PLANNER = PlannerConfig(scale_down_cooldown_s=20.0, correction_bounds=(0.5, 2.0))
+
 
 def capacity_models(prefill: PrefillPerf, decode: DecodePerf, mean_context_tokens: float,
                     bias: float = 1.0) -> tuple[PrefillModel, DecodeModel]:
@@ -148,7 +155,7 @@ class AutoscaleSettings:
     interval_s: float = 10.0
     start_delay_s: float = 30.0
     profile_bias: float = 1.0
-    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    planner: PlannerConfig = field(default_factory=lambda: SIM_PLANNER)
     """Planner knobs; its SLOs, bounds and min are overwritten from the fields above."""
     threshold_target: float = 0.7
     threshold_cooldown_s: float = 300.0

@@ -60,3 +60,40 @@ def test_malformed_trace_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[s
                "--slo-ttft", "2", "--slo-tpot", "0.1", "--out", str(tmp_path / "o")])
     assert rc == 2
     assert "missing column" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["planner", "threshold", "static"])
+def test_autoscale_summary_and_replicas_plot(trace: Path, tmp_path: Path, mode: str) -> None:
+    out = tmp_path / "out"
+    rc = main(["--trace", str(trace), "--prefill", "3", "--decode", "2",
+               "--policies", "dualmap,round_robin", "--slo-ttft", "2", "--slo-tpot", "0.1",
+               "--out", str(out), "--autoscale", mode, "--autoscale-interval-s", "5",
+               "--start-delay-s", "10"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"dualmap", "round_robin"}
+    for m in summary.values():
+        assert m["autoscale"] == mode
+        inst = m["instance_seconds"]
+        assert inst["total"] == pytest.approx(inst["prefill"] + inst["decode"])
+        assert 0 < inst["total"] <= 5 * m["sim_end_s"] + 1e-6
+        assert 0 <= m["slo_attainment"] <= min(m["slo_attainment_ttft"],
+                                               m["slo_attainment_tpot"])
+        assert 1 <= m["replicas_max"]["prefill"] <= 3 and 1 <= m["replicas_max"]["decode"] <= 2
+        if mode == "static":
+            assert m["replicas_max"] == {"prefill": 3, "decode": 2}
+            assert inst["prefill"] == pytest.approx(3 * m["sim_end_s"])
+    assert (out / "replicas.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"| dualmap | {mode} |" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--autoscale", "magic"], "unknown autoscaler 'magic'"),
+    (["--autoscale", "planner", "--min", "3"], "--min"),
+])
+def test_bad_autoscale_exits_2(trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                               args: list[str], message: str) -> None:
+    rc = main(["--trace", str(trace), "--prefill", "2", "--decode", "1", "--policies", "dualmap",
+               "--slo-ttft", "2", "--slo-tpot", "0.1", "--out", str(tmp_path / "o"), *args])
+    assert rc == 2
+    assert message in capsys.readouterr().err

@@ -11,12 +11,14 @@ the cache the next run reuses.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -105,15 +107,29 @@ def _wait(probe_ok: Callable[[], bool], what: str, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
+def _socket_answers(path: str) -> bool:
+    """True when something accepts connections on the unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(2.0)
+        try:
+            sock.connect(path)
+        except OSError:
+            return False
+    return True
+
+
 def ensure_engine() -> None:
     """Start containerd and dockerd in the background unless the engine already answers."""
     if _engine_up():
         return
     containerd = shutil.which("containerd") or "/usr/bin/containerd"
     dockerd = shutil.which("dockerd") or "/usr/sbin/dockerd"
-    if not os.path.exists(CONTAINERD_SOCK):
+    if not _socket_answers(CONTAINERD_SOCK):
+        # A socket file left by a containerd that died would make dockerd wait on nothing.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(CONTAINERD_SOCK)
         _spawn_daemon([containerd], "containerd.log")
-        _wait(lambda: os.path.exists(CONTAINERD_SOCK), "containerd", 60)
+        _wait(lambda: _socket_answers(CONTAINERD_SOCK), "containerd", 60)
     _spawn_daemon([dockerd, f"--containerd={CONTAINERD_SOCK}"], "dockerd.log")
     _wait(_engine_up, "dockerd", 120)
 

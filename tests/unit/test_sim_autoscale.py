@@ -1,0 +1,159 @@
+"""Dynamic pools in the simulator: start delay, draining, billing, and the planner's result."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.sim.autoscale import (
+    AutoscaleSettings,
+    ScriptedController,
+    autoscale_summary,
+    capacity_models,
+    observation,
+)
+from bench.sim.engine import IntervalStats, simulate
+from bench.sim.perf import DecodePerf, PrefillPerf
+from bench.sim.workload import SimRequest
+from router.policy.base import Dispatched, Membership, PolicyEvent
+from router.policy.registry import create_prefill_policy
+from router.policy.round_robin import RoundRobinPolicy
+
+PP, DP = PrefillPerf(), DecodePerf()
+
+
+class Recorder(RoundRobinPolicy):
+    """Round robin that remembers where each request went and every membership change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.where: dict[int, str] = {}
+        self.members: list[tuple[str, ...]] = []
+
+    def observe(self, event: PolicyEvent) -> None:
+        super().observe(event)
+        if isinstance(event, Dispatched):
+            self.where[int(event.request_id)] = event.worker_id
+        elif isinstance(event, Membership):
+            self.members.append(event.worker_ids)
+
+
+def req(i: int, t: float, prompt: int = 16, out: int = 1) -> SimRequest:
+    return SimRequest(i, t, prompt, out, ())  # no block hashes: no prefix-cache hits
+
+
+def test_added_instance_serves_only_after_its_start_delay() -> None:
+    reqs = [req(i, 1.0 * i) for i in range(80)]  # one per second, each done in ~0.05 s
+    policy = Recorder()
+    ctl = ScriptedController((1, 1), [(10.0, 2, 1)], interval_s=10.0)
+    res = simulate(reqs, policy, 0, 0, controller=ctl, start_delay_s=30.0)
+    on_new = sorted(i for i, w in policy.where.items() if w == "p0001")
+    assert on_new and min(on_new) >= 40  # decided at 10 s, serving from 40 s
+    assert max(i for i, w in policy.where.items() if w == "p0000" and i < 40) == 39
+    assert policy.members == [("p0000",), ("p0000", "p0001")]
+    points = [(p.t_s, p.prefill_ready, p.prefill_target, p.prefill_billed) for p in res.replicas]
+    assert points == [(0.0, 1, 1, 1), (10.0, 1, 2, 2), (40.0, 2, 2, 2)]
+    assert [s.prefill_ready for s in ctl.seen[:5]] == [1, 1, 1, 2, 2]
+    assert len(res.ttft_s) == 80
+
+
+def test_drained_prefill_gets_no_new_work_and_finishes_its_queue() -> None:
+    # 20 long prompts (1.62 s each) alternate over two instances just before the decision
+    # at 10 s: each holds ~16 s of work; p0001 (the newest, equally loaded) is drained.
+    long = [req(i, 9.0 + 0.05 * i, prompt=16_000) for i in range(20)]
+    late = [req(20 + i, 10.5 + 0.5 * i, prompt=16) for i in range(20)]
+    policy = Recorder()
+    ctl = ScriptedController((2, 1), [(10.0, 1, 1)], interval_s=10.0)
+    res = simulate(long + late, policy, 0, 0, controller=ctl, start_delay_s=30.0)
+    assert {policy.where[i] for i in range(20, 40)} == {"p0000"}
+    assert [policy.where[i] for i in range(4)] == ["p0000", "p0001", "p0000", "p0001"]
+    assert policy.members == [("p0000", "p0001"), ("p0000",)]
+    assert len(res.ttft_s) == 40  # the drained instance's ten requests completed too
+    # p0001 ran 10 prompts back to back from 9.05 s; billed until the last one finished
+    p1_stop = 9.05 + 10 * (0.02 + 1e-4 * 16_000)
+    billed = [p for p in res.replicas if p.prefill_billed == 1]
+    assert billed[0].t_s == pytest.approx(p1_stop)
+    assert res.instance_s["prefill"] == pytest.approx(res.sim_end_s + p1_stop)
+
+
+def test_drained_decode_finishes_running_sequences() -> None:
+    # 10 requests with 500 output tokens spread over two decode instances, then decode drops
+    # to one at 10 s: the drained one keeps decoding its five to the end, takes nothing new
+    first = [req(i, 5.0 + 0.1 * i, out=500) for i in range(10)]
+    late = [req(10 + i, 11.0 + i, out=2) for i in range(10)]
+    ctl = ScriptedController((1, 2), [(10.0, 1, 1)], interval_s=10.0)
+    res = simulate(first + late, create_prefill_policy("round_robin"), 0, 0, controller=ctl)
+    assert len(res.ttft_s) == 20
+    drop = next(p for p in res.replicas if p.decode_billed == 1)
+    assert drop.decode_ready == 1
+    # still billed for two at 10 s (the drained one is decoding), one only after ~5 + 500
+    # steps of ~13 ms
+    assert [p.decode_billed for p in res.replicas if p.t_s == 10.0] == [2]
+    assert 10.0 < drop.t_s < res.sim_end_s
+    assert res.instance_s["decode"] == pytest.approx(res.sim_end_s + drop.t_s)
+
+
+def test_instance_seconds_by_hand() -> None:
+    # static 2 + 1: billed for the whole run
+    one = [req(0, 0.0, prompt=100, out=1)]
+    res = simulate(one, create_prefill_policy("round_robin"), 2, 1)
+    end = 0.02 + 1e-4 * 100 + 5e-6 * 100 + (0.012 + 1e-4 + 2e-8 * 100)
+    assert res.sim_end_s == pytest.approx(end)
+    assert res.instance_s == {"prefill": pytest.approx(2 * end), "decode": pytest.approx(end)}
+    # scaled: +1 prefill at 10 s (serving at 40 s), back to 1 at 60 s (idle: stops at once);
+    # +1 decode at 20 s, cancelled at 30 s while still starting (billed 10 s)
+    reqs = [req(i, 10.0 * i) for i in range(11)]  # last arrival at 100 s
+    ctl = ScriptedController((1, 1), [(10.0, 2, 1), (20.0, 2, 2), (30.0, 2, 1),
+                                      (60.0, 1, 1)], interval_s=10.0)
+    res = simulate(reqs, create_prefill_policy("round_robin"), 0, 0, controller=ctl)
+    last = 100.0 + 0.02 + 1e-4 * 16 + 5e-6 * 16 + (0.012 + 1e-4 + 2e-8 * 16)
+    assert res.sim_end_s == pytest.approx(last)
+    assert res.instance_s["prefill"] == pytest.approx(last + (60.0 - 10.0))
+    assert res.instance_s["decode"] == pytest.approx(last + (30.0 - 20.0))
+    m = autoscale_summary(res, 1.0, 0.1)
+    assert m["instance_seconds"]["total"] == pytest.approx(2 * last + 60.0)
+    assert m["replicas_max"] == {"prefill": 2, "decode": 2}
+    assert m["slo_attainment"] == 1.0
+    assert len(ctl.seen) == 10  # ticks stop after the last arrival
+
+
+def test_slo_attainment_needs_both_slos() -> None:
+    # request 0: fast; request 1 (long prompt) misses TTFT; TPOT is per request
+    reqs = [req(0, 0.0, prompt=100, out=10), req(1, 0.0, prompt=16_000, out=10)]
+    res = simulate(reqs, create_prefill_policy("round_robin"), 2, 1)
+    m = autoscale_summary(res, ttft_slo_s=1.0, tpot_slo_s=0.1)
+    assert m["slo_attainment_ttft"] == 0.5 and m["slo_attainment_tpot"] == 1.0
+    assert m["slo_attainment"] == 0.5
+    assert autoscale_summary(res, 1.0, 0.001)["slo_attainment"] == 0.0
+
+
+def test_observation_from_interval_stats() -> None:
+    stats = IntervalStats(now_s=20.0, interval_s=10.0, arrivals=4, uncached_tokens=2000,
+                          output_tokens=400, ttft_s=(0.1, 0.2, 0.3, 0.4),
+                          tpot_s=(0.02, 0.04), prefill_replicas=3, decode_replicas=2,
+                          prefill_ready=2, decode_ready=2, prefill_busy=0.5, decode_slots=0.1)
+    obs = observation(stats)
+    assert (obs.arrivals, obs.mean_isl, obs.mean_osl) == (4, 500.0, 100.0)
+    assert obs.ttft_mean_s == pytest.approx(0.25) and obs.ttft_p90_s == 0.4
+    assert obs.tpot_mean_s == pytest.approx(0.03) and obs.tpot_p90_s == 0.04
+    assert (obs.prefill_replicas, obs.decode_replicas) == (3, 2)
+
+
+def test_capacity_models_follow_the_perf_models() -> None:
+    pm, dm = capacity_models(PP, DP, mean_context_tokens=1000)
+    # idle TTFT: batch overhead + transfer of 1000 tokens + one decode step at 1000 context
+    assert pm.overhead_s == pytest.approx(0.02 + 5e-6 * 1000 + 0.012 + 1e-4 + 2e-8 * 1000)
+    assert pm.s_per_token == 1e-4
+    assert (dm.step_base_s, dm.step_per_seq_s, dm.max_seqs) == (
+        0.012, pytest.approx(1e-4 + 2e-8 * 1000), 256)
+    biased, _ = capacity_models(PP, DP, 1000, bias=0.5)
+    assert biased.s_per_token == pytest.approx(0.5e-4)
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"mode": "magic"}, "unknown autoscaler"),
+    ({"mode": "planner", "min_replicas": 3, "max_prefill": 2, "max_decode": 4}, "--min"),
+    ({"mode": "planner", "interval_s": 0.0}, "interval"),
+])
+def test_settings_validation(kw: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        AutoscaleSettings(**kw)  # type: ignore[arg-type]
