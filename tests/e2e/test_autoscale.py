@@ -46,7 +46,7 @@ def autoscaled(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            "--served-model-name", SERVED_NAME, "--port", str(port), "--prefill", "1",
            "--decode", "2", "--redis", f"redis://127.0.0.1:{free_port()}/0", "--autoscale",
            f"--autoscale-arg=--profile={profile}", "--autoscale-arg=--interval-s=2",
-           "--autoscale-arg=--cooldown-s=10", "--autoscale-arg=--tpot-slo-s=1.0",
+           "--autoscale-arg=--cooldown-s=60", "--autoscale-arg=--tpot-slo-s=1.0",
            "--autoscale-arg=--ttft-slo-s=30", "--autoscale-arg=--correction-alpha=0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -130,7 +130,7 @@ def test_decode_pool_grows_under_load_and_shrinks_after(autoscaled: tuple[str, s
     # keeps flowing through the drain and every one of them succeeds.
     trickle: list[bool] = []
     eventually(lambda: (trickle.append(one_request(url, 8)), len(workers(redis_url)["decode"]))[1],
-               lambda n: n == 1, timeout_s=240, interval_s=1)
+               lambda n: n == 1, timeout_s=360, interval_s=1)
     assert results and all(results), f"{results.count(False)} of {len(results)} failed"
     assert trickle and all(trickle)
 
