@@ -8,7 +8,7 @@ The trace: gamma inter-arrivals (shape 0.5, BurstGPT's burstiness) at a rate tha
 :data:`SHAPE` (relative rate over the run, 0.1 .. 1.0) times ``--peak-rps``; lengths and
 sessions as in ``bench.sim.trace_input.synth_rows``. The static-peak pool is the smallest
 fixed (prefill, decode) pool with >= 95 % of requests within both SLOs on the whole trace
-(searched: prefill grown with decode at the maximum, then decode shrunk). The autoscalers
+(searched: decode shrunk with prefill at the maximum, then prefill shrunk). The autoscalers
 start from 1 + 1 with that pool (x ``--headroom``) as their maximum, a ``--start-delay-s``
 worker start and a 10 s interval. Prints one table row per autoscaler: SLO attainment (both
 SLOs), billed instance-seconds, ratio vs the static-peak pool, replicas max.
@@ -84,7 +84,7 @@ def _attainment(res: RunResult, ttft_slo_s: float, tpot_slo_s: float) -> float:
 def static_peak(reqs: Sequence[SimRequest], policy: str, ttft_slo_s: float, tpot_slo_s: float,
                 max_prefill: int, max_decode: int) -> tuple[int, int, RunResult]:
     """The smallest static (prefill, decode) pool meeting the target on the whole trace:
-    bisect decode with prefill at its maximum, then prefill with that decode pool."""
+    decode shrunk with prefill at its maximum, then prefill shrunk with that decode pool."""
     runs: dict[tuple[int, int], tuple[bool, RunResult]] = {}
 
     def ok(p: int, d: int) -> bool:
@@ -96,15 +96,12 @@ def static_peak(reqs: Sequence[SimRequest], policy: str, ttft_slo_s: float, tpot
         return runs[p, d][0]
 
     def smallest(hi: int, good: Callable[[int], bool]) -> int:
+        # downward from a pool that meets the target: a badly overloaded probe (a bisection's
+        # midpoint) would take long to simulate, its queues grow without bound
         if not good(hi):
             raise RuntimeError(f"even {hi} instances miss the target; raise the maximum")
-        lo = 0  # lo fails (0 instances), hi meets the target
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if good(mid):
-                hi = mid
-            else:
-                lo = mid
+        while hi > 1 and good(hi - 1):
+            hi -= 1
         return hi
 
     d = smallest(max_decode, lambda d: ok(max_prefill, d))
