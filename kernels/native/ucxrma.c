@@ -1448,6 +1448,29 @@ static PyObject *engine_wait_requests(EngineObject *self, PyObject *args)
 static ucs_status_t post_am(EngineObject *e, ucp_ep_h ep, unsigned id, send_ctx_t *c,
                             size_t hdr_len, uint32_t flags);
 
+/* A reply message carrying a copy of `view` (released here) for request `req_id`; NULL with a
+ * Python error set when out of memory or when the engine is closed. Needs the GIL. */
+static send_ctx_t *reply_ctx_new(EngineObject *e, Py_buffer *view, unsigned long long req_id)
+{
+    send_ctx_t *c = malloc(sizeof(*c) + (size_t)view->len);
+    if (c == NULL) {
+        PyBuffer_Release(view);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memcpy(c->data, view->buf, (size_t)view->len);
+    c->len = (size_t)view->len;
+    c->eng = e;
+    c->req_id = 0;
+    c->hdr.rep.req_id = req_id;
+    PyBuffer_Release(view);
+    if (engine_check_open(e)) {
+        free(c);
+        return NULL;
+    }
+    return c;
+}
+
 static PyObject *engine_reply(EngineObject *self, PyObject *args)
 {
     unsigned long long ep_handle, req_id;
@@ -1458,21 +1481,8 @@ static PyObject *engine_reply(EngineObject *self, PyObject *args)
         PyErr_SetString(TransportError, "request carried no reply endpoint");
         return NULL;
     }
-    send_ctx_t *c = malloc(sizeof(*c) + (size_t)view.len);
-    if (c == NULL) {
-        PyBuffer_Release(&view);
-        return PyErr_NoMemory();
-    }
-    memcpy(c->data, view.buf, (size_t)view.len);
-    c->len = (size_t)view.len;
-    c->eng = self;
-    c->req_id = 0;
-    c->hdr.rep.req_id = req_id;
-    PyBuffer_Release(&view);
-    if (engine_check_open(self)) {
-        free(c);
-        return NULL;
-    }
+    send_ctx_t *c = reply_ctx_new(self, &view, req_id);
+    if (c == NULL) return NULL;
     /* Under the GIL: close() destroys the worker only after dropping it. */
     ucs_status_t st = post_am(self, (ucp_ep_h)(uintptr_t)ep_handle, AM_ID_REPLY, c,
                               sizeof(rep_hdr_t), 0);
@@ -1844,21 +1854,8 @@ static PyObject *peer_reply(PeerObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "Ky*", &req_id, &view)) return NULL;
     EngineObject *e = self->eng;
     peer_t *p = self->p;
-    send_ctx_t *c = malloc(sizeof(*c) + (size_t)view.len);
-    if (c == NULL) {
-        PyBuffer_Release(&view);
-        return PyErr_NoMemory();
-    }
-    memcpy(c->data, view.buf, (size_t)view.len);
-    c->len = (size_t)view.len;
-    c->eng = e;
-    c->req_id = 0;
-    c->hdr.rep.req_id = req_id;
-    PyBuffer_Release(&view);
-    if (engine_check_open(e)) {
-        free(c);
-        return NULL;
-    }
+    send_ctx_t *c = reply_ctx_new(e, &view, req_id);
+    if (c == NULL) return NULL;
     pthread_mutex_lock(&p->oplock);
     if (peer_usable(self) < 0) {
         pthread_mutex_unlock(&p->oplock);
