@@ -55,21 +55,11 @@ class Sample:
 
 
 def make_prompts(model_dir: Path, n: int) -> list[str]:
-    """Prompts of spread lengths; reuses the test suite's generator when available."""
-    from transformers import AutoTokenizer
+    """Prompts of exactly ``LENGTHS`` tokens (cycled), from the load tester's synthesizer."""
+    from bench.prompts import PromptSynthesizer, load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    words = ["river", "stone", "lantern", "copper", "meadow", "violet", "thunder", "orbit",
-             "pepper", "glacier"]
-    prompts = []
-    for i in range(n):
-        target = LENGTHS[i % len(LENGTHS)]
-        text, k = "", 0
-        while len(tok(text)["input_ids"]) < target:
-            text = f"{text} {words[(k * 7 + i) % len(words)]}".strip()
-            k += 1
-        prompts.append(text or "A")
-    return prompts
+    synth = PromptSynthesizer(load_tokenizer(str(model_dir)), seed=0, sessions=False)
+    return [synth.prompt(LENGTHS[i % len(LENGTHS)]).text for i in range(n)]
 
 
 def stream_one(base: str, prompt: str, max_tokens: int) -> Sample:
