@@ -209,19 +209,17 @@ class Cluster:
 
 
 async def _idle(client: httpx.AsyncClient, url: str) -> bool:
-    """True when the worker runs and queues nothing and holds no KV blocks (no leases)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    """True when the worker runs and queues nothing and holds no KV blocks (no leases).
 
-    try:
-        text = (await client.get(f"{url}/metrics")).text
-    except httpx.HTTPError:
-        return True  # already gone
-    busy = 0.0
-    for family in text_string_to_metric_families(text):
-        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                           "vllm:kv_cache_usage_perc"):
-            busy += sum(sample.value for sample in family.samples)
-    return busy == 0.0
+    A worker that no longer answers scrapes as empty, hence idle (it is already gone).
+    """
+    from router.autoscale.service import scrape
+    from router.autoscale.signals import total
+
+    samples = await scrape(client, url)
+    return sum(total(samples, name) for name in (
+        "vllm:num_requests_running", "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc")) == 0.0
 
 
 async def run_cluster(settings: ClusterSettings) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -80,6 +81,7 @@ class Autoscaler:
         self._redis = aioredis.from_url(settings.redis_url, socket_connect_timeout=1.0,
                                         socket_timeout=2.0)
         self._lock_key = f"{settings.prefix}:autoscaler:lock"
+        self._desired: dict[str, int] = {}
         self._me = uuid.uuid4().hex
         self.stop = asyncio.Event()
         self.metrics = CollectorRegistry()
@@ -130,7 +132,14 @@ class Autoscaler:
     async def step(self, previous: Snapshot, current: Snapshot) -> None:
         """One planning interval."""
         obs = observe(previous, current)
+        # Workers still starting count as present: otherwise a quiet interval during their start
+        # reads as "steady at the old size" and cancels the scale-up just before they join.
+        obs = dataclasses.replace(
+            obs,
+            prefill_replicas=max(obs.prefill_replicas, self._desired.get("prefill", 0)),
+            decode_replicas=max(obs.decode_replicas, self._desired.get("decode", 0)))
         decisions = self.planner.plan(obs)
+        self._desired = {d.pool: d.desired for d in decisions}
         for d in decisions:
             self.desired.labels(pool=d.pool).set(d.desired)
             self.decisions.labels(pool=d.pool, direction=d.direction, reason=d.reason).inc()
