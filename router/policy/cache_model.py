@@ -36,14 +36,23 @@ class PrefixCacheModel:
         return block_hash in self._lru
 
     def match(self, hashes: Sequence[int]) -> int:
-        """Number of leading blocks of ``hashes`` present (the reusable cached prefix)."""
+        """Number of leading blocks of ``hashes`` present (the reusable cached prefix).
+
+        A binary search: chained hashes make block ``i``'s hash name the whole prefix ``0..i``,
+        and ``insert`` touches a chain last-to-first, so a chain's blocks are never less recent
+        than the blocks after them and LRU eviction keeps the cached part of a chain a prefix.
+        """
         lru = self._lru
-        n = 0
-        for h in hashes:
-            if h not in lru:
-                break
-            n += 1
-        return n
+        lo, hi = 0, len(hashes)  # hashes[:lo] cached; hashes[hi] (if any) known absent
+        if hi and hashes[0] not in lru:
+            return 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if hashes[mid - 1] in lru:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def insert(self, hashes: Sequence[int]) -> list[int]:
         """Record ``hashes`` as cached (most recent); returns the evicted block hashes."""

@@ -4,7 +4,8 @@ Parameters (:class:`DualMapConfig`, defaults):
 - ``block_tokens`` = 16: tokens per hashed block (vLLM's prefix-cache block).
 - ``level_tokens`` = 512: tokens per key level (DualMap's 512-token trace blocks).
 - ``adaptive_key`` = True: deepen hot prefixes' keys (:mod:`router.policy.hot_prefix`), with
-  ``hot_window`` = 200, ``hot_ratio`` = 0.0612, ``shrink_ratio`` = 0.02, ``hot_min_samples`` = 20.
+  ``hot_window`` = 200, ``hot_ratio`` = 0.0612, ``shrink_ratio`` = 0.02, ``hot_min_samples`` = 20
+  (ratio and window scaled to the pool size past 16 instances: hot = one instance's share).
 - ``vnodes`` = 100: virtual nodes per instance on each of the two rings.
 - ``ttft_slo_s`` = 5.0: the TTFT SLO (the reference evaluation's 5 s).
 - ``switch_fraction`` = 0.5: switch from the cache-affine candidate to the lower-predicted-TTFT
@@ -213,3 +214,4 @@ class DualMapPolicy:
             self._keyer(req.model).observe(hashes, req.prompt_len)
         elif isinstance(event, Membership):
             self._rings.set_members(event.model, event.worker_ids)
+            self._keyer(event.model).resize(len(event.worker_ids))

@@ -12,6 +12,13 @@ Parameters (defaults; the constants are the reference code's ``LazyExpansionCont
 - ``max_expanded`` = 10,000: expanded keys remembered (LRU), like the reference's per-level LRU.
 - ``adaptive`` = True: False gives a fixed depth-1 key (the consistent-hash baselines).
 
+Cluster size (our extension; the reference ran 8-16 instances): ``hot_ratio`` is a fixed share,
+so on 1,000 instances a key carrying 4 % of the traffic (40 instances' worth) would stay on its
+two candidates. :meth:`PrefixKeyer.resize` lowers the hot share to one instance's fair share,
+``min(hot_ratio, 1 / n_instances)`` (at 16 instances 1/16 = 0.0625, the reference's value), and
+the shrink share in proportion, and lengthens the window so a hot key still needs the same number
+of hits (``hot_ratio x window`` = 12.24) to be seen.
+
 Because block hashes are chained, block ``i``'s hash already names the whole prefix up to it, so
 the key at depth ``d`` is simply ``block_hashes[min(d x 32, n) - 1]``. A prompt shorter than one
 block is keyed by its length (AIBrix's fallback).
@@ -42,15 +49,33 @@ class PrefixKeyer:
         if not 0 < shrink_ratio <= hot_ratio <= 1:
             raise ConfigError("need 0 < shrink_ratio <= hot_ratio <= 1")
         self.level_blocks = level_tokens // block_tokens
-        self.window = window
-        self.hot_ratio = hot_ratio
-        self.shrink_ratio = shrink_ratio
+        self.base_window = self.window = window
+        self.base_hot_ratio = self.hot_ratio = hot_ratio
+        self.base_shrink_ratio = self.shrink_ratio = shrink_ratio
         self.min_samples = min_samples
         self.max_expanded = max_expanded
         self.adaptive = adaptive
         self._recent: deque[tuple[int, ...]] = deque()
         self._counts: Counter[int] = Counter()
         self._expanded: OrderedDict[int, None] = OrderedDict()
+
+    def resize(self, n_instances: int) -> None:
+        """Scale the hot share and the window to a pool of ``n_instances`` (see module doc)."""
+        if n_instances < 1:
+            return
+        ratio = min(self.base_hot_ratio, 1.0 / n_instances)
+        scale = ratio / self.base_hot_ratio
+        self.hot_ratio = ratio
+        self.shrink_ratio = self.base_shrink_ratio * scale
+        self.window = max(self.base_window, round(self.base_window / scale))
+        while len(self._recent) > self.window:
+            self._forget(self._recent.popleft())
+
+    def _forget(self, old: tuple[int, ...]) -> None:
+        self._counts.subtract(old)
+        for k in old:
+            if self._counts[k] <= 0:
+                del self._counts[k]
 
     def path(self, hashes: Sequence[int], prompt_len: int) -> tuple[int, ...]:
         """The keys at depth 1..d for this prompt; the last one is the routing key."""
@@ -84,11 +109,7 @@ class PrefixKeyer:
         self._recent.append(path)
         self._counts.update(path)
         if len(self._recent) > self.window:
-            old = self._recent.popleft()
-            self._counts.subtract(old)
-            for k in old:
-                if self._counts[k] <= 0:
-                    del self._counts[k]
+            self._forget(self._recent.popleft())
         size = len(self._recent)
         leaf = path[-1]
         more_blocks = len(hashes) > self.level_blocks * len(path)

@@ -94,6 +94,33 @@ def test_cache_model_lru_keeps_prefix() -> None:
     assert m.match([1, 2, 3]) == 2 and m.match([1, 5, 6]) == 3
 
 
+def _linear_match(m: PrefixCacheModel, hashes: tuple[int, ...]) -> int:
+    n = 0
+    while n < len(hashes) and hashes[n] in m:
+        n += 1
+    return n
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 12), st.integers(0, 3)),
+                min_size=1, max_size=80),
+       st.integers(3, 40))
+def test_cache_model_binary_search_match_equals_linear_scan(
+        ops: list[tuple[int, int, int]], capacity: int) -> None:
+    # prompts share prefixes (6 system prompts, varied suffixes); after every insert and
+    # eviction, the binary-search match must equal a block-by-block scan on every prompt seen
+    m = PrefixCacheModel(capacity_blocks=capacity)
+    seen: list[tuple[int, ...]] = []
+    for system, length, suffix in ops:
+        toks = [system] * 16 * min(length, 4) + [100 + suffix] * 16 * max(length - 4, 0)
+        hashes = block_hashes(toks, 16)
+        seen.append(hashes)
+        m.insert(hashes)
+        for h in seen:
+            assert m.match(h) == _linear_match(m, h)
+            assert m.match(h + (12345,)) == _linear_match(m, h + (12345,))
+
+
 def _req(i: int, tokens: list[int]) -> RouteRequest:
     return RouteRequest(f"r{i}", "m", prompt_token_ids=tuple(tokens))
 
@@ -166,6 +193,28 @@ def test_hot_key_is_deepened() -> None:
         policy.observe(Dispatched(r.request_id, "w0", "m", r))
     keys = {policy.routing_key(r) for r in hot}
     assert key_before not in keys and len(keys) == len(hot)  # now per-request (deeper) keys
+
+
+def _deepened_after_share(n_instances: int, share_every: int, requests: int) -> bool:
+    """Whether a prefix sent with every ``share_every``-th request gets a deeper key."""
+    policy = DualMapPolicy()
+    policy.observe(Membership("m", tuple(f"w{i}" for i in range(n_instances))))
+    system = list(range(1024))
+    warm = _req(0, system + [7] * 32)
+    key_before = policy.routing_key(warm)
+    for i in range(requests):
+        tokens = system + [5000 + i] * 32 if i % share_every == 0 else [900_000 + i] * 600
+        r = _req(i, tokens)
+        policy.observe(Dispatched(r.request_id, "w0", "m", r))
+    return policy.routing_key(warm) != key_before
+
+
+def test_hot_share_scales_with_pool_size() -> None:
+    # a prefix with 2 % of the traffic is 4 instances' worth on 200 instances: hot there, not
+    # on 16 (where hot = 6.12 %, the reference's ratio, ~ one instance's share)
+    assert _deepened_after_share(200, 50, 4000)
+    assert not _deepened_after_share(16, 50, 4000)
+    assert _deepened_after_share(16, 10, 4000)  # 10 % is hot on 16
 
 
 @given(
