@@ -46,17 +46,16 @@ def capacity_models(prefill: PrefillPerf, decode: DecodePerf, mean_context_token
     """The planner's profile of the simulated hardware, as ``pdserve bench profile`` would
     measure it; every time multiplied by ``bias``.
 
-    Prefill: cost per uncached token, and a per-request overhead that is the TTFT of an idle
-    cluster minus the prefill compute: batch overhead + KV transfer + first decode step at the
-    workload's mean context. (The planner corrects its model by observed/predicted TTFT; an
-    overhead without the transfer and first step would read as a model 1.5x too optimistic
-    at every load.) Decode: step time per running sequence at the mean context (the simulator
-    charges ``per_ctx_token_s`` per context token)."""
+    Prefill: cost per uncached token and per batch, and the TTFT latency outside the prefill
+    queue: KV transfer + first decode step at the workload's mean context (without it the
+    planner's observed/predicted TTFT would read as a model 1.5x too optimistic at every load).
+    Decode: step time per running sequence at the mean context (the simulator charges
+    ``per_ctx_token_s`` per context token)."""
     if bias <= 0:
         raise ValueError("profile bias must be > 0")
-    fixed = (prefill.overhead_s + decode.kv_transfer_s_per_token * mean_context_tokens
-             + decode.step_time_s(1, round(mean_context_tokens)))
-    return (PrefillModel(prefill.per_token_s * bias, fixed * bias),
+    latency = (decode.kv_transfer_s_per_token * mean_context_tokens
+               + decode.step_time_s(1, round(mean_context_tokens)))
+    return (PrefillModel(prefill.per_token_s * bias, prefill.overhead_s * bias, latency * bias),
             DecodeModel(decode.step_s * bias,
                         (decode.per_seq_s + decode.per_ctx_token_s * mean_context_tokens) * bias,
                         decode.max_running))
@@ -76,11 +75,15 @@ def observation(stats: IntervalStats) -> Observation:
         now_s=stats.now_s, interval_s=stats.interval_s, arrivals=stats.arrivals,
         mean_isl=stats.uncached_tokens / per_request,
         mean_osl=stats.output_tokens / per_request,
+        p90_isl=_p90(stats.uncached_per_request),
+        mean_cached_isl=stats.cached_tokens / per_request,
         prefill_replicas=stats.prefill_replicas, decode_replicas=stats.decode_replicas,
         ttft_p90_s=_p90(stats.ttft_s),
         ttft_mean_s=statistics.fmean(stats.ttft_s) if stats.ttft_s else None,
         tpot_p90_s=_p90(stats.tpot_s),
-        tpot_mean_s=statistics.fmean(stats.tpot_s) if stats.tpot_s else None)
+        tpot_mean_s=statistics.fmean(stats.tpot_s) if stats.tpot_s else None,
+        prefill_starting=max(0, stats.prefill_replicas - stats.prefill_ready),
+        decode_starting=max(0, stats.decode_replicas - stats.decode_ready))
 
 
 @dataclass

@@ -1,50 +1,113 @@
 """Capacity models: how much load one instance sustains within its SLO (pure).
 
-Prefill (an M/D/1 queue per instance, as in DistServe): a request of ``isl`` uncached tokens
-takes ``D = isl * s_per_token + overhead_s``; at utilisation ``rho`` the mean TTFT is
-``D + rho * D / (2 * (1 - rho))``. Keeping it within ``ttft_slo_s`` gives
-``rho_max = 2 * (S - D) / (2 * S - D)`` and a capacity of ``rho_max / s_per_token`` tokens/s.
+Prefill: each instance is its own G/G/1 queue (a prefix-affinity router such as DualMap sends a
+request to the instance holding its prefix, not to a shared queue). A request of ``isl``
+uncached tokens takes ``D = overhead_s + isl * s_per_token``; utilisation is ``rho = tokens/s *
+s_per_token`` (batching amortises the per-request overhead). The mean wait is
+``W = v * rho * D / (1 - rho)`` (Kingman, ``v = variability`` = (arrival CV^2 + service CV^2)
+/ 2: 0.5 is DistServe's M/D/1, 1.0 the default; BurstGPT-like bursts and heavy-tailed prompt
+lengths measure 2 to 5) and its tail is exponential, ``P(wait > t) = rho * exp(-t * rho / W)``,
+so the ``q``-quantile wait is ``W / rho * ln(rho / (1 - q))`` (0 while ``rho <= 1 - q``). TTFT =
+``latency_s`` (outside the prefill queue: KV transfer, the first decode step) + ``D`` + wait;
+its quantile adds the quantile wait to the service time of the quantile prompt (``tail_isl``:
+prompt lengths are heavy-tailed, so at low load the p90 TTFT is the p90 prompt's prefill).
+Capacity = the largest load whose TTFT (mean, or quantile) stays within the SLO.
 
 Decode: one engine step over ``b`` running sequences takes ``step_base_s + step_per_seq_s * b``.
 Keeping it within ``tpot_slo_s`` allows ``b_max = floor((S - base) / per_seq)`` sequences,
-capped at ``max_seqs`` (KV cache room).
+capped at ``max_seqs`` (KV cache room); one instance then delivers ``b_max / step(b_max)``
+output tokens/s (Dynamo's "throughput per GPU at the ITL target"). Sizing in tokens/s, not in
+concurrent sequences, keeps the load independent of the pool's size (the concurrency is not:
+fewer instances run bigger batches, slower steps, so each sequence stays longer).
 
-Both come from a profile (``pdserve bench profile`` writes it) and are corrected online by the
-planner's observed/predicted latency ratio.
+Both come from a profile (``pdserve bench profile`` writes it) and are fitted online by the
+planner: ``scaled(c)`` multiplies the service times, ``with_variability(v)`` sets the queue's
+variability, and ``fit_scale`` finds the value of either under which the model predicts the
+latency observed at the load offered.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
 @dataclass(frozen=True)
 class PrefillModel:
-    """Prefill cost per uncached token (seconds) plus a fixed per-request overhead."""
+    """Prefill cost per uncached token (seconds) plus a fixed per-request overhead, the TTFT
+    latency outside the prefill queue, and the queue's variability (see the module doc)."""
 
     s_per_token: float = 1e-4
     overhead_s: float = 0.005
+    latency_s: float = 0.0
+    variability: float = 1.0
+
+    def scaled(self, factor: float) -> PrefillModel:
+        """The same instance with every prefill ``factor`` x slower."""
+        return replace(self, s_per_token=self.s_per_token * factor,
+                       overhead_s=self.overhead_s * factor)
+
+    def with_variability(self, variability: float) -> PrefillModel:
+        """The same instance under traffic of another ``variability``."""
+        return replace(self, variability=variability)
 
     def request_s(self, isl: float) -> float:
         """Service time of one prefill of ``isl`` uncached tokens."""
         return self.overhead_s + isl * self.s_per_token
 
-    def tokens_per_s(self, isl: float, ttft_slo_s: float) -> float:
-        """Uncached tokens/s one instance sustains with mean TTFT within ``ttft_slo_s``."""
+    def ttft_s(self, isl: float, tokens_per_s: float, quantile: float | None = None,
+               tail_isl: float | None = None) -> float:
+        """Predicted TTFT (mean, or its ``quantile``) of an instance offered ``tokens_per_s``
+        uncached tokens/s in requests of ``isl`` tokens on average (``tail_isl`` at the
+        quantile; default ``isl``)."""
+        rho = min(0.999, tokens_per_s * self.s_per_token)
+        return self._ttft(self.request_s(isl), rho, quantile,
+                          self.request_s(max(isl, tail_isl or isl)))
+
+    def queue_wait_s(self, isl: float, tokens_per_s: float, quantile: float | None = None
+                     ) -> float:
+        """The queueing part of :meth:`ttft_s` (mean, or its ``quantile``)."""
         d = self.request_s(isl)
-        if d >= ttft_slo_s:
-            return 0.0
-        rho_max = 2 * (ttft_slo_s - d) / (2 * ttft_slo_s - d)
-        return rho_max / self.s_per_token
+        return self._ttft(d, min(0.999, tokens_per_s * self.s_per_token), quantile, d) \
+            - self.latency_s - d
 
     def mean_ttft_s(self, isl: float, tokens_per_s: float) -> float:
-        """Predicted mean TTFT on one instance offered ``tokens_per_s`` uncached tokens/s."""
-        d = self.request_s(isl)
-        rho = min(0.999, tokens_per_s * self.s_per_token)
-        return d + rho * d / (2 * (1 - rho))
+        """Predicted mean TTFT of an instance offered ``tokens_per_s`` uncached tokens/s."""
+        return self.ttft_s(isl, tokens_per_s)
+
+    def tokens_per_s(self, isl: float, ttft_slo_s: float, quantile: float | None = None,
+                     tail_isl: float | None = None) -> float:
+        """Uncached tokens/s one instance sustains with its TTFT (mean, or ``quantile``, see
+        :meth:`ttft_s`) within ``ttft_slo_s``."""
+        d, budget = self.request_s(isl), ttft_slo_s - self.latency_s
+        d_tail = self.request_s(max(isl, tail_isl or isl)) if quantile is not None else d
+        if d_tail >= budget:
+            return 0.0
+        if quantile is None:  # closed form: rho/(1-rho) <= (S-L-D)/(v D)
+            k = (budget - d) / (self.variability * d) if self.variability > 0 else math.inf
+            return (1.0 if math.isinf(k) else k / (1 + k)) / self.s_per_token
+        lo, hi = 0.0, 0.999  # the TTFT grows with rho: bisect for the largest rho within SLO
+        if self._ttft(d, hi, quantile, d_tail) <= ttft_slo_s:
+            return hi / self.s_per_token
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            if self._ttft(d, mid, quantile, d_tail) <= ttft_slo_s:
+                lo = mid
+            else:
+                hi = mid
+        return lo / self.s_per_token
+
+    def _ttft(self, d: float, rho: float, quantile: float | None, d_tail: float) -> float:
+        if rho <= 0:
+            return self.latency_s + (d if quantile is None else d_tail)
+        scale = self.variability * d / (1 - rho)  # mean wait of those who wait
+        if quantile is None:
+            return self.latency_s + d + rho * scale
+        wait = scale * math.log(rho / (1 - quantile)) if rho > 1 - quantile else 0.0
+        return self.latency_s + d_tail + wait
 
 
 @dataclass(frozen=True)
@@ -55,9 +118,28 @@ class DecodeModel:
     step_per_seq_s: float = 0.0005
     max_seqs: int = 256
 
+    def scaled(self, factor: float) -> DecodeModel:
+        """The same instance with every decode step ``factor`` x slower."""
+        return replace(self, step_base_s=self.step_base_s * factor,
+                       step_per_seq_s=self.step_per_seq_s * factor)
+
     def step_s(self, batch: float) -> float:
         """Time of one decode step over ``batch`` sequences (the TPOT they all see)."""
         return self.step_base_s + self.step_per_seq_s * batch
+
+    def tokens_per_s(self, tpot_slo_s: float) -> float:
+        """Output tokens/s one instance delivers with its step time within ``tpot_slo_s``."""
+        b = self.max_batch(tpot_slo_s)
+        return b / self.step_s(b) if b > 0 else 0.0
+
+    def tpot_s(self, tokens_per_s: float) -> float:
+        """Step time of one instance delivering ``tokens_per_s`` output tokens/s: the batch
+        ``b`` with ``b / step(b)`` = that rate (the largest batch's step once out of room)."""
+        b_cap = float(self.max_seqs)
+        x = tokens_per_s
+        if x * self.step_per_seq_s >= 1.0:
+            return self.step_s(b_cap)
+        return self.step_s(min(b_cap, x * self.step_base_s / (1.0 - x * self.step_per_seq_s)))
 
     def max_batch(self, tpot_slo_s: float) -> int:
         """Most sequences one instance runs with TPOT within ``tpot_slo_s``."""
@@ -65,6 +147,24 @@ class DecodeModel:
             return self.max_seqs
         return max(0, min(self.max_seqs,
                           math.floor((tpot_slo_s - self.step_base_s) / self.step_per_seq_s)))
+
+
+def fit_scale(latency_at: Callable[[float], float], observed_s: float,
+              bounds: tuple[float, float]) -> float:
+    """The service-time scale within ``bounds`` at which ``latency_at(scale)`` (increasing in
+    it) equals ``observed_s``; the nearer bound when none does (bisection in log space)."""
+    lo, hi = bounds
+    if latency_at(lo) >= observed_s:
+        return lo
+    if latency_at(hi) <= observed_s:
+        return hi
+    for _ in range(40):
+        mid = math.sqrt(lo * hi)
+        if latency_at(mid) <= observed_s:
+            lo = mid
+        else:
+            hi = mid
+    return math.sqrt(lo * hi)
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -88,7 +188,9 @@ def load_profile(path: str | Path) -> tuple[PrefillModel, DecodeModel]:
     p, d = doc.get("prefill", {}), doc.get("decode", {})
     s_per_token = p.get("s_per_token", p.get("per_token_s", PrefillModel.s_per_token))
     overhead = p.get("overhead_s", p.get("fixed_s", PrefillModel.overhead_s))
-    prefill = PrefillModel(float(s_per_token), float(overhead))
+    prefill = PrefillModel(float(s_per_token), float(overhead),
+                           float(p.get("latency_s", PrefillModel.latency_s)),
+                           float(p.get("variability", PrefillModel.variability)))
     if "points" in d and d["points"]:
         base, per_seq = fit_line([(float(pt["batch_size"]), float(pt["step_s"]))
                                   for pt in d["points"]])

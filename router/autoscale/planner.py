@@ -1,15 +1,25 @@
 """SLO-driven planner: observations in, desired replica counts per pool out (pure).
 
 Each interval the planner forecasts the arrival rate and the mean uncached input and output
-lengths, turns them into load (prefill: uncached tokens/s; decode: concurrent sequences by
-Little's law), and divides by what one instance sustains within its SLO (``capacity.py``),
-corrected online by observed/predicted latency. Then:
+lengths, turns them into load (prefill: uncached tokens/s; decode: output tokens/s), and
+divides by what one instance sustains within its SLO (``capacity.py``).
+The load is the larger of the next interval's forecast and the forecast ``forecast_horizon_s``
+ahead (a worker's start time: an instance asked for now serves only then). The models are
+fitted online: each interval the planner compares the latency it observed with what its model
+predicts for the load each serving instance got. Prefill: a light interval (the model puts
+under ``queue_share`` of the p90 TTFT in queueing) fits the service-time scale (the
+``correction``; 1.0 = the profile is right), a loaded one fits the queue's variability
+(burstiness of arrivals and prompt lengths, which no single-request profile measures).
+Decode: the mean TPOT fits the step-time scale. Each fit is an EWMA. Then:
 
 - scale up at once (at most ``max_scale_up_factor`` x current per interval);
 - scale down one instance at a time, only after ``scale_down_cooldown_s`` since the pool last
-  changed, and only if the remaining instances stay below ``safety_utilisation``;
+  changed, never while one of its instances is still starting, and only if the remaining
+  instances stay below ``safety_utilisation`` (for prefill, counting the cached prompt tokens
+  the removed instance's prefix cache served: the others prefill them again);
 - panic: when the observed p90 latency breaks its SLO by ``panic_factor`` while the model says
-  the pool is big enough, add instances anyway and hold scale-down for ``panic_hold_s``.
+  the pool is big enough, add one instance per interval (none while one is still starting)
+  and hold scale-down for ``panic_hold_s``.
 
 Parameters (defaults) are the fields of :class:`PlannerConfig`.
 """
@@ -20,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from router.autoscale.capacity import DecodeModel, PrefillModel
+from router.autoscale.capacity import DecodeModel, PrefillModel, fit_scale
 from router.autoscale.predictors import Predictor, make_predictor
 
 Pool = Literal["prefill", "decode"]
@@ -38,6 +48,8 @@ class PlannerConfig:
     """Overrides ``max_replicas`` for the prefill pool."""
     max_decode_replicas: int | None = None
     """Overrides ``max_replicas`` for the decode pool."""
+    slo_quantile: float = 0.9
+    """Prefill is sized so this quantile of TTFT meets the SLO (the observed p90 corrects it)."""
     target_utilisation: float = 0.8
     """Plan for this fraction of an instance's SLO capacity (headroom for bursts)."""
     safety_utilisation: float = 0.6
@@ -47,9 +59,18 @@ class PlannerConfig:
     panic_factor: float = 1.5
     panic_hold_s: float = 60.0
     predictor: str = "holt"
-    correction_alpha: float = 0.3  # 0 disables the online correction
-    """EWMA weight of each new observed/predicted latency ratio."""
-    correction_bounds: tuple[float, float] = (0.25, 4.0)
+    forecast_horizon_s: float = 30.0
+    """Also plan for the load forecast this far ahead (about a worker's start time)."""
+    correction_alpha: float = 0.3  # 0 disables the online fits
+    """EWMA weight of each interval's fitted service-time scale or variability."""
+    correction_bounds: tuple[float, float] = (0.5, 2.0)
+    """A profile off by more than 2x needs re-profiling, not correcting: wider bounds let the
+    backlog after a burst read as a 4x-wrong model and send the pool to its maximum."""
+    variability_bounds: tuple[float, float] = (0.25, 4.0)
+    queue_share: float = 0.25
+    """An interval whose predicted p90 TTFT is less than this share queueing fits the prefill
+    service time; one with more fits the queue's variability."""
+    removal_cache_loss: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -74,6 +95,13 @@ class Observation:
     ttft_mean_s: float | None = None
     tpot_p90_s: float | None = None
     tpot_mean_s: float | None = None
+    p90_isl: float | None = None
+    """90th percentile of the uncached prompt tokens per request (None: take the mean)."""
+    mean_cached_isl: float = 0.0
+    """Mean prompt tokens per request served from the prefix cache."""
+    prefill_starting: int = 0
+    """Of ``prefill_replicas``, instances asked for but not serving yet."""
+    decode_starting: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,70 +138,128 @@ class Planner:
     decode_model: DecodeModel
     _rate: Predictor = field(init=False)
     _isl: Predictor = field(init=False)
+    _isl_tail: Predictor = field(init=False)
+    _cached: Predictor = field(init=False)
     _osl: Predictor = field(init=False)
     _pools: dict[str, _PoolState] = field(init=False)
+    _variability: float = field(init=False)
 
     def __post_init__(self) -> None:
         self._rate = make_predictor(self.config.predictor)
         self._isl = make_predictor("ewma")
+        self._isl_tail = make_predictor("ewma")  # p90 / mean uncached prompt length
+        self._cached = make_predictor("ewma")
         self._osl = make_predictor("ewma")
         self._pools = {"prefill": _PoolState(), "decode": _PoolState()}
+        self._variability = self.prefill_model.variability
 
     def correction(self, pool: Pool) -> float:
-        """Current observed/predicted latency ratio of ``pool`` (1.0 = model is right)."""
+        """Current service-time scale of ``pool``'s model (1.0 = the profile is right)."""
         return self._pools[pool].correction
 
-    def _update_correction(self, pool: Pool, observed: float | None, predicted: float) -> None:
-        if observed is None or observed <= 0 or predicted <= 0:
+    @property
+    def variability(self) -> float:
+        """Current fitted variability of the prefill queues."""
+        return self._variability
+
+    def prefill(self) -> PrefillModel:
+        """The prefill model as fitted so far."""
+        return self.prefill_model.scaled(self.correction("prefill")).with_variability(
+            self._variability)
+
+    def _ewma(self, old: float, fitted: float) -> float:
+        a = self.config.correction_alpha
+        return (1 - a) * old + a * fitted
+
+    def _fit_prefill(self, observed_p90: float | None, isl: float, tail_isl: float,
+                     per_instance: float) -> None:
+        """Light interval (little predicted queueing): fit the service-time scale; loaded
+        interval: fit the queue's variability."""
+        if observed_p90 is None or observed_p90 <= 0 or self.config.correction_alpha <= 0:
             return
-        state, (lo, hi), a = self._pools[pool], self.config.correction_bounds, \
-            self.config.correction_alpha
-        state.correction = min(hi, max(lo, (1 - a) * state.correction + a * observed / predicted))
+        if observed_p90 > self.config.panic_factor * self.config.ttft_slo_s:
+            return  # a backlog draining (a burst, a cold start) is no steady-state measurement
+        state, model = self._pools["prefill"], self.prefill()
+        wait = model.queue_wait_s(isl, per_instance, 0.9)
+        if wait < self.config.queue_share * model.ttft_s(isl, per_instance, 0.9, tail_isl):
+            fitted = fit_scale(lambda c: self.prefill_model.scaled(c).with_variability(
+                self._variability).ttft_s(isl, per_instance, 0.9, tail_isl), observed_p90,
+                self.config.correction_bounds)
+            state.correction = self._ewma(state.correction, fitted)
+        else:
+            fitted = fit_scale(lambda v: model.with_variability(v).ttft_s(
+                isl, per_instance, 0.9, tail_isl), observed_p90, self.config.variability_bounds)
+            self._variability = self._ewma(self._variability, fitted)
+
+    def _fit_decode(self, observed_mean: float | None, per_instance: float) -> None:
+        if observed_mean is None or observed_mean <= 0 or self.config.correction_alpha <= 0:
+            return
+        state = self._pools["decode"]
+        fitted = fit_scale(lambda c: self.decode_model.scaled(c).tpot_s(per_instance),
+                           observed_mean, self.config.correction_bounds)
+        state.correction = self._ewma(state.correction, fitted)
 
     def plan(self, obs: Observation) -> tuple[Decision, Decision]:
         """Desired (prefill, decode) replicas after this interval."""
         rate = obs.arrivals / obs.interval_s if obs.interval_s > 0 else 0.0
-        # Corrections compare what the model predicted for the load actually offered.
+        # The fits compare what the model predicts for the load actually offered.
         isl_now, osl_now = max(obs.mean_isl, 1.0), max(obs.mean_osl, 1.0)
-        per_prefill = rate * isl_now / max(1, obs.prefill_replicas)
-        self._update_correction("prefill", obs.ttft_mean_s,
-                                self.prefill_model.mean_ttft_s(isl_now, per_prefill))
-        seqs = rate * osl_now * (obs.tpot_mean_s or self.decode_model.step_s(1))
-        self._update_correction("decode", obs.tpot_mean_s, self.decode_model.step_s(
-            seqs / max(1, obs.decode_replicas)))
+        tail_now = max(obs.p90_isl or isl_now, isl_now)
+        serving = max(1, obs.prefill_replicas - obs.prefill_starting)
+        # A TTFT measured while decode breaks its SLO includes waits for a decode slot: it says
+        # nothing about the prefill model, so the prefill fit holds that interval.
+        if obs.tpot_p90_s is None or obs.tpot_p90_s <= self.config.tpot_slo_s:
+            self._fit_prefill(obs.ttft_p90_s, isl_now, tail_now, rate * isl_now / serving)
+        self._fit_decode(obs.tpot_mean_s, rate * osl_now / max(
+            1, obs.decode_replicas - obs.decode_starting))
 
         self._rate.observe(rate)
         self._isl.observe(obs.mean_isl)
+        if obs.arrivals > 0:
+            self._isl_tail.observe(tail_now / isl_now)
         self._osl.observe(obs.mean_osl)
-        rate_hat = self._rate.predict()
-        isl_hat, osl_hat = max(self._isl.predict(), 1.0), max(self._osl.predict(), 1.0)
-
+        self._cached.observe(obs.mean_cached_isl)
         cfg = self.config
+        ahead = cfg.forecast_horizon_s / obs.interval_s if obs.interval_s > 0 else 1.0
+        rate_hat = max(self._rate.predict(1.0), self._rate.predict(max(1.0, ahead)))
+        isl_hat, osl_hat = max(self._isl.predict(), 1.0), max(self._osl.predict(), 1.0)
+        tail_hat = isl_hat * max(1.0, self._isl_tail.predict())
+
         # Prefill: uncached tokens/s against tokens/s per instance within the TTFT SLO.
-        cap_p = (self.prefill_model.tokens_per_s(isl_hat, cfg.ttft_slo_s)
-                 / self.correction("prefill"))
         load_p = rate_hat * isl_hat
-        # Decode: concurrent sequences by Little's law (rate x tokens x observed time per token;
-        # the model's single-sequence step time until a TPOT was observed).
-        cap_d = self.decode_model.max_batch(cfg.tpot_slo_s / self.correction("decode"))
-        load_d = rate_hat * osl_hat * (obs.tpot_mean_s or self.decode_model.step_s(1))
+        cap_p = self.prefill().tokens_per_s(isl_hat, cfg.ttft_slo_s, cfg.slo_quantile, tail_hat)
+        # Removing one of n prefill instances loses its prefix cache: its share of the cached
+        # prompt tokens is prefilled again by the others (consistent hashing moves only its keys).
+        cold_p = cfg.removal_cache_loss * rate_hat * self._cached.predict() / max(
+            1, obs.prefill_replicas)
+        # Decode: output tokens/s against tokens/s per instance within the TPOT SLO.
+        load_d = rate_hat * osl_hat
+        cap_d = self.decode_model.scaled(self.correction("decode")).tokens_per_s(cfg.tpot_slo_s)
         return (self._decide("prefill", obs.prefill_replicas, load_p, cap_p, obs.ttft_p90_s,
-                             cfg.ttft_slo_s, obs.now_s),
-                self._decide("decode", obs.decode_replicas, load_d, float(cap_d),
-                             obs.tpot_p90_s, cfg.tpot_slo_s, obs.now_s))
+                             cfg.ttft_slo_s, obs.now_s, obs.prefill_starting, cold_p),
+                self._decide("decode", obs.decode_replicas, load_d, cap_d,
+                             obs.tpot_p90_s, cfg.tpot_slo_s, obs.now_s, obs.decode_starting))
 
     def _decide(self, pool: Pool, current: int, load: float, capacity: float,
-                observed_p90: float | None, slo: float, now: float) -> Decision:
+                observed_p90: float | None, slo: float, now: float, starting: int,
+                removal_load: float = 0.0) -> Decision:
+        """``capacity``: load one instance takes within the SLO; ``removal_load``: load that
+        removing one instance adds to the others."""
         cfg, state = self.config, self._pools[pool]
-        usable = capacity * cfg.target_utilisation
+        ceiling = (cfg.max_prefill_replicas if pool == "prefill" else cfg.max_decode_replicas) \
+            or cfg.max_replicas
         if load <= 0:
             needed = cfg.min_replicas
+        elif capacity <= 0:
+            needed = ceiling
         else:
-            needed = math.ceil(load / usable) if usable > 0 else cfg.max_replicas
+            needed = math.ceil(load / (capacity * cfg.target_utilisation))
         desired, reason = current, "steady"
         breach = observed_p90 is not None and observed_p90 > cfg.panic_factor * slo
         if breach and needed <= current:
-            needed = current + 1
+            # one more instance per breached interval, unless one is still starting (it is
+            # the remedy already on its way: adding more each interval overshoots)
+            needed = current + (starting == 0)
             state.panic_until_s = now + cfg.panic_hold_s
             reason = "panic"
         elif breach:
@@ -186,15 +272,14 @@ class Planner:
             if load <= 0:
                 remaining_util = 0.0
             elif current > 1 and capacity > 0:
-                remaining_util = load / (capacity * (current - 1))
+                remaining_util = (load + removal_load) / (capacity * (current - 1))
             else:
                 remaining_util = math.inf
-            if now < state.panic_until_s or now - state.last_change_s < cfg.scale_down_cooldown_s:
+            if (starting > 0 or now < state.panic_until_s
+                    or now - state.last_change_s < cfg.scale_down_cooldown_s):
                 reason = "cooldown"
             elif remaining_util <= cfg.safety_utilisation:
                 desired, reason = current - 1, "scale_down"
-        ceiling = (cfg.max_prefill_replicas if pool == "prefill" else cfg.max_decode_replicas) \
-            or cfg.max_replicas
         bounded = min(ceiling, max(cfg.min_replicas, desired))
         if bounded != desired:
             desired, reason = bounded, "bounds"

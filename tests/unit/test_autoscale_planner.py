@@ -16,18 +16,42 @@ PREFILL = PrefillModel(s_per_token=1e-4, overhead_s=0.0)
 DECODE = DecodeModel(step_base_s=0.01, step_per_seq_s=0.001, max_seqs=256)
 
 
-def test_prefill_capacity_from_md1_queue() -> None:
-    # D = 0.1 s; rho_max = 2 * (1 - 0.1) / (2 - 0.1) = 0.947368...; capacity = rho_max / 1e-4.
-    assert PREFILL.tokens_per_s(1000, 1.0) == pytest.approx(9473.684, rel=1e-6)
+def test_prefill_capacity_from_queue_model() -> None:
+    # M/D/1 (variability 0.5, DistServe): D = 0.1 s; rho_max = 2 * (1 - 0.1) / (2 - 0.1)
+    md1 = PrefillModel(s_per_token=1e-4, overhead_s=0.0, variability=0.5)
+    assert md1.tokens_per_s(1000, 1.0) == pytest.approx(9473.684, rel=1e-6)
+    assert md1.mean_ttft_s(1000, 0.5 / 1e-4) == pytest.approx(0.1 + 0.5 * 0.1 / 1.0)
+    # default variability 1.0: rho / (1 - rho) <= (1 - 0.1) / 0.1 -> rho = 0.9
+    assert PREFILL.tokens_per_s(1000, 1.0) == pytest.approx(9000.0)
     assert PREFILL.tokens_per_s(20_000, 1.0) == 0.0  # one request alone breaks the SLO
-    rho = 0.5
-    assert PREFILL.mean_ttft_s(1000, rho / 1e-4) == pytest.approx(0.1 + 0.5 * 0.1 / 1.0)
+    # latency outside the queue shrinks the budget: 1.0 - 0.5 -> (0.5 - 0.1) / 0.1 = 4 -> 0.8
+    assert PrefillModel(1e-4, 0.0, latency_s=0.5).tokens_per_s(1000, 1.0) == pytest.approx(8000)
+    # the p90 at capacity sits on the SLO; no wait counts while rho <= 1 - q
+    cap90 = PREFILL.tokens_per_s(1000, 1.0, quantile=0.9)
+    assert PREFILL.ttft_s(1000, cap90, 0.9) == pytest.approx(1.0, rel=1e-6)
+    assert cap90 < PREFILL.tokens_per_s(1000, 1.0)  # a tail target is stricter than the mean
+    assert PREFILL.ttft_s(1000, 0.05 / 1e-4, 0.9) == pytest.approx(0.1)
+    # exponential tail: p90 wait = W / rho * ln(rho / 0.1), W = rho / (1 - rho) * D
+    assert PREFILL.ttft_s(1000, 0.5 / 1e-4, 0.9) == pytest.approx(0.1 + 0.2 * math.log(5))
+    assert PREFILL.queue_wait_s(1000, 0.5 / 1e-4, 0.9) == pytest.approx(0.2 * math.log(5))
+    # a longer p90 prompt adds its own prefill time to the quantile (not to the queue)
+    assert PREFILL.ttft_s(1000, 0.5 / 1e-4, 0.9, tail_isl=3000) == pytest.approx(
+        0.3 + 0.2 * math.log(5))
+    assert PREFILL.tokens_per_s(1000, 1.0, 0.9, tail_isl=3000) < cap90
+    # burstier traffic (variability 3) queues 3x as long: less capacity at the same SLO
+    assert PREFILL.with_variability(3.0).queue_wait_s(1000, 5000, 0.9) == pytest.approx(
+        3 * 0.2 * math.log(5))
+    assert PREFILL.scaled(2.0).request_s(1000) == pytest.approx(0.2)
 
 
 def test_decode_capacity_from_step_time() -> None:
     assert DECODE.max_batch(0.1) == 90  # (0.1 - 0.01) / 0.001
     assert DECODE.max_batch(1.0) == 256  # KV room caps it
     assert DECODE.max_batch(0.005) == 0
+    assert DECODE.tokens_per_s(0.1) == pytest.approx(900.0)  # 90 sequences / 0.1 s steps
+    assert DECODE.tpot_s(900.0) == pytest.approx(0.1)  # and back: the batch that delivers it
+    assert DECODE.tpot_s(450.0) == pytest.approx(0.01 + 0.001 * 4.5 / 0.55)
+    assert DECODE.tpot_s(5000.0) == DECODE.step_s(256)  # beyond its room: the largest batch
 
 
 def test_predictors() -> None:
@@ -66,12 +90,13 @@ def planner(**kw: object) -> Planner:
 
 
 def test_replicas_follow_the_formula() -> None:
-    # 30 req/s x 1000 tokens = 30k tokens/s; one instance: 9473.7 x 0.8 usable -> ceil = 4.
-    # Decode (Little): 30 req/s x 100 tokens x 0.1 s observed per token = 300 sequences;
-    # 90 per instance x 0.8 -> 5.
+    # Prefill: 30 req/s x 1000 tokens = 30k tokens/s; one instance keeps its p90 TTFT within
+    # 1 s up to 7728 tokens/s, x 0.8 usable = 6182 -> ceil = 5.
+    # Decode: 30 req/s x 100 tokens = 3000 tokens/s; 90 sequences / 0.1 s = 900 tokens/s per
+    # instance within the TPOT SLO, x 0.8 = 720 -> 5.
     (p, d), = run(planner(), [30.0])
-    assert p == min(4, 2) and d == 2  # at most 2x per interval from 1 replica
-    assert run(planner(), [30.0] * 3)[-1] == (4, 5)
+    assert (p, d) == (2, 2)  # at most 2x per interval from 1 replica
+    assert run(planner(), [30.0] * 3)[-1] == (5, 5)
 
 
 def test_steady_rate_does_not_flap() -> None:
@@ -87,17 +112,40 @@ def test_bounds_hold() -> None:
 def test_scale_down_waits_for_cooldown_and_goes_one_at_a_time() -> None:
     p = planner()
     up = run(p, [30.0] * 3)
-    assert up[-1] == (4, 5)
+    assert up[-1] == (5, 5)
     downs = []
     pp, dd = up[-1]
     for i in range(3, 12):
         dp, dd_ = p.plan(obs(10.0 * i, 1.0, pp, dd))
-        downs.append((dp.desired, dp.reason))
+        downs.append((dp.desired, dp.reason, dd_.desired, dd_.reason))
         pp, dd = dp.desired, dd_.desired
-    # Prefill last changed at t=10 (2 -> 4); with a 30 s cooldown it may shrink at t=40, 70, 100.
-    assert downs == [(4, "cooldown"), (3, "scale_down"), (3, "cooldown"), (3, "cooldown"),
-                     (2, "scale_down"), (2, "cooldown"), (2, "cooldown"), (1, "scale_down"),
-                     (1, "steady")]
+    # Both pools last changed at t=20 (4 -> 5); with a 30 s cooldown they may shrink at t=50,
+    # 80, 110, one instance each time.
+    expected = ["cooldown", "cooldown", "scale_down"] * 3
+    sizes = [5, 5, 4, 4, 4, 3, 3, 3, 2]
+    assert downs == [(n, r, n, r) for n, r in zip(sizes, expected, strict=True)]
+
+
+def test_no_scale_down_while_an_instance_is_starting() -> None:
+    p = Planner(PlannerConfig(predictor="last", scale_down_cooldown_s=0.0), PREFILL, DECODE)
+    dp, _ = p.plan(obs(0.0, 1.0, prefill=3, prefill_starting=1))
+    assert (dp.desired, dp.reason) == (3, "cooldown")  # a scale-up is still landing
+    dp, _ = p.plan(obs(10.0, 1.0, prefill=3))
+    assert (dp.desired, dp.reason) == (2, "scale_down")
+
+
+def test_forecast_looks_a_worker_start_ahead() -> None:
+    # a ramp of +5 req/s per 10 s interval: with a 30 s horizon the planner sizes for the rate
+    # three intervals on, without it (horizon 0) for the next one
+    sizes = {}
+    for horizon in (0.0, 30.0):
+        p = Planner(PlannerConfig(predictor="holt", forecast_horizon_s=horizon,
+                                  correction_alpha=0.0, max_scale_up_factor=100.0),
+                    PREFILL, DECODE)
+        for i, rate in enumerate([5.0, 10.0, 15.0, 20.0, 25.0, 30.0]):
+            dp, _ = p.plan(obs(10.0 * i, rate, prefill=8))
+        sizes[horizon] = dp.load
+    assert sizes[30.0] > sizes[0.0] * 1.2
 
 
 def test_panic_adds_capacity_on_slo_breach_and_holds_scale_down() -> None:
@@ -108,22 +156,64 @@ def test_panic_adds_capacity_on_slo_breach_and_holds_scale_down() -> None:
     assert dp.desired == 3 and dp.reason == "cooldown"  # held for panic_hold_s (60 s)
 
 
-def test_correction_converges_on_a_biased_capacity_model() -> None:
-    truth = PrefillModel(s_per_token=2e-4, overhead_s=0.0)  # the profile is 2x optimistic
-    p = Planner(PlannerConfig(predictor="last", correction_alpha=0.3), PREFILL, DECODE)
-    replicas = 4
-    for i in range(40):
-        per_instance = 15.0 * 1000 / replicas
-        observed = truth.mean_ttft_s(1000, per_instance)
-        dp, _ = p.plan(obs(10.0 * i, 15.0, prefill=replicas, ttft_mean_s=observed))
+def _fitted_run(truth: PrefillModel, rate: float, alpha: float = 0.3
+                ) -> tuple[Planner, int]:
+    """Plan against a world whose prefill instances behave like ``truth`` (the planner's
+    profile is ``PREFILL``); return the planner and the replicas it settles on."""
+    # panic off: the fits alone must find the size
+    p = Planner(PlannerConfig(predictor="last", correction_alpha=alpha, panic_factor=1e9),
+                PREFILL, DECODE)
+    replicas = 1
+    for i in range(60):
+        observed = truth.ttft_s(1000, rate * 1000 / replicas, 0.9)
+        dp, _ = p.plan(obs(10.0 * i, rate, prefill=replicas, decode=8, ttft_p90_s=observed))
         replicas = dp.desired
-    # The correction is an observed/predicted TTFT ratio: with the true model it explains
-    # the gap (about 2x service time plus the extra queueing), and capacity shrank with it.
-    assert 2.0 <= p.correction("prefill") <= 4.0
-    expected = math.ceil(15 * 1000 / (PREFILL.tokens_per_s(1000, 1.0)
-                                      / p.correction("prefill") * 0.8))
-    assert replicas == expected
-    assert truth.mean_ttft_s(1000, 15 * 1000 / replicas) <= 1.0  # SLO met with the corrected size
+    return p, replicas
+
+
+def test_light_load_fits_the_service_time() -> None:
+    # at 500 tokens/s nothing queues: the p90 TTFT is the prefill itself, 1.6x the profile's
+    p, _ = _fitted_run(PREFILL.scaled(1.6), rate=0.5)
+    assert p.correction("prefill") == pytest.approx(1.6, rel=0.02)
+    assert p.variability == 1.0
+
+
+def test_fits_converge_on_a_biased_capacity_model() -> None:
+    for truth in (PREFILL.scaled(1.6), PREFILL.with_variability(3.0)):
+        p, replicas = _fitted_run(truth, rate=20.0)
+        per_instance = 20 * 1000 / replicas
+        # the fitted model predicts the p90 the world shows at the size it chose, which meets
+        # the SLO
+        assert p.prefill().ttft_s(1000, per_instance, 0.9) == pytest.approx(
+            truth.ttft_s(1000, per_instance, 0.9), rel=0.05)
+        assert truth.ttft_s(1000, per_instance, 0.9) <= 1.0
+        # negative control: the optimistic profile alone under-provisions
+        q, uncorrected = _fitted_run(truth, rate=20.0, alpha=0.0)
+        assert q.correction("prefill") == 1.0 and uncorrected < replicas
+        assert truth.ttft_s(1000, 20 * 1000 / uncorrected, 0.9) > 1.0
+    # burstiness is a queue's property: it is fitted as variability, not as a slower prefill
+    p, _ = _fitted_run(PREFILL.with_variability(3.0), rate=20.0)
+    assert p.variability == pytest.approx(3.0, rel=0.02) and p.correction("prefill") == 1.0
+
+
+def test_a_pessimistic_profile_is_corrected_down() -> None:
+    _, fewer = _fitted_run(PREFILL.scaled(0.7), rate=40.0)
+    assert fewer < _fitted_run(PREFILL.scaled(0.7), rate=40.0, alpha=0.0)[1]
+    assert PREFILL.scaled(0.7).ttft_s(1000, 40 * 1000 / fewer, 0.9) <= 1.0
+
+
+def test_decode_correction_converges() -> None:
+    truth = DECODE.scaled(1.5)
+    p = Planner(PlannerConfig(predictor="last", correction_alpha=0.3, panic_factor=1e9),
+                PREFILL, DECODE)
+    d = 1
+    for i in range(40):
+        per_instance = 30.0 * 100 / d
+        _, dd = p.plan(obs(10.0 * i, 30.0, prefill=8, decode=d,
+                           tpot_mean_s=truth.tpot_s(per_instance)))
+        d = dd.desired
+    assert p.correction("decode") == pytest.approx(1.5, rel=0.02)
+    assert truth.tpot_s(30.0 * 100 / d) <= 0.1
 
 
 def test_threshold_autoscaler_is_hpa_like() -> None:

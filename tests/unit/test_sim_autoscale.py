@@ -140,8 +140,10 @@ def test_observation_from_interval_stats() -> None:
 
 def test_capacity_models_follow_the_perf_models() -> None:
     pm, dm = capacity_models(PP, DP, mean_context_tokens=1000)
-    # idle TTFT: batch overhead + transfer of 1000 tokens + one decode step at 1000 context
-    assert pm.overhead_s == pytest.approx(0.02 + 5e-6 * 1000 + 0.012 + 1e-4 + 2e-8 * 1000)
+    # prefill service: batch overhead + per token; TTFT outside the queue: transfer of 1000
+    # tokens + one decode step at 1000 context
+    assert pm.overhead_s == pytest.approx(0.02)
+    assert pm.latency_s == pytest.approx(5e-6 * 1000 + 0.012 + 1e-4 + 2e-8 * 1000)
     assert pm.s_per_token == 1e-4
     assert (dm.step_base_s, dm.step_per_seq_s, dm.max_seqs) == (
         0.012, pytest.approx(1e-4 + 2e-8 * 1000), 256)
