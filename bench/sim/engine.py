@@ -171,8 +171,6 @@ class IntervalStats:
     """Running sequences / ``max_running`` over the serving decode instances (0..1)."""
     uncached_per_request: tuple[int, ...] = ()
     """Uncached prompt tokens of each request prefilled in the interval."""
-    cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache in the interval."""
 
 
 class PoolController(Protocol):
@@ -262,7 +260,7 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
     DONE_P, DONE_D, READY_P, READY_D, TICK = 1, 2, 3, 4, 5
     # interval counters for the controller
     last_tick = 0.0
-    n_arr = unc_tok = out_tok = hit_tok = 0
+    n_arr = unc_tok = out_tok = 0
     iv_ttft: list[float] = []
     iv_tpot: list[float] = []
     iv_unc: list[int] = []
@@ -321,7 +319,7 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
         policy.observe(Membership(MODEL, tuple(inst)))
 
     def start_batch(p: _Prefill, now: float) -> None:
-        nonlocal unc_tok, hit_tok
+        nonlocal unc_tok
         batch: list[_Job] = []
         tokens = 0
         cached_sum = 0
@@ -344,7 +342,6 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
         p.busy_s += dur
         p.batch_start = now
         unc_tok += tokens
-        hit_tok += cached_sum
         push(now + dur, DONE_P, p)
 
     def least_running() -> _Decode | None:
@@ -469,7 +466,7 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
                 stop(d, now)
 
     def tick(now: float) -> None:
-        nonlocal last_tick, n_arr, unc_tok, out_tok, hit_tok, iv_ttft, iv_tpot, iv_unc, p_busy
+        nonlocal last_tick, n_arr, unc_tok, out_tok, iv_ttft, iv_tpot, iv_unc, p_busy
         nonlocal p_area, d_area, run_area
         assert controller is not None
         advance(now)
@@ -481,9 +478,8 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
         stats = IntervalStats(
             now, interval, n_arr, unc_tok, out_tok, tuple(iv_ttft), tuple(iv_tpot), pt, dt,
             pr, dr, min(1.0, p_busy / p_area) if p_area > 0 else 0.0,
-            min(1.0, run_area / (d_area * dp.max_running)) if d_area > 0 else 0.0, tuple(iv_unc),
-            hit_tok)
-        last_tick, n_arr, unc_tok, out_tok, hit_tok = now, 0, 0, 0, 0
+            min(1.0, run_area / (d_area * dp.max_running)) if d_area > 0 else 0.0, tuple(iv_unc))
+        last_tick, n_arr, unc_tok, out_tok = now, 0, 0, 0
         iv_ttft, iv_tpot, iv_unc, p_busy, p_area, d_area, run_area = [], [], [], 0.0, 0.0, 0.0, 0.0
         want_p, want_d = controller.decide(stats)
         if resize_prefill(max(1, want_p), now):

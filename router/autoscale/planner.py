@@ -15,8 +15,7 @@ Decode: the mean TPOT fits the step-time scale. Each fit is an EWMA. Then:
 - scale up at once (at most ``max_scale_up_factor`` x current per interval);
 - scale down one instance at a time, only after ``scale_down_cooldown_s`` since the pool last
   changed, never while one of its instances is still starting, and only if the remaining
-  instances stay below ``safety_utilisation`` (for prefill, counting the cached prompt tokens
-  the removed instance's prefix cache served: the others prefill them again);
+  instances stay below ``safety_utilisation``;
 - panic: when the observed p90 latency breaks its SLO by ``panic_factor`` while the model says
   the pool is big enough, add one instance per interval (none while one is still starting)
   and hold scale-down for ``panic_hold_s``.
@@ -70,7 +69,6 @@ class PlannerConfig:
     queue_share: float = 0.25
     """An interval whose predicted p90 TTFT is less than this share queueing fits the prefill
     service time; one with more fits the queue's variability."""
-    removal_cache_loss: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -87,8 +85,10 @@ class Observation:
     interval_s: float
     arrivals: int
     mean_isl: float
-    """Mean uncached prompt tokens per request (prefix-cache hits already subtracted)."""
+    """Mean uncached prompt tokens per request prefilled (prefix-cache hits subtracted); 0
+    when none was."""
     mean_osl: float
+    """Mean output tokens per request decoded; 0 when none was."""
     prefill_replicas: int
     decode_replicas: int
     ttft_p90_s: float | None = None
@@ -97,8 +97,6 @@ class Observation:
     tpot_mean_s: float | None = None
     p90_isl: float | None = None
     """90th percentile of the uncached prompt tokens per request (None: take the mean)."""
-    mean_cached_isl: float = 0.0
-    """Mean prompt tokens per request served from the prefix cache."""
     prefill_starting: int = 0
     """Of ``prefill_replicas``, instances asked for but not serving yet."""
     decode_starting: int = 0
@@ -139,7 +137,6 @@ class Planner:
     _rate: Predictor = field(init=False)
     _isl: Predictor = field(init=False)
     _isl_tail: Predictor = field(init=False)
-    _cached: Predictor = field(init=False)
     _osl: Predictor = field(init=False)
     _pools: dict[str, _PoolState] = field(init=False)
     _variability: float = field(init=False)
@@ -148,7 +145,6 @@ class Planner:
         self._rate = make_predictor(self.config.predictor)
         self._isl = make_predictor("ewma")
         self._isl_tail = make_predictor("ewma")  # p90 / mean uncached prompt length
-        self._cached = make_predictor("ewma")
         self._osl = make_predictor("ewma")
         self._pools = {"prefill": _PoolState(), "decode": _PoolState()}
         self._variability = self.prefill_model.variability
@@ -214,11 +210,11 @@ class Planner:
             1, obs.decode_replicas - obs.decode_starting))
 
         self._rate.observe(rate)
-        self._isl.observe(obs.mean_isl)
-        if obs.arrivals > 0:
+        if obs.mean_isl > 0:  # an interval that served nothing says nothing of lengths
+            self._isl.observe(obs.mean_isl)
             self._isl_tail.observe(tail_now / isl_now)
-        self._osl.observe(obs.mean_osl)
-        self._cached.observe(obs.mean_cached_isl)
+        if obs.mean_osl > 0:
+            self._osl.observe(obs.mean_osl)
         cfg = self.config
         ahead = cfg.forecast_horizon_s / obs.interval_s if obs.interval_s > 0 else 1.0
         rate_hat = max(self._rate.predict(1.0), self._rate.predict(max(1.0, ahead)))
@@ -228,23 +224,17 @@ class Planner:
         # Prefill: uncached tokens/s against tokens/s per instance within the TTFT SLO.
         load_p = rate_hat * isl_hat
         cap_p = self.prefill().tokens_per_s(isl_hat, cfg.ttft_slo_s, cfg.slo_quantile, tail_hat)
-        # Removing one of n prefill instances loses its prefix cache: its share of the cached
-        # prompt tokens is prefilled again by the others (consistent hashing moves only its keys).
-        cold_p = cfg.removal_cache_loss * rate_hat * self._cached.predict() / max(
-            1, obs.prefill_replicas)
         # Decode: output tokens/s against tokens/s per instance within the TPOT SLO.
         load_d = rate_hat * osl_hat
         cap_d = self.decode_model.scaled(self.correction("decode")).tokens_per_s(cfg.tpot_slo_s)
         return (self._decide("prefill", obs.prefill_replicas, load_p, cap_p, obs.ttft_p90_s,
-                             cfg.ttft_slo_s, obs.now_s, obs.prefill_starting, cold_p),
+                             cfg.ttft_slo_s, obs.now_s, obs.prefill_starting),
                 self._decide("decode", obs.decode_replicas, load_d, cap_d,
                              obs.tpot_p90_s, cfg.tpot_slo_s, obs.now_s, obs.decode_starting))
 
     def _decide(self, pool: Pool, current: int, load: float, capacity: float,
-                observed_p90: float | None, slo: float, now: float, starting: int,
-                removal_load: float = 0.0) -> Decision:
-        """``capacity``: load one instance takes within the SLO; ``removal_load``: load that
-        removing one instance adds to the others."""
+                observed_p90: float | None, slo: float, now: float, starting: int) -> Decision:
+        """``capacity``: load one instance takes within the SLO."""
         cfg, state = self.config, self._pools[pool]
         ceiling = (cfg.max_prefill_replicas if pool == "prefill" else cfg.max_decode_replicas) \
             or cfg.max_replicas
@@ -272,7 +262,7 @@ class Planner:
             if load <= 0:
                 remaining_util = 0.0
             elif current > 1 and capacity > 0:
-                remaining_util = (load + removal_load) / (capacity * (current - 1))
+                remaining_util = load / (capacity * (current - 1))
             else:
                 remaining_util = math.inf
             if (starting > 0 or now < state.panic_until_s

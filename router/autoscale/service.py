@@ -134,10 +134,13 @@ class Autoscaler:
         obs = observe(previous, current)
         # Workers still starting count as present: otherwise a quiet interval during their start
         # reads as "steady at the old size" and cancels the scale-up just before they join.
+        want_p, want_d = self._desired.get("prefill", 0), self._desired.get("decode", 0)
         obs = dataclasses.replace(
             obs,
-            prefill_replicas=max(obs.prefill_replicas, self._desired.get("prefill", 0)),
-            decode_replicas=max(obs.decode_replicas, self._desired.get("decode", 0)))
+            prefill_replicas=max(obs.prefill_replicas, want_p),
+            decode_replicas=max(obs.decode_replicas, want_d),
+            prefill_starting=max(0, want_p - obs.prefill_replicas),
+            decode_starting=max(0, want_d - obs.decode_replicas))
         decisions = self.planner.plan(obs)
         self._desired = {d.pool: d.desired for d in decisions}
         for d in decisions:

@@ -72,30 +72,49 @@ def _worker_delta(before: Mapping[str, Samples], after: Mapping[str, Samples], n
                for w in after if w in before)
 
 
+def _pool_histogram(before: Mapping[str, Samples], after: Mapping[str, Samples], name: str
+                    ) -> tuple[float, float, list[tuple[float, float]]]:
+    """:func:`histogram_delta` summed over the workers present in both snapshots."""
+    total_sum = total_count = 0.0
+    buckets: dict[float, float] = {}
+    for w in after:
+        if w in before:
+            s, n, b = histogram_delta(before[w], after[w], name)
+            total_sum, total_count = total_sum + s, total_count + n
+            for le, c in b:
+                buckets[le] = buckets.get(le, 0.0) + c
+    return total_sum, total_count, sorted(buckets.items())
+
+
 def observe(before: Snapshot, after: Snapshot) -> Observation:
-    """The planner's view of the interval between two snapshots."""
+    """The planner's view of the interval between two snapshots.
+
+    Lengths are per request served (vLLM's per-request histograms), not per arrival: in a
+    backlog fewer are served than arrive, and dividing by arrivals would shrink the lengths
+    just when the load grows. The p90 uncached prompt is the p90 prompt scaled by the uncached
+    share of prompt tokens (vLLM's histogram counts whole prompts)."""
     interval = max(1e-9, after.time_s - before.time_s)
     arrivals = max(0.0, total(after.router, "pdserve_router_requests_total", status="200")
                    - total(before.router, "pdserve_router_requests_total", status="200"))
     isl_tokens = _worker_delta(before.prefill, after.prefill,
                                "vllm:prompt_tokens_by_source_total", source="local_compute")
-    osl_tokens = _worker_delta(before.decode, after.decode, "vllm:generation_tokens_total")
+    hit_tokens = _worker_delta(before.prefill, after.prefill,
+                               "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
+    _, prefilled, prompt_b = _pool_histogram(before.prefill, after.prefill,
+                                             "vllm:request_prompt_tokens")
+    osl_tokens, decoded, _ = _pool_histogram(before.decode, after.decode,
+                                             "vllm:request_generation_tokens")
+    p90_prompt = quantile(prompt_b, 0.9)
+    uncached_share = isl_tokens / (isl_tokens + hit_tokens) if isl_tokens + hit_tokens else 1.0
     ttft_sum, ttft_n, ttft_b = histogram_delta(before.router, after.router,
                                                "pdserve_router_ttft_seconds")
-    tpot_sum = tpot_n = 0.0
-    tpot_buckets: dict[float, float] = {}
-    for w in after.decode:
-        if w in before.decode:
-            s, n, b = histogram_delta(before.decode[w], after.decode[w],
-                                      "vllm:inter_token_latency_seconds")
-            tpot_sum, tpot_n = tpot_sum + s, tpot_n + n
-            for le, c in b:
-                tpot_buckets[le] = tpot_buckets.get(le, 0.0) + c
-    per_request = max(arrivals, 1.0)
+    tpot_sum, tpot_n, tpot_b = _pool_histogram(before.decode, after.decode,
+                                               "vllm:inter_token_latency_seconds")
     return Observation(
         now_s=after.time_s, interval_s=interval, arrivals=int(arrivals),
-        mean_isl=isl_tokens / per_request, mean_osl=osl_tokens / per_request,
+        mean_isl=isl_tokens / prefilled if prefilled else 0.0,
+        mean_osl=osl_tokens / decoded if decoded else 0.0,
+        p90_isl=None if p90_prompt is None else p90_prompt * uncached_share,
         prefill_replicas=len(after.prefill), decode_replicas=len(after.decode),
         ttft_p90_s=quantile(ttft_b, 0.9), ttft_mean_s=ttft_sum / ttft_n if ttft_n else None,
-        tpot_p90_s=quantile(sorted(tpot_buckets.items()), 0.9),
-        tpot_mean_s=tpot_sum / tpot_n if tpot_n else None)
+        tpot_p90_s=quantile(tpot_b, 0.9), tpot_mean_s=tpot_sum / tpot_n if tpot_n else None)

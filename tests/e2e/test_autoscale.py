@@ -27,12 +27,14 @@ from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.vllm
 
-# A decode instance "sustains" 4 sequences within a 1 s TPOT (0.02 + 0.2 * b <= 1), 3.2 at the
-# target utilisation, so 8 concurrent streams ask for a second decode worker while one
-# sequential request at a time fits in one; prefill capacity is ample. Online correction is off
-# so the capacity is the profile's, whatever this shared machine's speed.
+# A decode instance delivers 20 output tokens/s within a 1 s TPOT (20 sequences: 0.02 + 0.049 *
+# 20 = 1.0 s steps), 16 at the target utilisation: 8 concurrent streams of 96 tokens need a
+# second decode worker even on a slow machine (3 tokens/s each), while a trickle of one 8-token
+# request at a time (under 12 tokens/s, the 0.6 safety utilisation of one) fits in one; prefill
+# capacity is ample. Online fitting is off so the capacity is the profile's, whatever this
+# shared machine's speed.
 PROFILE = {"prefill": {"s_per_token": 1e-6, "overhead_s": 0.001},
-           "decode": {"step_base_s": 0.02, "step_per_seq_s": 0.2, "max_seqs": 256}}
+           "decode": {"step_base_s": 0.02, "step_per_seq_s": 0.049, "max_seqs": 256}}
 
 
 @pytest.fixture(scope="module")

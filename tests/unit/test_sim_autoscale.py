@@ -130,9 +130,13 @@ def test_observation_from_interval_stats() -> None:
     stats = IntervalStats(now_s=20.0, interval_s=10.0, arrivals=4, uncached_tokens=2000,
                           output_tokens=400, ttft_s=(0.1, 0.2, 0.3, 0.4),
                           tpot_s=(0.02, 0.04), prefill_replicas=3, decode_replicas=2,
-                          prefill_ready=2, decode_ready=2, prefill_busy=0.5, decode_slots=0.1)
+                          prefill_ready=2, decode_ready=2, prefill_busy=0.5, decode_slots=0.1,
+                          uncached_per_request=(100, 200, 300, 400, 1000))
     obs = observation(stats)
-    assert (obs.arrivals, obs.mean_isl, obs.mean_osl) == (4, 500.0, 100.0)
+    # lengths per request served (5 prefilled, 4 decoded), not per arrival
+    assert (obs.arrivals, obs.mean_isl, obs.mean_osl) == (4, 400.0, 100.0)
+    assert obs.p90_isl == 1000
+    assert (obs.prefill_starting, obs.decode_starting) == (1, 0)
     assert obs.ttft_mean_s == pytest.approx(0.25) and obs.ttft_p90_s == 0.4
     assert obs.tpot_mean_s == pytest.approx(0.03) and obs.tpot_p90_s == 0.04
     assert (obs.prefill_replicas, obs.decode_replicas) == (3, 2)
