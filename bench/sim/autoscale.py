@@ -48,7 +48,7 @@ def capacity_models(prefill: PrefillPerf, decode: DecodePerf, mean_context_token
 
     Prefill: cost per uncached token and per batch, and the TTFT latency outside the prefill
     queue: KV transfer + first decode step at the workload's mean context (without it the
-    planner's observed/predicted TTFT would read as a model 1.5x too optimistic at every load).
+    planner's online fit would read a model 1.5x too optimistic at every load).
     Decode: step time per running sequence at the mean context (the simulator charges
     ``per_ctx_token_s`` per context token)."""
     if bias <= 0:

@@ -172,7 +172,7 @@ def add_autoscale_args(parser: argparse.ArgumentParser) -> None:
                         default=float(env("PDSERVE_AUTOSCALE_COOLDOWN_S", "60")))
     parser.add_argument("--predictor", default="holt", choices=["last", "ewma", "holt"])
     parser.add_argument("--correction-alpha", type=float, default=0.3,
-                        help="weight of each observed/predicted latency ratio (0: no correction)")
+                        help="EWMA weight of the online model fits (0: the profile as is)")
     parser.add_argument("--actuator", default=env("PDSERVE_AUTOSCALE_ACTUATOR", "redis"),
                         choices=["redis", "compose", "kubernetes"])
     parser.add_argument("--compose-file", default=env("PDSERVE_AUTOSCALE_COMPOSE_FILE"))

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +20,7 @@ import httpx
 import pytest
 import redis
 
+from router.errors import RegistryError
 from router.state.registry import WorkerRegistry
 from serve.redis_server import free_port
 from tests.e2e.conftest import SERVED_NAME
@@ -77,6 +79,19 @@ def autoscaled(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 def workers(redis_url: str) -> dict[str, list[str]]:
+    """Registered worker URLs by role; retried while 8 streams keep this 2-core box so busy that
+    Redis misses the registry's 1 s connect timeout."""
+    for attempt in range(5):
+        try:
+            return _read_workers(redis_url)
+        except RegistryError:
+            if attempt == 4:
+                raise
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
+
+
+def _read_workers(redis_url: str) -> dict[str, list[str]]:
     async def read() -> dict[str, list[str]]:
         registry = WorkerRegistry(redis_url)
         try:
