@@ -51,6 +51,9 @@ class RouterSettings:
     """A worker that just failed is tried last during this many seconds."""
     max_upstream_connections: int = 1000
     """Connection pool size of the shared upstream HTTP client."""
+    load_poll_interval_s: float = 1.0
+    """How often every worker's ``/metrics`` is read for its own load (running and waiting
+    requests, KV usage) to feed placement; 0 turns it off (router accounting only)."""
 
     def __post_init__(self) -> None:
         from router.policy.registry import DECODE_POLICIES, PREFILL_POLICIES
@@ -75,7 +78,8 @@ class RouterSettings:
                      "prefill_s_per_token"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("prefill_retries", "decode_retries", "failure_cooldown_s"):
+        for name in ("prefill_retries", "decode_retries", "failure_cooldown_s",
+                     "load_poll_interval_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -103,6 +107,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-s-per-token", dest="prefill_s_per_token", type=float,
                    help="calibrated prefill seconds per uncached token "
                    "(PDSERVE_ROUTER_PREFILL_S_PER_TOKEN, default 1e-4)")
+    p.add_argument("--decode-policy", dest="decode_policy",
+                   help="decode policy (PDSERVE_ROUTER_DECODE_POLICY, default least_loaded; "
+                   "also kv_aware, round_robin)")
+    p.add_argument("--load-poll-interval-s", dest="load_poll_interval_s", type=float,
+                   help="seconds between reads of each worker's /metrics for its load "
+                   "(PDSERVE_ROUTER_LOAD_POLL_INTERVAL_S, default 1.0; 0 = off)")
     p.add_argument("--log-level", dest="log_level",
                    help="log level (PDSERVE_ROUTER_LOG_LEVEL, default INFO)")
     return p
@@ -127,6 +137,7 @@ _ENV_NAMES = {
     "decode_retries": "DECODE_RETRIES",
     "failure_cooldown_s": "FAILURE_COOLDOWN_S",
     "max_upstream_connections": "MAX_UPSTREAM_CONNECTIONS",
+    "load_poll_interval_s": "LOAD_POLL_INTERVAL_S",
 }
 
 

@@ -65,9 +65,15 @@ class RouterMetrics:
             "pdserve_router_workers",
             "Live workers in the router's membership view, by role.",
             ["role"], registry=r)
+        self.load_scrape_failures = Counter(
+            "pdserve_router_worker_load_scrape_failures_total",
+            "Failed reads of a worker's /metrics for its load (vLLM's running/waiting/KV usage "
+            "gauges), by worker role; such a worker is scored on router accounting alone.",
+            ["role"], registry=r)
         for role in ("prefill", "decode"):
             self.in_flight.labels(role=role).set(0)
             self.upstream_retries.labels(role=role)
+            self.load_scrape_failures.labels(role=role)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

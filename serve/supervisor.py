@@ -44,7 +44,8 @@ class ClusterSettings:
     port: int = 8000
     host: str = "127.0.0.1"
     redis_url: str = "redis://127.0.0.1:6379/0"
-    policy: str = "round_robin"
+    policy: str = "dualmap"
+    """Prefill placement policy of the router (see router.policy.registry)."""
     lease_s: float = 30.0
     kv_cache_gib: float = 1.0
     ready_timeout_s: float = 900.0
@@ -213,8 +214,8 @@ async def _idle(client: httpx.AsyncClient, url: str) -> bool:
 
     A worker that no longer answers scrapes as empty, hence idle (it is already gone).
     """
-    from router.autoscale.service import scrape
-    from router.autoscale.signals import total
+    from router.samples import total
+    from router.state.worker_load import scrape
 
     samples = await scrape(client, url)
     return sum(total(samples, name) for name in (
@@ -278,7 +279,8 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=int(env("PDSERVE_PORT", "8000")))
     parser.add_argument("--host", default=env("PDSERVE_HOST", "127.0.0.1"))
     parser.add_argument("--redis", default=env("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    parser.add_argument("--policy", default=env("PDSERVE_POLICY", "round_robin"))
+    parser.add_argument("--policy", default=env("PDSERVE_POLICY", "dualmap"),
+                        help="prefill placement policy of the router (default dualmap)")
     parser.add_argument("--lease-s", type=float, default=float(env("PDSERVE_KV_LEASE_S", "30")))
     parser.add_argument("--kv-cache-gib", type=float,
                         default=float(env("PDSERVE_WORKER_KV_CACHE_GIB", "1")))

@@ -36,6 +36,7 @@ from router.policy.registry import create_decode_policy, create_prefill_policy
 from router.state.cluster import ClusterSource, ClusterView
 from router.state.load import LoadTracker
 from router.state.registry import WorkerRecord, WorkerRegistry
+from router.state.worker_load import WorkerLoadPoller
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,12 @@ class RouterService:
         self.tracker = LoadTracker(settings.failure_cooldown_s)
         self.client: httpx.AsyncClient | None = None
         self.proxy: PDProxy | None = None
+        self.loads: WorkerLoadPoller | None = None
+        if settings.load_poll_interval_s > 0:
+            self.loads = WorkerLoadPoller(
+                cluster, lambda: self.client, self.tracker.in_flight,
+                interval_s=settings.load_poll_interval_s,
+                on_failure=lambda role: self.metrics.load_scrape_failures.labels(role=role).inc())
         params: dict[str, Any] = {}
         if settings.policy == "dualmap":
             params = {"ttft_slo_s": settings.ttft_slo_s,
@@ -67,10 +74,15 @@ class RouterService:
         # trust_env=False: workers are reached directly, never through an HTTP(S)_PROXY.
         self.client = httpx.AsyncClient(limits=limits, trust_env=False)
         self.proxy = PDProxy(self.settings, self.cluster, self.metrics, self._prefill_policy,
-                             self._decode_policy, self.tracker, self.client)
+                             self._decode_policy, self.tracker, self.client,
+                             self.loads.loads if self.loads is not None else dict)
         await self.cluster.start()
+        if self.loads is not None:
+            self.loads.start()
 
     async def close(self) -> None:
+        if self.loads is not None:
+            await self.loads.close()
         await self.cluster.close()
         if self.client is not None:
             await self.client.aclose()
@@ -160,6 +172,26 @@ class RouterService:
                 "decode_workers": decode, "redis": "ok" if self.cluster.redis_ok else "unreachable"}
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    def workers(self) -> dict[str, Any]:
+        """Every routable worker with the load the placement policies see (``GET /workers``):
+        this router's accounting merged with the worker's own last report."""
+        reported = self.loads.loads() if self.loads is not None else {}
+        records = self.cluster.workers()
+        now = time.monotonic()
+        data = []
+        for r, c in zip(records, self.tracker.candidates(records, reported), strict=True):
+            load = reported.get(r.worker_id)
+            data.append({
+                "worker_id": r.worker_id, "role": r.role, "model": r.model, "url": r.http_url,
+                "in_flight": c.in_flight, "running": c.running,
+                "pending_prefill_tokens": c.pending_prefill_tokens, "kv_usage": c.kv_usage,
+                "recently_failed": c.recently_failed,
+                "reported": None if load is None else {
+                    "running": load.running, "waiting": load.waiting,
+                    "kv_usage": load.kv_usage, "age_s": round(now - load.scraped_at_s, 3)},
+            })
+        return {"object": "list", "data": data}
+
     def models(self) -> dict[str, Any]:
         data = []
         for model in self.cluster.models():
@@ -210,6 +242,10 @@ def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return service.models()
+
+    @app.get("/workers")
+    async def workers() -> dict[str, Any]:
+        return service.workers()
 
     @app.get("/health")
     async def health() -> JSONResponse:

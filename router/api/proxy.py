@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -37,6 +37,7 @@ from router.policy.base import (
 from router.state.cluster import ClusterSource
 from router.state.load import LoadTracker
 from router.state.registry import WorkerRecord
+from router.state.worker_load import WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,7 @@ class PDProxy:
         decode_policy: PlacementPolicy,
         tracker: LoadTracker,
         client: httpx.AsyncClient,
+        reported_loads: Callable[[], Mapping[str, WorkerLoad]] = dict,
     ) -> None:
         self.settings = settings
         self.cluster = cluster
@@ -175,6 +177,8 @@ class PDProxy:
         self.decode_policy = decode_policy
         self.tracker = tracker
         self.client = client
+        self.reported_loads = reported_loads
+        """Workers' own fresh load reports (:class:`WorkerLoadPoller.loads`)."""
         self._prefill_timeout = httpx.Timeout(settings.prefill_timeout_s,
                                               connect=settings.connect_timeout_s)
         self._decode_timeout = httpx.Timeout(settings.decode_timeout_s,
@@ -192,7 +196,7 @@ class PDProxy:
             self._members[(role, route.model)] = members
             policy.observe(Membership(route.model, members))
         records = [r for r in live if r.worker_id not in tried]
-        candidates = self.tracker.candidates(records)
+        candidates = self.tracker.candidates(records, self.reported_loads())
         choice, reason = _select_with_reason(policy, route, candidates)
         if choice is None:
             return None
@@ -210,7 +214,7 @@ class PDProxy:
                       if isinstance(policy, PrefixAware) else 0)
             tokens = max(route.prompt_len - cached, 0)
         policy.observe(Dispatched(route.request_id, worker.worker_id, route.model, route))
-        self.tracker.start(worker.worker_id, route.request_id, tokens)
+        self.tracker.start(worker.worker_id, route.request_id, tokens, prefill=role == "prefill")
         self.metrics.in_flight.labels(role=role).inc()
 
     def _end(self, role: str, route: RouteRequest, worker: WorkerRecord, ok: bool) -> None:

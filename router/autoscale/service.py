@@ -25,13 +25,14 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.autoscale.actuators import Actuator, ComposeActuator, RedisActuator
 from router.autoscale.capacity import DecodeModel, PrefillModel, load_profile
 from router.autoscale.planner import Decision, Planner, PlannerConfig
-from router.autoscale.signals import Samples, Snapshot, observe
+from router.autoscale.signals import Snapshot, observe
+from router.samples import Samples
 from router.state.registry import WorkerRegistry
+from router.state.worker_load import scrape
 
 logger = logging.getLogger(__name__)
 
@@ -52,20 +53,6 @@ class AutoscalerSettings:
     prefill_deployment: str = "pdserve-prefill"
     decode_deployment: str = "pdserve-decode"
     planner: PlannerConfig = PlannerConfig()
-
-
-async def scrape(client: httpx.AsyncClient, url: str) -> Samples:
-    """Samples of ``url``/metrics (empty on failure: that source is skipped this interval)."""
-    try:
-        text = (await client.get(f"{url}/metrics")).text
-    except httpx.HTTPError as exc:
-        logger.warning("cannot scrape %s: %s", url, exc)
-        return {}
-    out: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
 
 
 class Autoscaler:

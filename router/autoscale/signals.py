@@ -12,14 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from router.autoscale.planner import Observation
-
-Samples = Mapping[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def total(samples: Samples, name: str, **labels: str) -> float:
-    """Sum of samples named ``name`` whose labels include ``labels``."""
-    want = set(labels.items())
-    return sum(v for (n, lab), v in samples.items() if n == name and want <= lab)
+from router.samples import Samples, total
 
 
 def histogram_delta(before: Samples, after: Samples, name: str

@@ -3,10 +3,11 @@
 Parameters: none.
 
 Picks the candidate with the fewest outstanding prompt tokens
-(``Candidate.pending_prefill_tokens``, router-side accounting; 0 for decode workers), then the
-fewest in-flight requests (``Candidate.in_flight``). Ties are broken round-robin by
-``worker_id`` after the last dispatched worker, so an idle pool still spreads sequential
-requests instead of piling them on the first worker.
+(``Candidate.pending_prefill_tokens``; 0 for decode workers), then the fewest requests held
+(the larger of the router's ``Candidate.in_flight`` and the worker's reported
+``Candidate.running``, which also counts requests other routers sent). Ties are broken
+round-robin by ``worker_id`` after the last dispatched worker, so an idle pool still spreads
+sequential requests instead of piling them on the first worker.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ class LeastLoadedPolicy:
         pool = preferred(candidates)
         if not pool:
             return None
-        low = min((c.pending_prefill_tokens, c.in_flight) for c in pool)
-        return self._ties.select(
-            request, [c for c in pool if (c.pending_prefill_tokens, c.in_flight) == low])
+        def load(c: Candidate) -> tuple[int, int]:
+            return c.pending_prefill_tokens, max(c.in_flight, c.running)
+
+        low = min(load(c) for c in pool)
+        return self._ties.select(request, [c for c in pool if load(c) == low])
 
     def observe(self, event: PolicyEvent) -> None:
         self._ties.observe(event)

@@ -87,6 +87,10 @@ class FakeWorker:
     requests: list[Recorded] = field(default_factory=list)
     sent: list[bytes] = field(default_factory=list)
     """The exact bytes of each streamed response body this worker produced."""
+    gauges: dict[str, float] = field(default_factory=dict)
+    """vLLM load gauges its ``/metrics`` reports (running, waiting, kv_usage; 0 when unset)."""
+    metrics_status: int = 200
+    """HTTP status of ``/metrics`` (anything but 200 answers an empty error body)."""
     _server: ServerThread | None = None
 
     def __post_init__(self) -> None:
@@ -119,6 +123,8 @@ class FakeWorker:
         self.mode = "ok"
         self.requests.clear()
         self.sent.clear()
+        self.gauges.clear()
+        self.metrics_status = 200
 
     # -- responses -------------------------------------------------------------------------
 
@@ -144,9 +150,26 @@ class FakeWorker:
                                          media_type="text/event-stream")
             return JSONResponse(self._full_answer(body, rid, chat))
 
+        async def metrics() -> Response:
+            if self.metrics_status != 200:
+                return Response(status_code=self.metrics_status)
+            return Response(self._metrics_text(), media_type="text/plain; version=0.0.4")
+
         app.add_api_route("/v1/completions", handle, methods=["POST"])
         app.add_api_route("/v1/chat/completions", handle, methods=["POST"])
+        app.add_api_route("/metrics", metrics, methods=["GET"])
         return app
+
+    def _metrics_text(self) -> str:
+        """vLLM's load gauges in its exposition format (names, labels, types)."""
+        labels = f'engine="0",model_name="{self.model}"'
+        lines = []
+        for name, key in (("vllm:num_requests_running", "running"),
+                          ("vllm:num_requests_waiting", "waiting"),
+                          ("vllm:kv_cache_usage_perc", "kv_usage")):
+            lines += [f"# HELP {name} {key}", f"# TYPE {name} gauge",
+                      f"{name}{{{labels}}} {float(self.gauges.get(key, 0.0))}"]
+        return "\n".join(lines) + "\n"
 
     def _prefill_answer(self, body: dict[str, Any], rid: str, chat: bool) -> dict[str, Any]:
         answer = self._full_answer(body, rid, chat, pieces=DECODE_PIECES[:1])

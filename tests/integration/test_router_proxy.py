@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -13,107 +12,10 @@ import pytest
 
 from router.api.app import create_app
 from router.config import RouterSettings
-from router.state.registry import WorkerRecord, WorkerRegistry
+from router.state.registry import WorkerRecord
 from serve.redis_server import RedisServer, start_redis
-from tests.fakes.fake_worker import DECODE_PIECES, FakeWorker, ServerThread, build_tiny_tokenizer
-
-PREFIX = "proxytest"
-MAX_MODEL_LEN = 64
-
-
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    server = start_redis()
-    yield server
-    server.stop()
-
-
-def _register(url: str, records: list[WorkerRecord], prefix: str = PREFIX) -> None:
-    async def go() -> None:
-        reg = WorkerRegistry(url, prefix=prefix, ttl_s=600)
-        try:
-            for rec in records:
-                await reg.register(rec)
-        finally:
-            await reg.close()
-
-    asyncio.run(go())
-
-
-@pytest.fixture(scope="module")
-def workers(redis_server: RedisServer,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, FakeWorker]]:
-    tok = str(build_tiny_tokenizer(tmp_path_factory.mktemp("tok")))
-    fakes = {wid: FakeWorker(wid, role, model_path=tok, max_model_len=MAX_MODEL_LEN).start()
-             for wid, role in [("p0", "prefill"), ("p1", "prefill"),
-                               ("d0", "decode"), ("d1", "decode")]}
-    _register(redis_server.url, [f.record() for f in fakes.values()])
-    yield fakes
-    for fake in fakes.values():
-        fake.stop()
-
-
-@pytest.fixture
-def fakes(workers: dict[str, FakeWorker]) -> dict[str, FakeWorker]:
-    for fake in workers.values():
-        fake.reset()
-    return workers
-
-
-def _wait_healthy(url: str, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(trust_env=False) as c:
-        while True:
-            try:
-                if c.get(url + "/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "router did not become healthy"
-            time.sleep(0.02)
-
-
-@pytest.fixture
-def start_router(redis_server: RedisServer) -> Iterator[Callable[..., str]]:
-    servers: list[ServerThread] = []
-
-    def start(redis_url: str | None = None, **overrides: Any) -> str:
-        opts: dict[str, Any] = {"redis_url": redis_url or redis_server.url,
-                                "redis_prefix": PREFIX, "refresh_interval_s": 0.1,
-                                "prefill_timeout_s": 10.0, "decode_timeout_s": 10.0,
-                                # these tests assert round-robin order; the default is dualmap
-                                "policy": "round_robin"}
-        opts.update(overrides)
-        server = ServerThread(create_app(RouterSettings(**opts))).start()
-        servers.append(server)
-        _wait_healthy(server.url)
-        return server.url
-
-    yield start
-    for server in servers:
-        server.stop()
-
-
-@pytest.fixture
-def client() -> Iterator[httpx.Client]:
-    with httpx.Client(trust_env=False, timeout=30.0) as c:
-        yield c
-
-
-def _calls(fakes: dict[str, FakeWorker]) -> dict[str, int]:
-    return {wid: len(f.requests) for wid, f in fakes.items()}
-
-
-def _wait_metrics(client: httpx.Client, url: str, lines: list[str],
-                  timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = client.get(url + "/metrics").text
-        missing = [line for line in lines if line not in text]
-        if not missing:
-            return
-        assert time.monotonic() < deadline, f"metrics never showed {missing}"
-        time.sleep(0.05)
+from tests.fakes.fake_worker import DECODE_PIECES, FakeWorker, ServerThread
+from tests.support.router import calls, register, wait_metrics
 
 
 def _kv(worker: FakeWorker, rid: str) -> dict[str, Any]:
@@ -135,7 +37,7 @@ def test_completion_two_step_flow_sends_rewritten_bodies(
     assert data["choices"][0]["text"] == "".join(DECODE_PIECES)
     assert data["served_by"] == "d0"
     p0, d0 = fakes["p0"], fakes["d0"]
-    assert _calls(fakes) == {"p0": 1, "p1": 0, "d0": 1, "d1": 0}
+    assert calls(fakes) == {"p0": 1, "p1": 0, "d0": 1, "d1": 0}
     assert p0.requests[0].path == "/v1/completions"
     assert p0.requests[0].body == {
         "model": "tiny", "prompt": "hello world", "max_tokens": 1, "temperature": 0.0,
@@ -153,7 +55,7 @@ def test_round_robin_and_least_loaded_spread(
         resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
         assert resp.status_code == 200, resp.text
         assert resp.headers["x-request-id"].startswith("pd-")
-    assert _calls(fakes) == {"p0": 2, "p1": 2, "d0": 2, "d1": 2}
+    assert calls(fakes) == {"p0": 2, "p1": 2, "d0": 2, "d1": 2}
     rids = {f.requests[0].headers["x-request-id"] for f in fakes.values()}
     assert len(rids) == 2  # p0 and d0 saw the same first request; p1 and d1 the second
 
@@ -186,7 +88,7 @@ def test_stream_relay_is_byte_identical(
 
     endpoint = "chat_completions" if chat else "completions"
     # Stream accounting closes right after the last byte, possibly after the client has it.
-    _wait_metrics(client, url, [
+    wait_metrics(client, url, [
         f'pdserve_router_ttft_seconds_count{{endpoint="{endpoint}"}} 1.0',
         f'pdserve_router_requests_total{{endpoint="{endpoint}",status="200"}} 1.0',
         'pdserve_router_in_flight_requests{role="decode"} 0.0',
@@ -222,7 +124,7 @@ def test_bad_requests_never_reach_workers(
                        json={"model": "tiny", "messages": [{"role": "user",
                                                             "content": "hello world " * 40}]})
     assert chat.status_code == 400 and chat.json()["error"]["code"] == "context_length_exceeded"
-    assert _calls(fakes) == {"p0": 0, "p1": 0, "d0": 0, "d1": 0}
+    assert calls(fakes) == {"p0": 0, "p1": 0, "d0": 0, "d1": 0}
 
 
 def test_prefill_failure_is_retried_on_other_prefill_worker(
@@ -233,9 +135,9 @@ def test_prefill_failure_is_retried_on_other_prefill_worker(
     resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"},
                        headers={"x-request-id": "retry-1"})
     assert resp.status_code == 200, resp.text
-    assert _calls(fakes) == {"p0": 1, "p1": 1, "d0": 1, "d1": 0}
+    assert calls(fakes) == {"p0": 1, "p1": 1, "d0": 1, "d1": 0}
     assert fakes["d0"].requests[0].body["kv_transfer_params"] == _kv(fakes["p1"], "retry-1")
-    _wait_metrics(client, url, [
+    wait_metrics(client, url, [
         'pdserve_router_upstream_retries_total{role="prefill"} 1.0',
         'pdserve_router_upstream_errors_total{kind="status",role="prefill"} 1.0',
         'pdserve_router_requests_total{endpoint="completions",status="200"} 1.0',
@@ -250,7 +152,7 @@ def test_missing_kv_transfer_params_is_an_upstream_error(
     resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
     assert resp.status_code == 502
     assert resp.json()["error"]["code"] == "missing_kv_transfer_params"
-    assert _calls(fakes) == {"p0": 1, "p1": 1, "d0": 0, "d1": 0}
+    assert calls(fakes) == {"p0": 1, "p1": 1, "d0": 0, "d1": 0}
 
 
 def test_prefill_client_error_is_relayed_not_retried(
@@ -261,7 +163,7 @@ def test_prefill_client_error_is_relayed_not_retried(
     resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
     assert resp.status_code == 400
     assert resp.json()["error"]["message"] == "injected bad request"
-    assert _calls(fakes) == {"p0": 1, "p1": 0, "d0": 0, "d1": 0}
+    assert calls(fakes) == {"p0": 1, "p1": 0, "d0": 0, "d1": 0}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
@@ -273,7 +175,7 @@ def test_decode_failure_before_first_byte_is_retried(
     body = {"model": "tiny", "prompt": "hi", "stream": stream}
     resp = client.post(url + "/v1/completions", json=body, headers={"x-request-id": "dr-1"})
     assert resp.status_code == 200, resp.text
-    assert _calls(fakes) == {"p0": 1, "p1": 0, "d0": 1, "d1": 1}
+    assert calls(fakes) == {"p0": 1, "p1": 0, "d0": 1, "d1": 1}
     assert (fakes["d0"].requests[0].body["kv_transfer_params"]
             == fakes["d1"].requests[0].body["kv_transfer_params"]
             == _kv(fakes["p0"], "dr-1"))
@@ -299,7 +201,7 @@ def test_mid_stream_decode_failure_ends_with_error_event(
     assert error["error"]["type"] == "upstream_error"
     worker = fakes["d0"]
     assert relayed.startswith(worker.sent[0])  # what was produced got through unchanged
-    assert _calls(fakes)["d1"] == 0  # no retry once bytes reached the client
+    assert calls(fakes)["d1"] == 0  # no retry once bytes reached the client
     # the router is still healthy and serves the next request
     fakes["d0"].mode = fakes["d1"].mode = "ok"
     assert client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}
@@ -316,7 +218,7 @@ def test_client_disconnect_mid_stream_releases_the_decode_slot(
         assert resp.status_code == 200
         first = next(resp.iter_raw())
         assert first.startswith(b"data: ")
-    _wait_metrics(client, url, ['pdserve_router_in_flight_requests{role="decode"} 0.0'])
+    wait_metrics(client, url, ['pdserve_router_in_flight_requests{role="decode"} 0.0'])
 
 
 def test_no_live_workers_is_503(
@@ -324,7 +226,7 @@ def test_no_live_workers_is_503(
         workers: dict[str, FakeWorker], client: httpx.Client) -> None:
     # A model with a prefill worker but no decode worker: answered 503 before any worker call
     # (the prefill worker's URL is dead, so reaching it would give 502 instead).
-    _register(redis_server.url, [_static_record("lonely-p", "prefill", "lonely")])
+    register(redis_server.url, [_static_record("lonely-p", "prefill", "lonely")])
     url = start_router()
     resp = client.post(url + "/v1/completions", json={"model": "lonely", "prompt": "hi"})
     assert resp.status_code == 503
@@ -364,7 +266,7 @@ def test_router_keeps_serving_when_redis_stops(
         client: httpx.Client) -> None:
     own = start_redis()
     try:
-        _register(own.url, [f.record() for f in fakes.values()])
+        register(own.url, [f.record() for f in fakes.values()])
         url = start_router(redis_url=own.url)
         own.stop()
         deadline = time.monotonic() + 15
@@ -374,7 +276,7 @@ def test_router_keeps_serving_when_redis_stops(
         assert client.get(url + "/health").status_code == 200
         resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
         assert resp.status_code == 200, resp.text
-        assert sum(_calls(fakes).values()) == 2
+        assert sum(calls(fakes).values()) == 2
     finally:
         own.stop()
 
@@ -387,5 +289,5 @@ def test_dualmap_keeps_a_repeated_prompt_on_one_prefill_worker(
     for _ in range(3):
         resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt})
         assert resp.status_code == 200, resp.text
-    calls = _calls(fakes)
-    assert sorted([calls["p0"], calls["p1"]]) == [0, 3]
+    seen = calls(fakes)
+    assert sorted([seen["p0"], seen["p1"]]) == [0, 3]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -14,13 +13,6 @@ from router.errors import RegistryError
 from router.state.cluster import ClusterView
 from router.state.registry import WorkerRecord, WorkerRegistry
 from serve.redis_server import RedisServer, free_port, start_redis
-
-
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    server = start_redis()
-    yield server
-    server.stop()
 
 
 def _record(worker_id: str, role: str = "prefill", model: str = "tiny") -> WorkerRecord:

@@ -1,0 +1,43 @@
+"""The router reads real vLLM workers' own load (``GET /workers``), including load it did not
+send: a generation started straight on the decode worker, past the router."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import SERVED_NAME, Cluster
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.vllm
+
+
+def _entry(cluster: Cluster, role: str) -> dict[str, Any]:
+    (found,) = [w for w in httpx.get(f"{cluster.url}/workers", timeout=10).json()["data"]
+                if w["role"] == role]
+    return found
+
+
+def test_router_counts_a_generation_it_did_not_send(cluster: Cluster,
+                                                    workers: dict[str, str]) -> None:
+    for role in ("prefill", "decode"):  # real vLLM's gauges parse for both pools
+        eventually(lambda r=role: _entry(cluster, r), lambda e: e["reported"] is not None,
+                   timeout_s=30)
+    body = {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 3000, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{workers['decode']}/v1/completions", json=body,
+                      timeout=120) as resp:
+        assert resp.status_code == 200
+        next(line for line in resp.iter_lines() if line.startswith("data: "))
+        busy = eventually(lambda: _entry(cluster, "decode"),
+                          lambda e: e["reported"]["running"] == 1, timeout_s=30)
+        # not the router's request, but the decode choice now sees one running sequence and
+        # the KV it holds
+        assert busy["in_flight"] == 0 and busy["running"] == 1
+        assert busy["reported"]["kv_usage"] > 0
+    # closing the stream aborts the generation; the report goes back to idle
+    idle = eventually(lambda: _entry(cluster, "decode"),
+                      lambda e: e["reported"]["running"] == 0, timeout_s=30)
+    assert idle["running"] == 0

@@ -1,0 +1,59 @@
+"""Helpers of the router tests that run the real router in front of fake workers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from router.state.registry import WorkerRecord, WorkerRegistry
+from tests.fakes.fake_worker import FakeWorker
+
+PREFIX = "proxytest"
+MAX_MODEL_LEN = 64
+
+
+def register(url: str, records: list[WorkerRecord], prefix: str = PREFIX) -> None:
+    """Register ``records`` in the Redis at ``url`` (10-minute TTL)."""
+    async def go() -> None:
+        reg = WorkerRegistry(url, prefix=prefix, ttl_s=600)
+        try:
+            for rec in records:
+                await reg.register(rec)
+        finally:
+            await reg.close()
+
+    asyncio.run(go())
+
+
+def wait_healthy(url: str, timeout_s: float = 15.0) -> None:
+    """Poll the router's /health until 200."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(trust_env=False) as c:
+        while True:
+            try:
+                if c.get(url + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "router did not become healthy"
+            time.sleep(0.02)
+
+
+def calls(fakes: dict[str, FakeWorker]) -> dict[str, int]:
+    """Requests each fake worker received."""
+    return {wid: len(f.requests) for wid, f in fakes.items()}
+
+
+def wait_metrics(client: httpx.Client, url: str, lines: list[str],
+                 timeout_s: float = 15.0) -> None:
+    """Poll ``url``/metrics until every line of ``lines`` appears."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = client.get(url + "/metrics").text
+        missing = [line for line in lines if line not in text]
+        if not missing:
+            return
+        assert time.monotonic() < deadline, f"metrics never showed {missing}"
+        time.sleep(0.05)

@@ -1,0 +1,80 @@
+"""Router load accounting merged with the workers' own reports (pure parts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.samples import parse_samples
+from router.state.load import LoadTracker
+from router.state.registry import WorkerRecord
+from router.state.worker_load import WorkerLoad, worker_load
+
+# vLLM's exposition of the three gauges (two engines, as a data-parallel worker labels them)
+VLLM_TEXT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+"""
+
+
+def _record(wid: str, role: str) -> WorkerRecord:
+    return WorkerRecord(worker_id=wid, role=role, model="m", model_path="/m",  # type: ignore[arg-type]
+                        http_url="http://127.0.0.1:1", engine_id=wid, ucx_address="",
+                        max_model_len=128, started_at=0.0)
+
+
+def test_worker_load_sums_engines_and_takes_the_fullest_kv_cache() -> None:
+    load = worker_load(parse_samples(VLLM_TEXT), own_in_flight=2, at_s=7.0)
+    assert load == WorkerLoad(running=5, waiting=4, kv_usage=0.5, own_in_flight=2,
+                              scraped_at_s=7.0)
+
+
+def test_worker_load_is_none_without_vllm_gauges() -> None:
+    text = "# TYPE other gauge\nother 1.0\n" + VLLM_TEXT.split("# HELP vllm:kv")[0]
+    assert worker_load(parse_samples(text)) is None
+
+
+def test_malformed_exposition_raises_value_error() -> None:
+    with pytest.raises(ValueError):
+        parse_samples("vllm:num_requests_running{engine=0 1.0\n")
+
+
+@pytest.mark.parametrize(("role", "reported", "expected"), [
+    # (running, waiting, own_in_flight at scrape) -> (running, pending tokens, kv usage)
+    ("prefill", None, (2, 300, 0.0)),               # no report: router accounting only
+    ("prefill", (2, 0, 2), (2, 300, 0.25)),        # all reported work is ours
+    ("prefill", (3, 5, 2), (8, 300 + 6 * 100, 0.25)),  # 6 foreign at the mean of 100 tokens
+    ("prefill", (1, 0, 2), (2, 300, 0.25)),        # ours finished since: never negative
+    ("decode", (3, 5, 2), (8, 0, 0.25)),           # decode: others' work is running, no tokens
+])
+def test_candidates_add_what_others_sent(role: str, reported: tuple[int, int, int] | None,
+                                         expected: tuple[int, int, float]) -> None:
+    tracker = LoadTracker()
+    prefill = role == "prefill"
+    tracker.start("w", "r1", 200 if prefill else 0, prefill=prefill)
+    tracker.start("w", "r2", 100 if prefill else 0, prefill=prefill)
+    if prefill:
+        assert tracker.mean_prefill_tokens == pytest.approx(200 + 0.05 * (100 - 200))
+        tracker.mean_prefill_tokens = 100.0  # round numbers for the table
+    loads = {} if reported is None else {
+        "w": WorkerLoad(running=reported[0], waiting=reported[1], kv_usage=0.25,
+                        own_in_flight=reported[2])}
+    (c,) = tracker.candidates([_record("w", role)], loads)
+    assert c.in_flight == 2
+    assert (c.running, c.pending_prefill_tokens, c.kv_usage) == expected
+
+
+def test_reports_of_other_workers_are_not_mixed_in() -> None:
+    tracker = LoadTracker()
+    loads = {"x": WorkerLoad(running=9, waiting=9, kv_usage=0.9)}
+    (c,) = tracker.candidates([_record("w", "decode")], loads)
+    assert (c.running, c.kv_usage) == (0, 0.0)
