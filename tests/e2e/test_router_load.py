@@ -3,6 +3,7 @@ send: a generation started straight on the decode worker, past the router."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import httpx
@@ -27,17 +28,29 @@ def test_router_counts_a_generation_it_did_not_send(cluster: Cluster,
                    timeout_s=30)
     body = {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 3000, "ignore_eos": True,
             "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{workers['decode']}/v1/completions", json=body,
-                      timeout=120) as resp:
-        assert resp.status_code == 200
-        next(line for line in resp.iter_lines() if line.startswith("data: "))
+    started, stop = threading.Event(), threading.Event()
+
+    def generate() -> None:
+        with httpx.stream("POST", f"{workers['decode']}/v1/completions", json=body,
+                          timeout=120) as resp:
+            assert resp.status_code == 200
+            for _line in resp.iter_lines():
+                started.set()
+                if stop.is_set():
+                    return  # closing the stream aborts the generation
+
+    client = threading.Thread(target=generate, daemon=True)
+    client.start()
+    try:
+        assert started.wait(60), "the generation never started"
         busy = eventually(lambda: _entry(cluster, "decode"),
                           lambda e: e["reported"]["running"] == 1, timeout_s=30)
-        # not the router's request, but the decode choice now sees one running sequence and
-        # the KV it holds
-        assert busy["in_flight"] == 0 and busy["running"] == 1
-        assert busy["reported"]["kv_usage"] > 0
-    # closing the stream aborts the generation; the report goes back to idle
+    finally:
+        stop.set()
+        client.join(timeout=60)
+    # not the router's request, but the decode choice saw one running sequence and its KV
+    assert busy["in_flight"] == 0 and busy["running"] == 1
+    assert busy["reported"]["kv_usage"] > 0
     idle = eventually(lambda: _entry(cluster, "decode"),
                       lambda e: e["reported"]["running"] == 0, timeout_s=30)
     assert idle["running"] == 0
