@@ -89,11 +89,8 @@ class ClusterView:
         self._task = asyncio.create_task(self._loop(), name="pdserve-cluster-refresh")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_task(self._task)
+        self._task = None
         if self._own_registry:
             await self._registry.close()
 
@@ -102,6 +99,14 @@ class ClusterView:
 
     def models(self) -> list[str]:
         return sorted({r.model for r in self._records})
+
+
+async def cancel_task(task: asyncio.Task[None] | None) -> None:
+    """Cancel a background loop and wait until it has stopped (no-op for None)."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 class StaticCluster:

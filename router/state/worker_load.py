@@ -13,7 +13,6 @@ scored on the router's own accounting alone.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 import httpx
 
 from router.samples import Samples, has, parse_samples, total
-from router.state.cluster import ClusterSource
+from router.state.cluster import ClusterSource, cancel_task
 from router.state.registry import WorkerRecord
 
 logger = logging.getLogger(__name__)
@@ -147,8 +146,5 @@ class WorkerLoadPoller:
             self._task = asyncio.create_task(self._loop(), name="pdserve-worker-load")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_task(self._task)
+        self._task = None
