@@ -1,19 +1,24 @@
-"""End-to-end latency: one plain vLLM server vs pdserve P/D vs vLLM's NixlConnector P/D.
+"""First-token latency and decode stalls: pdserve P/D vs one plain vLLM server, side by side.
 
-    python bench/pd_vs_plain.py [--prompts 12] [--max-tokens 64] [--nixl-prompts 3]
+    python -m bench.pd_vs_plain [--requests 12] [--prompt-tokens 1000] [--max-tokens 64]
+                                [--isolate-cores] [--float] [--breakdown] [--nixl]
 
-The same prompts (1 to ~1,500 tokens, greedy, ``ignore_eos`` so every request makes
-``--max-tokens`` tokens) are streamed one at a time through each setup, started and stopped in
-turn on this machine:
+The same distinct prompts (exactly ``--prompt-tokens`` tokens, so no prefix-cache hits; greedy,
+``ignore_eos``) are streamed one at a time through each setup, started and stopped in turn on
+this machine, in one run:
 
-  plain   one vLLM OpenAI server, no connector (the anchor);
-  pdserve ``pdserve up``: router + 1 prefill + 1 decode, KV pulled over UCX;
-  nixl    two vLLM servers with ``NixlConnector`` (``kv_buffer_device=cpu``) behind the same
-          router (the router's two-step flow is the one vLLM's toy proxy uses).
+  plain     one vLLM OpenAI server, no connector (the anchor);
+  pdserve   ``pdserve up``: router + 1 prefill + 1 decode, KV pulled over UCX;
+  nixl      (``--nixl``) two vLLM servers with ``NixlConnector`` behind the same router.
 
-TTFT is the time to the first streamed token; TPOT is (last token - first token) / (n - 1).
-NIXL decode is known to be slow on CPU, so it runs only the first ``--nixl-prompts`` prompts
-(ratios against it use that subset). Needs NIXL for the third setup (``make bench-deps``).
+Layouts (each one a column group): ``--isolate-cores`` gives every engine its own core(s), the
+analog of separate machines, and runs the plain server on the cores one engine gets;
+``--float`` leaves every engine floating over all cores (``--cpu-layout float``). Both by
+default. Per setup: TTFT, TPOT ((last - first token) / (n - 1)), ITL (every gap between
+tokens) and stall time per request (sum of inter-token gaps over 50 ms). ``--breakdown`` adds
+the median and p90 of every router and connector phase, read from the timeline files the
+router and the workers write (``--timeline-file``), joined per request on the wall clock.
+The load average and which process runs on which cores are printed next to every figure.
 """
 
 from __future__ import annotations
@@ -25,95 +30,180 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import numpy as np
 
-if __package__ in (None, ""):
-    # Run as a script, sys.path[0] is bench/, whose trace.py and profile.py would shadow the
-    # standard library's modules of those names: put the repository root there instead.
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
-
-from serve.redis_server import free_port, start_redis  # noqa: E402
-from serve.tiny_model import build_tiny_model  # noqa: E402
-from serve.worker import stop_process, vllm_command, vllm_env, wait_healthy  # noqa: E402
+from bench.prompts import PromptSynthesizer, load_tokenizer
+from serve.cpu_layout import cpu_list, plan_cpus
+from serve.redis_server import free_port, start_redis
+from serve.tiny_model import build_tiny_model
+from serve.worker import stop_process, vllm_command, vllm_env, wait_healthy
 
 SERVED = "tiny-llama"
-LENGTHS = [1, 16, 64, 128, 256, 400, 512, 700, 1000, 1200, 1500]
+STALL_GAP_S = 0.05
 
 
 @dataclass
 class Sample:
     """One streamed request."""
 
-    prompt_tokens: int
+    request_id: str
     ttft_s: float
-    tpot_s: float
-    tokens: int
+    token_times: list[float]
+
+    @property
+    def gaps(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+    @property
+    def tpot_s(self) -> float:
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
+
+    @property
+    def stall_s(self) -> float:
+        return sum(g for g in self.gaps if g > STALL_GAP_S)
 
 
-def make_prompts(model_dir: Path, n: int) -> list[str]:
-    """Prompts of exactly ``LENGTHS`` tokens (cycled), from the load tester's synthesizer."""
-    from bench.prompts import PromptSynthesizer, load_tokenizer
+@dataclass
+class SetupResult:
+    """Samples of one setup in one layout, with where its processes ran."""
 
+    name: str
+    layout: str
+    samples: list[Sample]
+    placement: dict[str, str] = field(default_factory=dict)
+    loadavg: tuple[float, float] = (0.0, 0.0)
+    timeline: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Request id -> phase durations (router and connector phases; --breakdown)."""
+
+
+def make_prompts(model_dir: Path, n: int, tokens: int) -> list[str]:
+    """``n`` distinct prompts of exactly ``tokens`` tokens."""
     synth = PromptSynthesizer(load_tokenizer(str(model_dir)), seed=0, sessions=False)
-    return [synth.prompt(LENGTHS[i % len(LENGTHS)]).text for i in range(n)]
+    return [synth.prompt(tokens).text for _ in range(n)]
 
 
-def stream_one(base: str, prompt: str, max_tokens: int) -> Sample:
-    """Stream one completion and time its tokens."""
+def stream_one(base: str, prompt: str, max_tokens: int, request_id: str) -> Sample:
+    """Stream one completion and stamp each content chunk."""
     body = {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
     stamps: list[float] = []
-    usage: dict = {}
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as resp:
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600,
+                      headers={"x-request-id": request_id}) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
             if any(c.get("text") for c in chunk.get("choices", [])):
                 stamps.append(time.perf_counter())
-    n = max(1, len(stamps))
-    tpot = (stamps[-1] - stamps[0]) / (n - 1) if n > 1 else 0.0
-    return Sample(int(usage.get("prompt_tokens", 0)), stamps[0] - t0, tpot, n)
+    if not stamps:
+        raise RuntimeError(f"{base}: no token streamed for {request_id}")
+    return Sample(request_id, stamps[0] - t0, stamps)
 
 
-def run_prompts(base: str, prompts: list[str], max_tokens: int) -> list[Sample]:
-    stream_one(base, "warm up", 4)
-    return [stream_one(base, p, max_tokens) for p in prompts]
+def run_prompts(base: str, prompts: list[str], max_tokens: int, tag: str) -> list[Sample]:
+    """Warm up (two throwaway requests), then the prompts one at a time."""
+    for i in range(2):
+        stream_one(base, f"warm up {i} " * 40, 8, f"warm-{tag}-{i}-{uuid.uuid4().hex[:6]}")
+    return [stream_one(base, p, max_tokens, f"b-{tag}-{i}-{uuid.uuid4().hex[:8]}")
+            for i, p in enumerate(prompts)]
 
 
-def bench_plain(model: Path, prompts: list[str], max_tokens: int) -> list[Sample]:
+def _affinity(pid: int) -> str:
+    try:
+        return cpu_list(tuple(sorted(os.sched_getaffinity(pid))))
+    except OSError:
+        return "?"
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    kids = [int(x) for x in out.stdout.split()]
+    return kids + [g for k in kids for g in _descendants(k)]
+
+
+def placement_of(named: dict[str, int]) -> dict[str, str]:
+    """name -> the cores each process tree may run on (e.g. ``prefill: 0``)."""
+    out = {}
+    for name, pid in named.items():
+        cores = sorted({_affinity(p) for p in [pid, *_descendants(pid)]})
+        out[name] = " | ".join(cores)
+    return out
+
+
+def read_timelines(paths: list[Path]) -> dict[str, dict[str, float]]:
+    """Join router and connector timeline lines into phases per router request id."""
+    lines = []
+    for path in paths:
+        if path.exists():
+            lines += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    routers = {x["request_id"]: x for x in lines if x["source"] == "router"}
+    out: dict[str, dict[str, float]] = {}
+    for rid, rec in routers.items():
+        phases = {f"router.{k}": v for k, v in rec["phases"].items()}
+        for x in lines:  # vLLM's ids embed the router's: cmpl-<id>-<n>-<suffix>
+            if x["source"] == "kv" and rid in x["request_id"]:
+                phases.update({f"kv.{k}": v for k, v in x["phases"].items()})
+        out[rid] = phases
+    return out
+
+
+def bench_plain(model: Path, prompts: list[str], max_tokens: int, layout: str,
+                cpus: tuple[int, ...]) -> SetupResult:
     port = free_port()
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     proc = subprocess.Popen(vllm_command(str(model), "127.0.0.1", port, SERVED, None, None),
-                            env=vllm_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=vllm_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=pin)
     try:
         asyncio.run(wait_healthy(f"http://127.0.0.1:{port}", proc, 600))
-        return run_prompts(f"http://127.0.0.1:{port}", prompts, max_tokens)
+        placement = placement_of({"plain": proc.pid})
+        samples = run_prompts(f"http://127.0.0.1:{port}", prompts, max_tokens, f"plain-{layout}")
+        return SetupResult("plain", layout, samples, placement,
+                           os.getloadavg()[:2])  # type: ignore[arg-type]
     finally:
         stop_process(proc)
 
 
-def bench_pdserve(model: Path, prompts: list[str], max_tokens: int) -> list[Sample]:
+def bench_pdserve(model: Path, prompts: list[str], max_tokens: int, layout: str,
+                  tmp: Path) -> SetupResult:
     from serve.supervisor import Cluster, ClusterSettings
 
-    settings = ClusterSettings(model=str(model), served_model_name=SERVED, port=free_port(),
-                               redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    router_tl, kv_tl = tmp / f"router-{layout}.jsonl", tmp / f"kv-{layout}.jsonl"
+    settings = ClusterSettings(
+        model=str(model), served_model_name=SERVED, port=free_port(),
+        redis_url=f"redis://127.0.0.1:{free_port()}/0",
+        cpu_layout="auto" if layout == "isolated" else "float",
+        worker_args=(f"--timeline-file={kv_tl}",),
+        router_args=(f"--timeline-file={router_tl}",))
     cluster = Cluster(settings)
     cluster.start()
     try:
         asyncio.run(cluster.wait_ready())
-        return run_prompts(cluster.url, prompts, max_tokens)
+        named = {f"{w.role}": w.proc.pid for w in cluster.workers}
+        if cluster.router is not None:
+            named["router"] = cluster.router.pid
+        placement = placement_of(named)
+        samples = run_prompts(cluster.url, prompts, max_tokens, f"pd-{layout}")
+        time.sleep(1.0)  # connector stats reach the API server with the next engine steps
+        load = os.getloadavg()[:2]
     finally:
         cluster.stop()
+    return SetupResult("pdserve", layout, samples, placement, load,  # type: ignore[arg-type]
+                       read_timelines([router_tl, kv_tl]))
 
 
-def bench_nixl(model: Path, prompts: list[str], max_tokens: int) -> list[Sample] | None:
+def bench_nixl(model: Path, prompts: list[str], max_tokens: int) -> SetupResult | None:
     try:
         import nixl  # noqa: F401
     except ImportError:
@@ -152,58 +242,112 @@ def bench_nixl(model: Path, prompts: list[str], max_tokens: int) -> list[Sample]
                                        str(router_port), "--redis", redis.url],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         asyncio.run(wait_healthy(f"http://127.0.0.1:{router_port}", procs[-1], 60))
-        return run_prompts(f"http://127.0.0.1:{router_port}", prompts, max_tokens)
+        samples = run_prompts(f"http://127.0.0.1:{router_port}", prompts, max_tokens, "nixl")
+        return SetupResult("nixl", "float", samples, {}, os.getloadavg()[:2])  # type: ignore[arg-type]
     finally:
         for proc in procs:
             stop_process(proc)
         redis.stop()
 
 
-def median(samples: list[Sample], attr: str) -> float:
-    return statistics.median(getattr(s, attr) for s in samples)
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else float("nan")
+
+
+def summary(result: SetupResult) -> dict[str, float]:
+    """Medians over requests (ITL over every gap) in ms."""
+    s = result.samples
+    gaps = [g for x in s for g in x.gaps]
+    return {"ttft_p50_ms": 1e3 * _pct([x.ttft_s for x in s], 50),
+            "ttft_p90_ms": 1e3 * _pct([x.ttft_s for x in s], 90),
+            "tpot_p50_ms": 1e3 * _pct([x.tpot_s for x in s], 50),
+            "itl_p50_ms": 1e3 * _pct(gaps, 50),
+            "stall_per_req_ms": 1e3 * statistics.mean(x.stall_s for x in s)}
+
+
+def print_report(results: list[SetupResult], breakdown: bool) -> dict[str, object]:
+    rows = {f"{r.name}/{r.layout}": summary(r) for r in results}
+    keys = list(next(iter(rows.values())))
+    print(f"\n{'setup/layout':22s} " + " ".join(f"{k:>17s}" for k in keys))
+    for name, row in rows.items():
+        print(f"{name:22s} " + " ".join(f"{row[k]:17.1f}" for k in keys))
+    print("\nwhere each process ran (cores) and the load average (1 min, 5 min) after the run:")
+    for r in results:
+        where = ", ".join(f"{k}: {v}" for k, v in r.placement.items())
+        print(f"  {r.name}/{r.layout:9s} load {r.loadavg[0]:.2f} {r.loadavg[1]:.2f}   {where}")
+    verdicts = {}
+    for layout in ("isolated", "float"):
+        pd, plain = rows.get(f"pdserve/{layout}"), rows.get(f"plain/{layout}")
+        if pd is None or plain is None:
+            continue
+        v = {"ttft_over_plain_ms": pd["ttft_p50_ms"] - plain["ttft_p50_ms"],
+             "tpot_ratio": pd["tpot_p50_ms"] / plain["tpot_p50_ms"],
+             "stall_over_plain_ms": pd["stall_per_req_ms"] - plain["stall_per_req_ms"]}
+        verdicts[layout] = v
+        print(f"\n{layout}: P/D TTFT p50 - plain = {v['ttft_over_plain_ms']:+.1f} ms "
+              f"(target <= +50), TPOT p50 ratio {v['tpot_ratio']:.3f} (target <= 1.2), "
+              f"stall - plain = {v['stall_over_plain_ms']:+.1f} ms/request (target <= +20)")
+    phases_out: dict[str, dict[str, dict[str, float]]] = {}
+    if breakdown:
+        for r in results:
+            if not r.timeline:
+                continue
+            per_phase: dict[str, list[float]] = {}
+            for request_phases in r.timeline.values():
+                for k, seconds in request_phases.items():
+                    per_phase.setdefault(k, []).append(seconds)
+            print(f"\nphase breakdown, {r.name}/{r.layout} ({len(r.timeline)} requests), ms:")
+            print(f"  {'phase':34s} {'p50':>9s} {'p90':>9s} {'n':>4s}")
+            stats = {}
+            for k, vs in per_phase.items():
+                stats[k] = {"p50_ms": 1e3 * _pct(vs, 50), "p90_ms": 1e3 * _pct(vs, 90),
+                            "n": len(vs)}
+                print(f"  {k:34s} {stats[k]['p50_ms']:9.2f} {stats[k]['p90_ms']:9.2f} "
+                      f"{len(vs):4d}")
+            phases_out[f"{r.name}/{r.layout}"] = stats
+        ttft = {f"{r.name}/{r.layout}": 1e3 * _pct([x.ttft_s for x in r.samples], 50)
+                for r in results}
+        print("\nclient TTFT p50 per setup (ms): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in ttft.items()))
+    return {"summary": rows, "verdicts": verdicts, "phases": phases_out}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", type=int, default=len(LENGTHS))
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--nixl-prompts", type=int, default=3)
-    parser.add_argument("--no-nixl", action="store_true")
+    parser.add_argument("--isolate-cores", action="store_true",
+                        help="run the isolated layout (default: both layouts)")
+    parser.add_argument("--float", dest="floating", action="store_true",
+                        help="run the floating layout (default: both layouts)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="print the phase breakdown from the router and connector timelines")
+    parser.add_argument("--nixl", action="store_true", help="also run vLLM's NixlConnector")
+    parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
+    layouts = [name for name, on in (("isolated", args.isolate_cores), ("float", args.floating))
+               if on] or ["isolated", "float"]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     model = build_tiny_model()
-    prompts = make_prompts(model, args.prompts)
-    results = {"plain": bench_plain(model, prompts, args.max_tokens),
-               "pdserve": bench_pdserve(model, prompts, args.max_tokens)}
-    if not args.no_nixl:
-        nixl = bench_nixl(model, prompts[:args.nixl_prompts], args.max_tokens)
+    prompts = make_prompts(model, args.requests, args.prompt_tokens)
+    cores = sorted(os.sched_getaffinity(0))
+    plan = plan_cpus(cores, 2)
+    print(f"{len(cores)} cores; isolated layout: {plan.reason}; load average at start "
+          f"{os.getloadavg()[0]:.2f}")
+    results: list[SetupResult] = []
+    with tempfile.TemporaryDirectory(prefix="pd-vs-plain-") as tmp:
+        for layout in layouts:
+            cpus = plan.slots[0] if layout == "isolated" and plan.isolated else ()
+            results.append(bench_plain(model, prompts, args.max_tokens, layout, cpus))
+            results.append(bench_pdserve(model, prompts, args.max_tokens, layout, Path(tmp)))
+    if args.nixl:
+        nixl = bench_nixl(model, prompts[:3], args.max_tokens)
         if nixl is not None:
-            results["nixl"] = nixl
-
-    print(f"\n{'prompt tokens':>13} | " + " | ".join(f"{k:>22}" for k in results))
-    print(f"{'':>13} | " + " | ".join(f"{'TTFT ms':>10} {'TPOT ms':>11}" for _ in results))
-    for i in range(len(prompts)):
-        cells = []
-        for samples in results.values():
-            s = samples[i] if i < len(samples) else None
-            cells.append(f"{s.ttft_s * 1e3:>10.1f} {s.tpot_s * 1e3:>11.2f}" if s else " " * 22)
-        print(f"{results['plain'][i].prompt_tokens:>13} | " + " | ".join(cells))
-    plain, ours = results["plain"], results["pdserve"]
-    print("\nmedians (all prompts):")
-    for name, samples in results.items():
-        print(f"  {name:8s} TTFT {median(samples, 'ttft_s') * 1e3:8.1f} ms   "
-              f"TPOT {median(samples, 'tpot_s') * 1e3:7.2f} ms   (n={len(samples)})")
-    print(f"  pdserve/plain TPOT ratio: {median(ours, 'tpot_s') / median(plain, 'tpot_s'):.3f} "
-          "(target <= 1.2)")
-    k = min(range(len(plain)), key=lambda j: abs(plain[j].prompt_tokens - 1000))
-    print(f"  TTFT overhead at {plain[k].prompt_tokens} prompt tokens: "
-          f"{(ours[k].ttft_s - plain[k].ttft_s) * 1e3:+.1f} ms (target < 50 ms)")
-    if "nixl" in results:
-        n = len(results["nixl"])
-        sub = {name: samples[:n] for name, samples in results.items()}
-        print(f"  on the first {n} prompts: nixl/pdserve TPOT ratio "
-              f"{median(sub['nixl'], 'tpot_s') / median(sub['pdserve'], 'tpot_s'):.1f}x, "
-              f"TTFT ratio {median(sub['nixl'], 'ttft_s') / median(sub['pdserve'], 'ttft_s'):.1f}x")
+            results.append(nixl)
+    report = print_report(results, args.breakdown)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
     return 0
 
 

@@ -18,6 +18,9 @@ class ConnectorConfig:
     """Deadline of one pull (RMA reads + the release round trip); past it the load fails."""
     handshake_file: str | None = None
     """If set, the scheduler half writes the handshake (UCX address, engine id) here as JSON."""
+    timeline_file: str | None = None
+    """If set, every completed request's connector timeline (wall-clock events and phase
+    durations, see :mod:`kvtransfer.timeline`) is appended here as one JSON line."""
     corrupt_pulled_kv_file: str | None = None
     """Test-only negative control: while this file exists, pulled blocks are overwritten with
     noise after each pull (proves that output equality tests can fail)."""

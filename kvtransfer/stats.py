@@ -7,6 +7,9 @@ worker's own ``/metrics`` next to ``vllm:*``.
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,14 +18,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvtransfer.config import ConnectorConfig
+from kvtransfer.timeline import PHASES, PhaseJoiner, RequestTimeline
+
+logger = logging.getLogger(__name__)
+
 _COUNTERS = ("pulls", "pulls_same_host", "pull_failures", "pulled_bytes", "pulled_blocks",
              "leases_released", "leases_expired")
 PULL_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
                         5.0, 10.0)
 
 
+PHASE_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+                         0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
 def _empty() -> dict[str, Any]:
-    return {**{k: 0 for k in _COUNTERS}, "pull_seconds": [], "failure_reasons": {}}
+    return {**{k: 0 for k in _COUNTERS}, "pull_seconds": [], "failure_reasons": {},
+            "events": []}
 
 
 @dataclass
@@ -46,6 +59,10 @@ class TransferStats(KVConnectorStats):
         key = reason.split(":")[0].split(" ")[0][:32]
         self.data["failure_reasons"][key] = self.data["failure_reasons"].get(key, 0) + 1
 
+    def record_event(self, request_id: str, name: str, at: float | None = None) -> None:
+        """One timeline event of ``request_id`` (see :mod:`kvtransfer.timeline`)."""
+        self.data["events"].append((request_id, name, time.time() if at is None else at))
+
     def record_leases(self, released: int, expired: int) -> None:
         """Leases ended since the last report."""
         self.data["leases_released"] += released
@@ -58,6 +75,7 @@ class TransferStats(KVConnectorStats):
         for key in _COUNTERS:
             self.data[key] += other.data.get(key, 0)
         self.data["pull_seconds"].extend(other.data.get("pull_seconds", []))
+        self.data["events"].extend(other.data.get("events", []))
         for reason, n in other.data.get("failure_reasons", {}).items():
             self.data["failure_reasons"][reason] = self.data["failure_reasons"].get(reason, 0) + n
         return self
@@ -77,7 +95,7 @@ class TransferStats(KVConnectorStats):
         }
 
     def is_empty(self) -> bool:
-        return not any(self.data[k] for k in _COUNTERS)
+        return not any(self.data[k] for k in _COUNTERS) and not self.data["events"]
 
 
 class TransferPromMetrics(KVConnectorPromMetrics):
@@ -108,6 +126,17 @@ class TransferPromMetrics(KVConnectorPromMetrics):
                                    labelnames=labelnames, buckets=PULL_SECONDS_BUCKETS)
         self._hist: dict[int, Any] = {idx: hist.labels(*values)
                                       for idx, values in per_engine_labelvalues.items()}
+        phase = histogram_cls(
+            name="pdserve_kv_phase_seconds",
+            documentation="Duration of each connector phase of one request (see "
+                          "kvtransfer.timeline: decode_* from seeing a remote prefill to the "
+                          "first scheduled step, prefill_* from admission to lease release).",
+            labelnames=[*labelnames, "phase"], buckets=PHASE_SECONDS_BUCKETS)
+        self._phase = {idx: {p: phase.labels(*values, p) for p in PHASES}
+                       for idx, values in per_engine_labelvalues.items()}
+        self._joiners = {idx: PhaseJoiner() for idx in per_engine_labelvalues}
+        extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
+        self._timeline_file = ConnectorConfig.from_extra_config(extra).timeline_file
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, per_engine in self._counters.items():
@@ -116,3 +145,22 @@ class TransferPromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].inc(value)
         for seconds in transfer_stats_data.get("pull_seconds", []):
             self._hist[engine_idx].observe(seconds)
+        events = transfer_stats_data.get("events")
+        if events:
+            done = self._joiners[engine_idx].add(tuple(e) for e in events)
+            for timeline in done:
+                for name, seconds in timeline.phases.items():
+                    self._phase[engine_idx][name].observe(seconds)
+            if done and self._timeline_file:
+                self._append(done)
+
+    def _append(self, done: list[RequestTimeline]) -> None:
+        """One JSON line per completed request (merged with the router's by bench tools)."""
+        try:
+            with open(self._timeline_file, "a") as fh:  # type: ignore[arg-type]
+                for t in done:
+                    fh.write(json.dumps({"source": "kv", "role": t.role,
+                                         "request_id": t.request_id, "events": t.events,
+                                         "phases": t.phases}) + "\n")
+        except OSError as exc:
+            logger.warning("cannot append to timeline file %s: %s", self._timeline_file, exc)

@@ -55,6 +55,12 @@ class RouterSettings:
     """How often every worker's ``/metrics`` is read for its own load (running and waiting
     requests, KV usage) to feed placement; 0 turns it off (router accounting only)."""
 
+    timeline_file: str | None = None
+    """If set, every finished request's phase timeline is appended here as one JSON line
+    (wall-clock events and phase durations; see ``router.api.timeline``)."""
+    otlp_traces_endpoint: str | None = None
+    """OTLP endpoint for request traces (the flag vLLM uses); None = tracing off."""
+
     def __post_init__(self) -> None:
         from router.policy.registry import DECODE_POLICIES, PREFILL_POLICIES
 
@@ -113,6 +119,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--load-poll-interval-s", dest="load_poll_interval_s", type=float,
                    help="seconds between reads of each worker's /metrics for its load "
                    "(PDSERVE_ROUTER_LOAD_POLL_INTERVAL_S, default 1.0; 0 = off)")
+    p.add_argument("--timeline-file", dest="timeline_file",
+                   help="append each request's phase timeline as a JSON line "
+                   "(PDSERVE_ROUTER_TIMELINE_FILE)")
+    p.add_argument("--otlp-traces-endpoint", dest="otlp_traces_endpoint",
+                   help="export OpenTelemetry request traces to this OTLP endpoint "
+                   "(PDSERVE_ROUTER_OTLP_TRACES_ENDPOINT)")
     p.add_argument("--log-level", dest="log_level",
                    help="log level (PDSERVE_ROUTER_LOG_LEVEL, default INFO)")
     return p
@@ -138,6 +150,8 @@ _ENV_NAMES = {
     "failure_cooldown_s": "FAILURE_COOLDOWN_S",
     "max_upstream_connections": "MAX_UPSTREAM_CONNECTIONS",
     "load_poll_interval_s": "LOAD_POLL_INTERVAL_S",
+    "timeline_file": "TIMELINE_FILE",
+    "otlp_traces_endpoint": "OTLP_TRACES_ENDPOINT",
 }
 
 

@@ -19,6 +19,10 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
                       120.0, 300.0)
 
 
+_PHASE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                    0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
 class RouterMetrics:
     """The router's metric families, registered on ``registry``."""
 
@@ -43,6 +47,13 @@ class RouterMetrics:
             "pdserve_router_prefill_duration_seconds",
             "Duration of the successful prefill call (max_tokens=1) on a prefill worker.",
             ["endpoint"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.phase = Histogram(
+            "pdserve_router_phase_seconds",
+            "Duration of each router phase of a request: validate (parse, tokenize, hash), "
+            "prefill_choose, prefill (the prefill call, retries included), decode_choose, "
+            "decode_first_byte (decode call to its first byte), stream (first byte to the "
+            "end); the phases of one request sum to its end-to-end time.",
+            ["phase"], buckets=_PHASE_BUCKETS_S, registry=r)
         self.in_flight = Gauge(
             "pdserve_router_in_flight_requests",
             "Requests dispatched to workers and not yet finished, by worker role.",

@@ -22,6 +22,7 @@ import httpx
 
 from router.autoscale.actuators import DesiredReplicas
 from router.state.registry import WorkerRegistry
+from serve.cpu_layout import CpuPlan, cpu_list, plan_cpus
 from serve.redis_server import RedisServer, free_port, redis_reachable, start_redis
 from serve.worker import stop_process
 
@@ -54,10 +55,17 @@ class ClusterSettings:
     """Start one worker per pool and let `pdserve autoscale` size the pools."""
     autoscale_args: tuple[str, ...] = field(default_factory=tuple)
     drain_timeout_s: float = 300.0
+    cpu_layout: str = "auto"
+    """``auto``: each engine on its own cores when there are enough (see serve.cpu_layout);
+    ``float``: every engine on every core."""
+    router_args: tuple[str, ...] = field(default_factory=tuple)
+    """Extra arguments of the router process (``python -m router.main``)."""
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
             raise ValueError("--prefill and --decode must be >= 1")
+        if self.cpu_layout not in ("auto", "float"):
+            raise ValueError(f"--cpu-layout must be auto or float, got {self.cpu_layout!r}")
 
 
 @dataclass
@@ -68,6 +76,8 @@ class WorkerProc:
     url: str
     proc: subprocess.Popen[bytes]
     draining: bool = False
+    cpus: tuple[int, ...] = ()
+    """Cores the worker (and its vLLM engine) may run on; empty = all."""
 
 
 class Cluster:
@@ -84,6 +94,9 @@ class Cluster:
         self.served_name = settings.served_model_name or (
             DEFAULT_SERVED_NAME if settings.model is None else settings.model)
         self._drains: set[asyncio.Task[None]] = set()
+        self.cpu_plan: CpuPlan = plan_cpus(sorted(os.sched_getaffinity(0)),
+                                           settings.prefill + settings.decode,
+                                           settings.cpu_layout)
 
     @property
     def url(self) -> str:
@@ -103,8 +116,11 @@ class Cluster:
         for role, count in (("prefill", s.prefill), ("decode", s.decode)):
             for _ in range(1 if s.autoscale else count):
                 self.spawn_worker(role)
+        logger.info("CPU layout: %s%s", self.cpu_plan.reason,
+                    "".join(f"; engine {i}: cores {cpu_list(c)}"
+                            for i, c in enumerate(self.cpu_plan.slots)))
         cmd = [sys.executable, "-m", "router.main", "--host", s.host, "--port", str(s.port),
-               "--redis", self.redis_url, "--policy", s.policy]
+               "--redis", self.redis_url, "--policy", s.policy, *s.router_args]
         self.router = subprocess.Popen(cmd, start_new_session=True)
         if s.autoscale:
             cmd = [sys.executable, "-m", "serve.cli", "autoscale", "--redis", self.redis_url,
@@ -121,11 +137,20 @@ class Cluster:
                "--served-model-name", self.served_name, "--redis", self.redis_url,
                "--port", str(port), "--host", s.host, "--lease-s", str(s.lease_s),
                "--kv-cache-gib", str(s.kv_cache_gib), *s.worker_args]
+        cpus = self._free_slot()
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         worker = WorkerProc(role, f"http://{s.host}:{port}",
-                            subprocess.Popen(cmd, start_new_session=True))
+                            subprocess.Popen(cmd, start_new_session=True, preexec_fn=pin),
+                            cpus=cpus)
         self.workers.append(worker)
-        logger.info("started %s worker at %s", role, worker.url)
+        logger.info("started %s worker at %s on %s", role, worker.url,
+                    f"cores {cpu_list(cpus)}" if cpus else "all cores")
         return worker
+
+    def _free_slot(self) -> tuple[int, ...]:
+        """Cores of the first engine slot no live worker holds (empty when floating)."""
+        held = {w.cpus for w in self.workers if w.proc.poll() is None}
+        return next((slot for slot in self.cpu_plan.slots if slot not in held), ())
 
     def _children(self) -> list[subprocess.Popen[bytes]]:
         procs = [w.proc for w in self.workers]
@@ -244,7 +269,7 @@ async def run_cluster(settings: ClusterSettings) -> int:
         if settings.autoscale:
             pools = f"autoscaled up to {pools}"
         print(f"pdserve ready: {cluster.url}/v1 (model {cluster.served_name}, {pools}, "
-              f"redis {cluster.redis_url})", flush=True)
+              f"redis {cluster.redis_url}; CPU layout: {cluster.cpu_plan.reason})", flush=True)
         registry = WorkerRegistry(cluster.redis_url) if settings.autoscale else None
         desired = DesiredReplicas(cluster.redis_url) if settings.autoscale else None
         try:
@@ -290,6 +315,13 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                         default=env("PDSERVE_AUTOSCALE", "") in ("1", "true"),
                         help="start 1 worker per pool; `pdserve autoscale` sizes the pools up to "
                              "--prefill/--decode")
+    parser.add_argument("--cpu-layout", choices=["auto", "float"],
+                        default=env("PDSERVE_CPU_LAYOUT", "auto"),
+                        help="auto: each engine on its own cores when there are at least as many "
+                             "cores as engines (default); float: every engine on every core")
+    parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument passed to the router (repeatable), e.g. "
+                             "--router-arg=--timeline-file=/tmp/t.jsonl")
     parser.add_argument("--autoscale-arg", action="append", default=[], metavar="ARG",
                         help="extra argument passed to `pdserve autoscale` (repeatable)")
 
@@ -301,4 +333,5 @@ def settings_from_args(args: argparse.Namespace) -> ClusterSettings:
                            host=args.host, redis_url=args.redis, policy=args.policy,
                            lease_s=args.lease_s, kv_cache_gib=args.kv_cache_gib,
                            worker_args=tuple(args.worker_arg), autoscale=args.autoscale,
-                           autoscale_args=tuple(args.autoscale_arg))
+                           autoscale_args=tuple(args.autoscale_arg),
+                           cpu_layout=args.cpu_layout, router_args=tuple(args.router_arg))

@@ -58,6 +58,10 @@ class WorkerSettings:
     ready_timeout_s: float = 600.0
     corrupt_pulled_kv_file: str | None = None
     """Test-only negative control: while this file exists, decode overwrites pulled blocks."""
+    timeline_file: str | None = None
+    """Append each request's connector timeline here as a JSON line (kvtransfer.timeline)."""
+    otlp_traces_endpoint: str | None = None
+    """Passed to vLLM's ``--otlp-traces-endpoint``: its request spans join the router's trace."""
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -67,11 +71,14 @@ class WorkerSettings:
 
 def kv_transfer_config(engine_id: str, *, lease_s: float, pull_timeout_s: float,
                        handshake_file: str | None,
-                       corrupt_pulled_kv_file: str | None = None) -> dict:
+                       corrupt_pulled_kv_file: str | None = None,
+                       timeline_file: str | None = None) -> dict:
     """The ``--kv-transfer-config`` that loads our connector (both roles; recompute on failure)."""
     extra: dict[str, object] = {"lease_s": lease_s, "pull_timeout_s": pull_timeout_s}
     if handshake_file:
         extra["handshake_file"] = handshake_file
+    if timeline_file:
+        extra["timeline_file"] = timeline_file
     if corrupt_pulled_kv_file:
         extra["corrupt_pulled_kv_file"] = corrupt_pulled_kv_file
     return {
@@ -165,9 +172,13 @@ class WorkerLauncher:
         s = self.settings
         kv = kv_transfer_config(self.engine_id, lease_s=s.lease_s, pull_timeout_s=s.pull_timeout_s,
                                 handshake_file=self.handshake_file,
-                                corrupt_pulled_kv_file=s.corrupt_pulled_kv_file)
+                                corrupt_pulled_kv_file=s.corrupt_pulled_kv_file,
+                                timeline_file=s.timeline_file)
+        extra = s.extra_vllm_args
+        if s.otlp_traces_endpoint:
+            extra = ("--otlp-traces-endpoint", s.otlp_traces_endpoint, *extra)
         cmd = vllm_command(s.model, s.host, self.port, self.served_name, kv, s.max_model_len,
-                           s.extra_vllm_args)
+                           extra)
         logger.info("starting vLLM %s worker on %s", s.role, self.url)
         self.proc = subprocess.Popen(cmd, env=vllm_env(s.kv_cache_gib), start_new_session=True)
         return self.proc
@@ -251,6 +262,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gib", type=float,
                         default=float(env("PDSERVE_WORKER_KV_CACHE_GIB", "1")))
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--timeline-file", default=env("PDSERVE_TIMELINE_FILE"),
+                        help="append each request's KV connector timeline (JSON lines)")
+    parser.add_argument("--otlp-traces-endpoint", default=env("PDSERVE_OTLP_TRACES_ENDPOINT"),
+                        help="vLLM's --otlp-traces-endpoint: request spans join the router's trace")
     parser.add_argument("--corrupt-pulled-kv-file", default=None, help=argparse.SUPPRESS)
 
 
@@ -267,4 +282,6 @@ def settings_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerSett
                           lease_s=args.lease_s, pull_timeout_s=args.pull_timeout_s,
                           kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
                           corrupt_pulled_kv_file=args.corrupt_pulled_kv_file,
+                          timeline_file=args.timeline_file,
+                          otlp_traces_endpoint=args.otlp_traces_endpoint,
                           extra_vllm_args=tuple(extra))

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -129,7 +130,8 @@ class PdservePullConnector(KVConnectorBase_V1):
         return self._worker.take_load_errors()
 
     def get_kv_connector_stats(self) -> TransferStats | None:
-        return self._worker.take_stats() if self._worker is not None else None
+        half = self._worker if self._worker is not None else self._scheduler
+        return half.take_stats() if half is not None else None
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -148,7 +150,15 @@ class PdservePullConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(scheduler_output.num_scheduled_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_connector_output(connector_output.finished_recving)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvtransfer.config import ConnectorConfig
@@ -25,6 +26,7 @@ from kvtransfer.protocol import (
     Handshake,
     RemotePrefill,
 )
+from kvtransfer.stats import TransferStats
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -43,6 +45,24 @@ class SchedulerHalf:
         self._pulls: list[PullSpec] = []
         self._releases: list[RemotePrefill] = []
         self._leases: dict[str, float] = {}
+        self._awaiting_schedule: set[str] = set()
+        self.stats = TransferStats()
+
+    def on_new_request(self, request: Request) -> None:
+        """Timeline: a decode request that will pull, or a prefill that will lease, arrived."""
+        params = request.kv_transfer_params
+        if not params:
+            return
+        if params.get(DO_REMOTE_PREFILL):
+            self.stats.record_event(request.request_id, "remote_seen")
+        elif params.get(DO_REMOTE_DECODE):
+            self.stats.record_event(request.request_id, "admitted")
+
+    def on_connector_output(self, finished_recving: set[str] | None) -> None:
+        """Timeline: vLLM learned that these pulls finished (success or load error)."""
+        for request_id in finished_recving or ():
+            if request_id in self._awaiting_schedule:
+                self.stats.record_event(request_id, "finished_seen")
 
     def set_handshake(self, metadata: dict[int, Any]) -> None:
         """Keep rank 0's handshake for our responses and publish it for the launcher."""
@@ -81,13 +101,20 @@ class SchedulerHalf:
         elif num_external_tokens > 0:
             local = tuple(blocks.get_unhashed_block_ids())
             self._pulls.append(PullSpec(request.request_id, local, remote))
+            self._awaiting_schedule.add(request.request_id)
         else:
             # Full local prefix hit: nothing to read, but the prefill must free its blocks.
             self._releases.append(remote)
         params[DO_REMOTE_PREFILL] = False  # one transfer per request
 
-    def build_connector_meta(self) -> PdserveMetadata:
-        """Hand this step's work to the worker half and reset."""
+    def build_connector_meta(self, scheduled: Iterable[str] = ()) -> PdserveMetadata:
+        """Hand this step's work to the worker half and reset; ``scheduled`` are the request
+        ids vLLM computes in this step (a pulled request's first one ends its timeline)."""
+        if self._awaiting_schedule:
+            for request_id in scheduled:
+                if request_id in self._awaiting_schedule:
+                    self._awaiting_schedule.discard(request_id)
+                    self.stats.record_event(request_id, "first_scheduled")
         meta = PdserveMetadata(pulls=self._pulls, releases=self._releases, leases=self._leases)
         self._pulls, self._releases, self._leases = [], [], {}
         return meta
@@ -100,6 +127,7 @@ class SchedulerHalf:
         params = request.kv_transfer_params
         if not params:
             return False, None
+        self._awaiting_schedule.discard(request.request_id)
         if params.get(DO_REMOTE_PREFILL):
             # Aborted before a pull was scheduled: the prefill's blocks must not be stranded.
             remote = RemotePrefill.from_params(params)
@@ -117,6 +145,7 @@ class SchedulerHalf:
             logger.error("request %s: no transport handshake yet, blocks freed", request.request_id)
             return False, None
         self._leases[request.request_id] = time.monotonic() + self.config.lease_s
+        self.stats.record_event(request.request_id, "prefill_done")
         return True, {
             DO_REMOTE_PREFILL: True,
             DO_REMOTE_DECODE: False,
@@ -126,3 +155,10 @@ class SchedulerHalf:
             REMOTE_HANDSHAKE: self.handshake_wire,
             "lease_s": self.config.lease_s,
         }
+
+    def take_stats(self) -> TransferStats | None:
+        """Timeline events since the last call, or None."""
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, TransferStats()
+        return stats

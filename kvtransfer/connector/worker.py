@@ -8,6 +8,7 @@ lease; a read counts only if the release is answered "ok" (see ``kvtransfer.leas
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import math
@@ -116,6 +117,8 @@ class WorkerHalf:
         self._stop = threading.Event()
         self._responder: threading.Thread | None = None
         self._reported_leases = (0, 0)
+        # lease_released stamps from the responder thread (deque: thread-safe append/pop)
+        self._release_events: collections.deque[tuple[str, float]] = collections.deque()
 
     # ---------------------------------------------------------------- setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -165,6 +168,8 @@ class WorkerHalf:
                     logger.warning("unknown message of %d bytes ignored", len(msg.payload))
                     continue
                 valid = self.leases.release(request_id, time.monotonic())
+                if valid:
+                    self._release_events.append((request_id, time.time()))
                 logger.debug("release of %s: %s", request_id, "ok" if valid else "expired")
                 msg.reply(RELEASE_OK if valid else RELEASE_EXPIRED)
 
@@ -174,6 +179,7 @@ class WorkerHalf:
         for request_id, expires_at in meta.leases.items():
             logger.debug("lease %s granted for %.1f s", request_id, expires_at - time.monotonic())
             self.leases.grant(request_id, expires_at)
+            self.stats.record_event(request_id, "lease_granted")
         for remote in meta.releases:
             self._send_release_only(remote)
         for spec in meta.pulls:
@@ -214,6 +220,7 @@ class WorkerHalf:
             self._fail(spec, str(exc))
             return
         nbytes = int(ops[:, 2].sum()) if len(ops) else 0
+        self.stats.record_event(spec.request_id, "pull_started")
         self._pulls[spec.request_id] = _Pull(spec, state.peer, transfer, _Phase.READ,
                                              now + self.config.pull_timeout_s, now, nbytes)
 
@@ -267,6 +274,7 @@ class WorkerHalf:
             if pull.phase is _Phase.READ:
                 logger.debug("read of %s done after %.2f ms", request_id,
                              1e3 * (now - pull.started))
+                self.stats.record_event(request_id, "read_done")
                 if self._corruption_on() and pull.spec.local_block_ids:
                     self._corrupt(pull.spec.local_block_ids)
                 try:
@@ -280,6 +288,7 @@ class WorkerHalf:
             del self._pulls[request_id]
             reply = pull.transfer.result()
             if reply == RELEASE_OK:
+                self.stats.record_event(request_id, "release_answered")
                 self._finished_recving.add(request_id)
                 self.stats.record_pull(pull.nbytes, len(pull.spec.local_block_ids),
                                        time.monotonic() - pull.started,
@@ -305,6 +314,9 @@ class WorkerHalf:
         last_released, last_expired = self._reported_leases
         self.stats.record_leases(released - last_released, expired - last_expired)
         self._reported_leases = (released, expired)
+        while self._release_events:
+            request_id, at = self._release_events.popleft()
+            self.stats.record_event(request_id, "lease_released", at)
         if self.stats.is_empty():
             return None
         stats, self.stats = self.stats, TransferStats()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -26,7 +27,9 @@ from router.api.schemas import (
     single_prompt,
     validate_request,
 )
+from router.api.timeline import PhaseClock
 from router.api.tokenization import TokenizerCache
+from router.api.tracing import RequestTracer
 from router.config import RouterSettings
 from router.errors import APIError, InvalidRequestError
 from router.metrics import RouterMetrics
@@ -50,6 +53,7 @@ class RouterService:
         self.metrics = RouterMetrics()
         self.tokenizers = TokenizerCache()
         self.tracker = LoadTracker(settings.failure_cooldown_s)
+        self.tracer = RequestTracer(settings.otlp_traces_endpoint)
         self.client: httpx.AsyncClient | None = None
         self.proxy: PDProxy | None = None
         self.loads: WorkerLoadPoller | None = None
@@ -75,7 +79,8 @@ class RouterService:
         self.client = httpx.AsyncClient(limits=limits, trust_env=False)
         self.proxy = PDProxy(self.settings, self.cluster, self.metrics, self._prefill_policy,
                              self._decode_policy, self.tracker, self.client,
-                             self.loads.loads if self.loads is not None else dict)
+                             self.loads.loads if self.loads is not None else dict,
+                             on_done=self._timeline_done)
         await self.cluster.start()
         if self.loads is not None:
             self.loads.start()
@@ -86,6 +91,20 @@ class RouterService:
         await self.cluster.close()
         if self.client is not None:
             await self.client.aclose()
+        self.tracer.close()
+
+    def _timeline_done(self, clock: PhaseClock, status: int) -> None:
+        """A request ended: phase metrics, the timeline file, the trace."""
+        for phase, seconds in clock.phases().items():
+            self.metrics.phase.labels(phase=phase).observe(seconds)
+        self.tracer.end(clock.span, clock, status)
+        path = self.settings.timeline_file
+        if path:
+            try:
+                with open(path, "a") as fh:
+                    fh.write(json.dumps(clock.record()) + "\n")
+            except OSError as exc:
+                logger.warning("cannot append to timeline file %s: %s", path, exc)
 
     async def _check_context(self, req: Any, records: list[WorkerRecord],
                              body: dict[str, Any]) -> tuple[int, ...]:
@@ -115,10 +134,11 @@ class RouterService:
         return tuple(ids)
 
     async def handle(self, endpoint: Endpoint, request: Request) -> Response:
-        started = time.perf_counter()
-        request_id = request.scope.get(SCOPE_KEY) or new_request_id()
+        clock = PhaseClock.start(request.scope.get(SCOPE_KEY) or new_request_id())
+        incoming = {k.lower(): v for k, v in request.headers.items()}
+        clock.span = self.tracer.begin(clock, endpoint.name, incoming)
         try:
-            response = await self._handle(endpoint, request, request_id, started)
+            response = await self._handle(endpoint, request, incoming, clock)
         except APIError as err:
             if err.status >= 500:
                 logger.warning("request failed: %s", err.message)
@@ -130,14 +150,16 @@ class RouterService:
             response = error_response(APIError("internal router error", status=500,
                                                code="internal_error", type="server_error"))
         if not isinstance(response, RelayResponse):  # streams account when they end
+            clock.mark("done")
             self.metrics.requests.labels(endpoint=endpoint.name,
                                          status=str(response.status_code)).inc()
             self.metrics.request_duration.labels(endpoint=endpoint.name).observe(
-                time.perf_counter() - started)
+                clock.mono["done"] - clock.started)
+            self._timeline_done(clock, response.status_code)
         return response
 
-    async def _handle(self, endpoint: Endpoint, request: Request, request_id: str,
-                      started: float) -> Response:
+    async def _handle(self, endpoint: Endpoint, request: Request, incoming: dict[str, str],
+                      clock: PhaseClock) -> Response:
         body = parse_json_body(await request.body())
         req = validate_request(endpoint, body)
         records = self.cluster.workers(model=req.model)
@@ -150,17 +172,17 @@ class RouterService:
                                code="no_workers_available", type="service_unavailable")
         token_ids = await self._check_context(req, records, body)
         # hashed once here; prefix-aware policies and the load accounting reuse the blocks
-        route = RouteRequest(request_id=request_id, model=req.model, prompt_token_ids=token_ids,
-                             block_hashes=block_hashes(token_ids))
-        incoming = {k.lower(): v for k, v in request.headers.items()}
+        route = RouteRequest(request_id=clock.request_id, model=req.model,
+                             prompt_token_ids=token_ids, block_hashes=block_hashes(token_ids))
+        clock.mark("validated")
         assert self.proxy is not None, "RouterService.start() was not awaited"
-        result = await self.proxy.prefill(endpoint, body, route, incoming)
+        result = await self.proxy.prefill(endpoint, body, route, incoming, clock)
         if isinstance(result, Response):
             return result
         kv_params, prefill_worker = result
         logger.debug("prefill done on %s", prefill_worker.worker_id)
         return await self.proxy.decode(endpoint, body, kv_params, route, incoming,
-                                       stream=bool(req.stream), started=started)
+                                       stream=bool(req.stream), clock=clock)
 
     def health(self) -> JSONResponse:
         prefill = len(self.cluster.workers("prefill"))

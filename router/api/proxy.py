@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.api.rewrite import decode_body, encode, prefill_body
 from router.api.schemas import Endpoint
+from router.api.timeline import PhaseClock
 from router.config import RouterSettings
 from router.errors import APIError, UpstreamError
 from router.metrics import RouterMetrics
@@ -41,7 +42,7 @@ from router.state.worker_load import WorkerLoad
 
 logger = logging.getLogger(__name__)
 
-_FORWARDED_HEADERS = ("authorization",)
+_FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate")
 
 
 def _no_workers(role: str, model: str) -> APIError:
@@ -169,6 +170,7 @@ class PDProxy:
         tracker: LoadTracker,
         client: httpx.AsyncClient,
         reported_loads: Callable[[], Mapping[str, WorkerLoad]] = dict,
+        on_done: Callable[[PhaseClock, int], None] = lambda clock, status: None,
     ) -> None:
         self.settings = settings
         self.cluster = cluster
@@ -179,6 +181,8 @@ class PDProxy:
         self.client = client
         self.reported_loads = reported_loads
         """Workers' own fresh load reports (:class:`WorkerLoadPoller.loads`)."""
+        self.on_done = on_done
+        """Called once when a relayed stream ends (its timeline is complete)."""
         self._prefill_timeout = httpx.Timeout(settings.prefill_timeout_s,
                                               connect=settings.connect_timeout_s)
         self._decode_timeout = httpx.Timeout(settings.decode_timeout_s,
@@ -239,7 +243,7 @@ class PDProxy:
 
     async def prefill(
         self, endpoint: Endpoint, body: dict[str, Any], route: RouteRequest,
-        incoming: dict[str, str],
+        incoming: dict[str, str], clock: PhaseClock,
     ) -> tuple[dict[str, Any], WorkerRecord] | Response:
         """Run the prefill; returns (kv_transfer_params, worker) or a relayed 4xx response."""
         content = encode(prefill_body(endpoint, body))
@@ -251,6 +255,7 @@ class PDProxy:
             worker = self._choose("prefill", route, tried)
             if worker is None:
                 break
+            clock.mark("prefill_chosen")
             if attempt:
                 self.metrics.upstream_retries.labels(role="prefill").inc()
             logger.debug("prefill on %s (attempt %d)", worker.worker_id, attempt + 1)
@@ -290,6 +295,7 @@ class PDProxy:
             self.tracker.mark_ok(worker.worker_id)
             self.metrics.prefill_duration.labels(endpoint=endpoint.name).observe(
                 time.perf_counter() - started)
+            clock.mark("prefill_answered")
             return params, worker
         if last is None:
             raise _no_workers("prefill", route.model)
@@ -299,7 +305,7 @@ class PDProxy:
 
     async def decode(
         self, endpoint: Endpoint, body: dict[str, Any], kv_params: dict[str, Any],
-        route: RouteRequest, incoming: dict[str, str], *, stream: bool, started: float,
+        route: RouteRequest, incoming: dict[str, str], *, stream: bool, clock: PhaseClock,
     ) -> Response:
         content = encode(decode_body(body, kv_params))
         headers = self._headers(route, incoming)
@@ -310,6 +316,7 @@ class PDProxy:
             worker = self._choose("decode", route, tried)
             if worker is None:
                 break
+            clock.mark("decode_chosen")
             if attempt:
                 self.metrics.upstream_retries.labels(role="decode").inc()
             logger.debug("decode on %s (attempt %d)", worker.worker_id, attempt + 1)
@@ -330,6 +337,7 @@ class PDProxy:
                         continue
                     if resp.status_code >= 400 or not stream:
                         data = await resp.aread()
+                        clock.mark("decode_first_byte")
                         ok = True
                         if resp.status_code < 400:
                             self.tracker.mark_ok(worker.worker_id)
@@ -341,9 +349,10 @@ class PDProxy:
                         if chunk:
                             first = chunk
                             break
+                    clock.mark("decode_first_byte")
                     handed_over = True
                     self.tracker.mark_ok(worker.worker_id)
-                    return self._relay(endpoint, route, worker, resp, chunks, first, started)
+                    return self._relay(endpoint, route, worker, resp, chunks, first, clock)
                 finally:
                     if not handed_over:
                         await resp.aclose()
@@ -361,7 +370,7 @@ class PDProxy:
 
     def _relay(
         self, endpoint: Endpoint, route: RouteRequest, worker: WorkerRecord,
-        resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, started: float,
+        resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, clock: PhaseClock,
     ) -> RelayResponse:
         state = {"done": False, "ok": True}
         detector = _FirstToken()
@@ -369,7 +378,8 @@ class PDProxy:
 
         def saw(chunk: bytes) -> None:
             if not detector.found and detector.feed(chunk):
-                metrics.ttft.labels(endpoint=endpoint.name).observe(time.perf_counter() - started)
+                metrics.ttft.labels(endpoint=endpoint.name).observe(
+                    time.perf_counter() - clock.started)
 
         async def body() -> AsyncIterator[bytes]:
             tail = first[-2:]
@@ -398,9 +408,11 @@ class PDProxy:
             state["done"] = True
             # Bookkeeping first: the await below may be interrupted by cancellation.
             self._end("decode", route, worker, ok=state["ok"])
+            clock.mark("done")
             metrics.requests.labels(endpoint=endpoint.name, status=str(resp.status_code)).inc()
             metrics.request_duration.labels(endpoint=endpoint.name).observe(
-                time.perf_counter() - started)
+                clock.mono["done"] - clock.started)
+            self.on_done(clock, resp.status_code)
             await resp.aclose()
 
         return RelayResponse(body(), status_code=resp.status_code,

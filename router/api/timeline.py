@@ -1,0 +1,77 @@
+"""The router's phase timeline of one request.
+
+Events, in order (a request that fails early stops at the last one it reached)::
+
+    received -> validated -> prefill_chosen -> prefill_answered -> decode_chosen
+             -> decode_first_byte -> done
+
+A phase is named after the event that ends it, so the phases of one request sum exactly to
+its end-to-end time (``received`` -> ``done``). Each event is stamped on the monotonic clock
+(durations) and on the wall clock (to line the router up with the workers' connector
+timelines, which use ``time.time()``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+EVENTS = ("received", "validated", "prefill_chosen", "prefill_answered", "decode_chosen",
+          "decode_first_byte", "done")
+PHASES = {
+    "validated": "validate",
+    "prefill_chosen": "prefill_choose",
+    "prefill_answered": "prefill",
+    "decode_chosen": "decode_choose",
+    "decode_first_byte": "decode_first_byte",
+    "done": "stream",
+}
+"""Ending event -> ``phase`` label of ``pdserve_router_phase_seconds``."""
+
+
+@dataclass
+class PhaseClock:
+    """Event stamps of one request; ``mark`` keeps the first stamp of each event."""
+
+    request_id: str
+    mono: dict[str, float] = field(default_factory=dict)
+    wall: dict[str, float] = field(default_factory=dict)
+    span: object | None = None
+    """The request's trace span while tracing is on (see ``router.api.tracing``)."""
+
+    @classmethod
+    def start(cls, request_id: str, at: float | None = None) -> PhaseClock:
+        """A clock whose ``received`` event is now (or ``at``, a ``perf_counter`` value)."""
+        clock = cls(request_id)
+        now = time.perf_counter()
+        clock.mono["received"] = now if at is None else at
+        clock.wall["received"] = time.time() - (now - clock.mono["received"])
+        return clock
+
+    def mark(self, event: str) -> None:
+        """Stamp ``event`` now, unless it was stamped already (a retry keeps the first)."""
+        if event not in EVENTS:
+            raise ValueError(f"unknown timeline event {event!r}")
+        if event not in self.mono:
+            self.mono[event] = time.perf_counter()
+            self.wall[event] = time.time()
+
+    @property
+    def started(self) -> float:
+        """``perf_counter`` value of ``received``."""
+        return self.mono["received"]
+
+    def phases(self) -> dict[str, float]:
+        """Duration of each phase reached, in event order (sums to received -> last event)."""
+        out: dict[str, float] = {}
+        previous = self.mono["received"]
+        for event in EVENTS[1:]:
+            if event in self.mono:
+                out[PHASES[event]] = max(0.0, self.mono[event] - previous)
+                previous = max(previous, self.mono[event])
+        return out
+
+    def record(self) -> dict[str, object]:
+        """The JSON line of the timeline file."""
+        return {"source": "router", "request_id": self.request_id, "events": dict(self.wall),
+                "phases": self.phases()}
