@@ -56,6 +56,8 @@ class Sample:
     request_id: str
     ttft_s: float
     token_times: list[float]
+    sent_wall: float = 0.0
+    """Wall clock when the request was sent (lines the client up with the timelines)."""
 
     @property
     def gaps(self) -> list[float]:
@@ -91,14 +93,17 @@ def make_prompts(model_dir: Path, n: int, tokens: int) -> list[str]:
     return [synth.prompt(tokens).text for _ in range(n)]
 
 
-def stream_one(base: str, prompt: str, max_tokens: int, request_id: str) -> Sample:
-    """Stream one completion and stamp each content chunk."""
+def stream_one(client: httpx.Client, base: str, prompt: str, max_tokens: int,
+               request_id: str) -> Sample:
+    """Stream one completion and stamp each content chunk (``client`` keeps its connection
+    alive across requests, as load testers do)."""
     body = {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
+    sent_wall = time.time()
     t0 = time.perf_counter()
     stamps: list[float] = []
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600,
-                      headers={"x-request-id": request_id}) as resp:
+    with client.stream("POST", f"{base}/v1/completions", json=body, timeout=600,
+                       headers={"x-request-id": request_id}) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -108,15 +113,17 @@ def stream_one(base: str, prompt: str, max_tokens: int, request_id: str) -> Samp
                 stamps.append(time.perf_counter())
     if not stamps:
         raise RuntimeError(f"{base}: no token streamed for {request_id}")
-    return Sample(request_id, stamps[0] - t0, stamps)
+    return Sample(request_id, stamps[0] - t0, stamps, sent_wall)
 
 
 def run_prompts(base: str, prompts: list[str], max_tokens: int, tag: str) -> list[Sample]:
     """Warm up (two throwaway requests), then the prompts one at a time."""
-    for i in range(2):
-        stream_one(base, f"warm up {i} " * 40, 8, f"warm-{tag}-{i}-{uuid.uuid4().hex[:6]}")
-    return [stream_one(base, p, max_tokens, f"b-{tag}-{i}-{uuid.uuid4().hex[:8]}")
-            for i, p in enumerate(prompts)]
+    with httpx.Client(trust_env=False) as client:
+        for i in range(2):
+            stream_one(client, base, f"warm up {i} " * 40, 8,
+                       f"warm-{tag}-{i}-{uuid.uuid4().hex[:6]}")
+        return [stream_one(client, base, p, max_tokens, f"b-{tag}-{i}-{uuid.uuid4().hex[:8]}")
+                for i, p in enumerate(prompts)]
 
 
 def _affinity(pid: int) -> str:
@@ -141,16 +148,26 @@ def placement_of(named: dict[str, int]) -> dict[str, str]:
     return out
 
 
-def read_timelines(paths: list[Path]) -> dict[str, dict[str, float]]:
-    """Join router and connector timeline lines into phases per router request id."""
+def read_timelines(paths: list[Path], samples: list[Sample]) -> dict[str, dict[str, float]]:
+    """Join the client's stamps, router and connector timeline lines into phases per measured
+    request (warm-ups left out): ``client.*`` are the hops between client and router."""
     lines = []
     for path in paths:
         if path.exists():
             lines += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     routers = {x["request_id"]: x for x in lines if x["source"] == "router"}
     out: dict[str, dict[str, float]] = {}
-    for rid, rec in routers.items():
-        phases = {f"router.{k}": v for k, v in rec["phases"].items()}
+    for sample in samples:
+        rid = sample.request_id
+        rec = routers.get(rid)
+        if rec is None:
+            continue
+        events = rec["events"]
+        first_token_wall = sample.sent_wall + sample.ttft_s
+        phases = {"client.to_router": events["received"] - sample.sent_wall}
+        phases.update({f"router.{k}": v for k, v in rec["phases"].items()})
+        if "decode_first_byte" in events:
+            phases["client.first_byte_to_client"] = first_token_wall - events["decode_first_byte"]
         for x in lines:  # vLLM's ids embed the router's: cmpl-<id>-<n>-<suffix>
             if x["source"] == "kv" and rid in x["request_id"]:
                 phases.update({f"kv.{k}": v for k, v in x["phases"].items()})
@@ -200,7 +217,7 @@ def bench_pdserve(model: Path, prompts: list[str], max_tokens: int, layout: str,
     finally:
         cluster.stop()
     return SetupResult("pdserve", layout, samples, placement, load,  # type: ignore[arg-type]
-                       read_timelines([router_tl, kv_tl]))
+                       read_timelines([router_tl, kv_tl], samples))
 
 
 def bench_nixl(model: Path, prompts: list[str], max_tokens: int) -> SetupResult | None:

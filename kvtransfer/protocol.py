@@ -25,6 +25,10 @@ REMOTE_ENGINE_ID = "remote_engine_id"
 REMOTE_REQUEST_ID = "remote_request_id"
 REMOTE_BLOCK_IDS = "remote_block_ids"
 REMOTE_HANDSHAKE = "remote_handshake"
+REMOTE_NUM_TOKENS = "remote_num_tokens"
+"""Prompt tokens whose KV the prefill holds. A decode request may extend the prompt (the
+router appends the token the prefill sampled, see ``router.api.first_token``); only this many
+tokens are pulled, the rest are computed locally."""
 
 # Release round trip: decode -> prefill "done <request id>", prefill answers one of these.
 RELEASE_PREFIX = b"done "
@@ -104,6 +108,8 @@ class RemotePrefill:
     request_id: str
     block_ids: tuple[int, ...]
     handshake_wire: str
+    num_tokens: int | None = None
+    """Tokens the remote KV covers (None: the whole prompt, as older prefills sent)."""
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> RemotePrefill | None:
@@ -111,9 +117,11 @@ class RemotePrefill:
         if not params or not params.get(DO_REMOTE_PREFILL):
             return None
         try:
+            num_tokens = params.get(REMOTE_NUM_TOKENS)
             return cls(str(params[REMOTE_ENGINE_ID]), str(params[REMOTE_REQUEST_ID]),
                        tuple(int(b) for b in params[REMOTE_BLOCK_IDS]),
-                       str(params[REMOTE_HANDSHAKE]))
+                       str(params[REMOTE_HANDSHAKE]),
+                       None if num_tokens is None else int(num_tokens))
         except (KeyError, TypeError, ValueError):
             return None
 

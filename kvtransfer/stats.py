@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +21,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvtransfer.config import ConnectorConfig
 from kvtransfer.timeline import PHASES, PhaseJoiner, RequestTimeline
+from kvtransfer.tracing import emit_spans
 
 logger = logging.getLogger(__name__)
+
+_MAX_TRACES = 4096
 
 _COUNTERS = ("pulls", "pulls_same_host", "pull_failures", "pulled_bytes", "pulled_blocks",
              "leases_released", "leases_expired")
@@ -35,7 +39,7 @@ PHASE_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.0
 
 def _empty() -> dict[str, Any]:
     return {**{k: 0 for k in _COUNTERS}, "pull_seconds": [], "failure_reasons": {},
-            "events": []}
+            "events": [], "traces": {}}
 
 
 @dataclass
@@ -63,6 +67,10 @@ class TransferStats(KVConnectorStats):
         """One timeline event of ``request_id`` (see :mod:`kvtransfer.timeline`)."""
         self.data["events"].append((request_id, name, time.time() if at is None else at))
 
+    def record_trace(self, request_id: str, headers: dict[str, str]) -> None:
+        """The W3C trace context ``request_id`` arrived with (vLLM tracing on)."""
+        self.data["traces"][request_id] = headers
+
     def record_leases(self, released: int, expired: int) -> None:
         """Leases ended since the last report."""
         self.data["leases_released"] += released
@@ -76,6 +84,7 @@ class TransferStats(KVConnectorStats):
             self.data[key] += other.data.get(key, 0)
         self.data["pull_seconds"].extend(other.data.get("pull_seconds", []))
         self.data["events"].extend(other.data.get("events", []))
+        self.data["traces"].update(other.data.get("traces", {}))
         for reason, n in other.data.get("failure_reasons", {}).items():
             self.data["failure_reasons"][reason] = self.data["failure_reasons"].get(reason, 0) + n
         return self
@@ -135,6 +144,7 @@ class TransferPromMetrics(KVConnectorPromMetrics):
         self._phase = {idx: {p: phase.labels(*values, p) for p in PHASES}
                        for idx, values in per_engine_labelvalues.items()}
         self._joiners = {idx: PhaseJoiner() for idx in per_engine_labelvalues}
+        self._traces: OrderedDict[str, dict[str, str]] = OrderedDict()
         extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
         self._timeline_file = ConnectorConfig.from_extra_config(extra).timeline_file
 
@@ -145,12 +155,18 @@ class TransferPromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].inc(value)
         for seconds in transfer_stats_data.get("pull_seconds", []):
             self._hist[engine_idx].observe(seconds)
+        self._traces.update(transfer_stats_data.get("traces") or {})
+        while len(self._traces) > _MAX_TRACES:
+            self._traces.popitem(last=False)
         events = transfer_stats_data.get("events")
         if events:
             done = self._joiners[engine_idx].add(tuple(e) for e in events)
             for timeline in done:
                 for name, seconds in timeline.phases.items():
                     self._phase[engine_idx][name].observe(seconds)
+                headers = self._traces.pop(timeline.request_id, None)
+                if headers:
+                    emit_spans(timeline, headers)
             if done and self._timeline_file:
                 self._append(done)
 

@@ -55,6 +55,9 @@ class RouterSettings:
     """How often every worker's ``/metrics`` is read for its own load (running and waiting
     requests, KV usage) to feed placement; 0 turns it off (router accounting only)."""
 
+    first_token_from_prefill: bool = True
+    """Stream the token the prefill sampled at once and let the decode continue from it
+    (``router.api.first_token``); off = classic P/D (the decode samples it again)."""
     timeline_file: str | None = None
     """If set, every finished request's phase timeline is appended here as one JSON line
     (wall-clock events and phase durations; see ``router.api.timeline``)."""
@@ -119,6 +122,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--load-poll-interval-s", dest="load_poll_interval_s", type=float,
                    help="seconds between reads of each worker's /metrics for its load "
                    "(PDSERVE_ROUTER_LOAD_POLL_INTERVAL_S, default 1.0; 0 = off)")
+    p.add_argument("--first-token-from-prefill", dest="first_token_from_prefill",
+                   action=argparse.BooleanOptionalAction,
+                   help="stream the prefill's sampled token at once "
+                   "(PDSERVE_ROUTER_FIRST_TOKEN_FROM_PREFILL, default on)")
     p.add_argument("--timeline-file", dest="timeline_file",
                    help="append each request's phase timeline as a JSON line "
                    "(PDSERVE_ROUTER_TIMELINE_FILE)")
@@ -150,6 +157,7 @@ _ENV_NAMES = {
     "failure_cooldown_s": "FAILURE_COOLDOWN_S",
     "max_upstream_connections": "MAX_UPSTREAM_CONNECTIONS",
     "load_poll_interval_s": "LOAD_POLL_INTERVAL_S",
+    "first_token_from_prefill": "FIRST_TOKEN_FROM_PREFILL",
     "timeline_file": "TIMELINE_FILE",
     "otlp_traces_endpoint": "OTLP_TRACES_ENDPOINT",
 }
@@ -172,6 +180,10 @@ def load(
                 values[name] = int(raw)
             elif kind in ("float", float):
                 values[name] = float(raw)
+            elif kind in ("bool", bool):
+                if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                    raise ValueError(raw)
+                values[name] = raw.lower() in ("1", "true", "yes", "on")
             else:
                 values[name] = raw
         except ValueError as exc:

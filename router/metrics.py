@@ -54,6 +54,14 @@ class RouterMetrics:
             "decode_first_byte (decode call to its first byte), stream (first byte to the "
             "end); the phases of one request sum to its end-to-end time.",
             ["phase"], buckets=_PHASE_BUCKETS_S, registry=r)
+        self.paths = Counter(
+            "pdserve_router_paths_total",
+            "Requests by the path they took: pd_first_token (P/D, the prefill's token streamed "
+            "at once and the decode continuing from it), pd (classic P/D), decode_only "
+            "(selective disaggregation skipped the prefill hop), aggregated (one plain worker); "
+            "reason says why (eligible, not_eligible, prefill_token_unusable, short_prompt, "
+            "cached_on_decode, aggregated_worker).",
+            ["path", "reason"], registry=r)
         self.in_flight = Gauge(
             "pdserve_router_in_flight_requests",
             "Requests dispatched to workers and not yet finished, by worker role.",

@@ -60,6 +60,8 @@ class ClusterSettings:
     ``float``: every engine on every core."""
     router_args: tuple[str, ...] = field(default_factory=tuple)
     """Extra arguments of the router process (``python -m router.main``)."""
+    otlp_traces_endpoint: str | None = None
+    """OTLP endpoint given to the router and every worker: one trace per request."""
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -121,6 +123,8 @@ class Cluster:
                             for i, c in enumerate(self.cpu_plan.slots)))
         cmd = [sys.executable, "-m", "router.main", "--host", s.host, "--port", str(s.port),
                "--redis", self.redis_url, "--policy", s.policy, *s.router_args]
+        if s.otlp_traces_endpoint:
+            cmd += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
         self.router = subprocess.Popen(cmd, start_new_session=True)
         if s.autoscale:
             cmd = [sys.executable, "-m", "serve.cli", "autoscale", "--redis", self.redis_url,
@@ -137,6 +141,8 @@ class Cluster:
                "--served-model-name", self.served_name, "--redis", self.redis_url,
                "--port", str(port), "--host", s.host, "--lease-s", str(s.lease_s),
                "--kv-cache-gib", str(s.kv_cache_gib), *s.worker_args]
+        if s.otlp_traces_endpoint:
+            cmd += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
         cpus = self._free_slot()
         pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         worker = WorkerProc(role, f"http://{s.host}:{port}",
@@ -268,8 +274,9 @@ async def run_cluster(settings: ClusterSettings) -> int:
         pools = f"{settings.prefill} prefill + {settings.decode} decode"
         if settings.autoscale:
             pools = f"autoscaled up to {pools}"
+        print(f"pdserve CPU layout: {cluster.cpu_plan.reason}", flush=True)
         print(f"pdserve ready: {cluster.url}/v1 (model {cluster.served_name}, {pools}, "
-              f"redis {cluster.redis_url}; CPU layout: {cluster.cpu_plan.reason})", flush=True)
+              f"redis {cluster.redis_url})", flush=True)
         registry = WorkerRegistry(cluster.redis_url) if settings.autoscale else None
         desired = DesiredReplicas(cluster.redis_url) if settings.autoscale else None
         try:
@@ -319,6 +326,9 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                         default=env("PDSERVE_CPU_LAYOUT", "auto"),
                         help="auto: each engine on its own cores when there are at least as many "
                              "cores as engines (default); float: every engine on every core")
+    parser.add_argument("--otlp-traces-endpoint", default=env("PDSERVE_OTLP_TRACES_ENDPOINT"),
+                        help="export request traces (router, prefill, decode: one trace id) "
+                             "to this OTLP endpoint")
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="extra argument passed to the router (repeatable), e.g. "
                              "--router-arg=--timeline-file=/tmp/t.jsonl")
@@ -334,4 +344,5 @@ def settings_from_args(args: argparse.Namespace) -> ClusterSettings:
                            lease_s=args.lease_s, kv_cache_gib=args.kv_cache_gib,
                            worker_args=tuple(args.worker_arg), autoscale=args.autoscale,
                            autoscale_args=tuple(args.autoscale_arg),
-                           cpu_layout=args.cpu_layout, router_args=tuple(args.router_arg))
+                           cpu_layout=args.cpu_layout, router_args=tuple(args.router_arg),
+                           otlp_traces_endpoint=args.otlp_traces_endpoint)

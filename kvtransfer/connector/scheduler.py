@@ -22,6 +22,7 @@ from kvtransfer.protocol import (
     REMOTE_BLOCK_IDS,
     REMOTE_ENGINE_ID,
     REMOTE_HANDSHAKE,
+    REMOTE_NUM_TOKENS,
     REMOTE_REQUEST_ID,
     Handshake,
     RemotePrefill,
@@ -57,6 +58,12 @@ class SchedulerHalf:
             self.stats.record_event(request.request_id, "remote_seen")
         elif params.get(DO_REMOTE_DECODE):
             self.stats.record_event(request.request_id, "admitted")
+        else:
+            return
+        trace = {k: v for k, v in (request.trace_headers or {}).items()
+                 if k.lower() in ("traceparent", "tracestate")}
+        if trace:
+            self.stats.record_trace(request.request_id, trace)
 
     def on_connector_output(self, finished_recving: set[str] | None) -> None:
         """Timeline: vLLM learned that these pulls finished (success or load error)."""
@@ -82,10 +89,15 @@ class SchedulerHalf:
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
-        """Decode: every uncached prompt token comes from the prefill, loaded asynchronously."""
-        if RemotePrefill.from_params(request.kv_transfer_params) is None:
+        """Decode: every uncached prompt token the prefill holds comes from it, loaded
+        asynchronously (a prompt extended past the prefill's is computed locally after)."""
+        remote = RemotePrefill.from_params(request.kv_transfer_params)
+        if remote is None:
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        held = len(request.prompt_token_ids or ())
+        if remote.num_tokens is not None:
+            held = min(held, remote.num_tokens)
+        count = held - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -153,6 +165,7 @@ class SchedulerHalf:
             REMOTE_REQUEST_ID: request.request_id,
             REMOTE_BLOCK_IDS: list(block_ids),
             REMOTE_HANDSHAKE: self.handshake_wire,
+            REMOTE_NUM_TOKENS: min(request.num_computed_tokens, request.num_prompt_tokens),
             "lease_s": self.config.lease_s,
         }
 

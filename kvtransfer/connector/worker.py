@@ -100,6 +100,7 @@ class WorkerHalf:
     def __init__(self, engine_id: str, config: ConnectorConfig, compat_facts: dict[str, object],
                  num_blocks: int) -> None:
         self.engine_id = engine_id
+        self.block_size = int(compat_facts.get("block_size") or 0)  # type: ignore[call-overload]
         self.config = config
         self.num_blocks = num_blocks
         self._compat_facts = compat_facts
@@ -211,7 +212,11 @@ class WorkerHalf:
                 raise KVTransferError(f"{len(local)} local blocks for "
                                       f"{len(spec.remote.block_ids)} remote blocks")
             state = self._peer(spec.remote)
-            remote_ids = spec.remote.block_ids[len(spec.remote.block_ids) - len(local):]
+            remote_blocks = spec.remote.block_ids
+            if spec.remote.num_tokens is not None and self.block_size:
+                # only the blocks holding the prefill's computed tokens (never a spare one)
+                remote_blocks = remote_blocks[:-(-spec.remote.num_tokens // self.block_size)]
+            remote_ids = remote_blocks[len(remote_blocks) - len(local):]
             runs = coalesce_runs(local, remote_ids)
             ops = build_read_ops(runs, self._regions, state.handshake.regions, state.rkeys)
             transfer = state.peer.get(ops)

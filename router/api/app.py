@@ -13,6 +13,7 @@ import httpx
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
+from router.api import first_token
 from router.api.context import SCOPE_KEY, RequestIdMiddleware, new_request_id
 from router.api.errors import error_response, install_error_handlers
 from router.api.proxy import PDProxy, RelayResponse
@@ -176,11 +177,21 @@ class RouterService:
                              prompt_token_ids=token_ids, block_hashes=block_hashes(token_ids))
         clock.mark("validated")
         assert self.proxy is not None, "RouterService.start() was not awaited"
-        result = await self.proxy.prefill(endpoint, body, route, incoming, clock)
+        continue_from_prefill = self.settings.first_token_from_prefill and \
+            first_token.eligible(endpoint, body)
+        result = await self.proxy.prefill(endpoint, body, route, incoming, clock,
+                                          token_ids=continue_from_prefill)
         if isinstance(result, Response):
             return result
-        kv_params, prefill_worker = result
+        kv_params, prefill_worker, answer = result
         logger.debug("prefill done on %s", prefill_worker.worker_id)
+        first = first_token.parse_prefill(answer) if continue_from_prefill else None
+        if first is not None:
+            self.metrics.paths.labels(path="pd_first_token", reason="eligible").inc()
+            return self.proxy.continue_stream(endpoint, body, first, kv_params, route, incoming,
+                                              clock)
+        reason = "prefill_token_unusable" if continue_from_prefill else "not_eligible"
+        self.metrics.paths.labels(path="pd", reason=reason).inc()
         return await self.proxy.decode(endpoint, body, kv_params, route, incoming,
                                        stream=bool(req.stream), clock=clock)
 

@@ -20,6 +20,12 @@ import httpx
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from router.api.first_token import (
+    ContinuationRewriter,
+    FirstToken,
+    continuation_body,
+    first_events,
+)
 from router.api.rewrite import decode_body, encode, prefill_body
 from router.api.schemas import Endpoint
 from router.api.timeline import PhaseClock
@@ -243,10 +249,11 @@ class PDProxy:
 
     async def prefill(
         self, endpoint: Endpoint, body: dict[str, Any], route: RouteRequest,
-        incoming: dict[str, str], clock: PhaseClock,
-    ) -> tuple[dict[str, Any], WorkerRecord] | Response:
-        """Run the prefill; returns (kv_transfer_params, worker) or a relayed 4xx response."""
-        content = encode(prefill_body(endpoint, body))
+        incoming: dict[str, str], clock: PhaseClock, *, token_ids: bool = False,
+    ) -> tuple[dict[str, Any], WorkerRecord, Any] | Response:
+        """Run the prefill; returns (kv_transfer_params, worker, the prefill's JSON answer) or a
+        relayed 4xx response. ``token_ids`` asks for the prompt's and the sampled token's ids."""
+        content = encode(prefill_body(endpoint, body, token_ids=token_ids))
         headers = self._headers(route, incoming)
         tried: set[str] = set()
         retried: set[str] = set()
@@ -284,7 +291,8 @@ class PDProxy:
                             worker.worker_id, resp.status_code)
                 return _relay_body(resp.content, resp.status_code,
                                    resp.headers.get("content-type"))
-            params = _kv_transfer_params(resp)
+            data = _json(resp)
+            params = _kv_transfer_params(data)
             if params is None:
                 last = UpstreamError(
                     f"prefill worker {worker.worker_id} answered without kv_transfer_params "
@@ -296,7 +304,7 @@ class PDProxy:
             self.metrics.prefill_duration.labels(endpoint=endpoint.name).observe(
                 time.perf_counter() - started)
             clock.mark("prefill_answered")
-            return params, worker
+            return params, worker, data
         if last is None:
             raise _no_workers("prefill", route.model)
         raise last
@@ -368,6 +376,98 @@ class PDProxy:
             raise _no_workers("decode", route.model)
         raise last
 
+    def continue_stream(
+        self, endpoint: Endpoint, body: dict[str, Any], first: FirstToken,
+        kv_params: dict[str, Any], route: RouteRequest, incoming: dict[str, str],
+        clock: PhaseClock,
+    ) -> RelayResponse:
+        """Stream the prefill's token now, then the decode's continuation from it (see
+        ``router.api.first_token``). Decode failures before its first byte are retried on
+        another decode worker; after it, they end the stream with one error event."""
+        content = encode(continuation_body(body, first, kv_params))
+        headers = self._headers(route, incoming)
+        rewriter = ContinuationRewriter(endpoint, first)
+        state: dict[str, Any] = {"done": False, "status": 200}
+        metrics = self.metrics
+
+        async def decode_once(worker: WorkerRecord) -> AsyncIterator[bytes]:
+            request = self.client.build_request("POST", worker.http_url + "/v1/completions",
+                                                content=content, headers=headers,
+                                                timeout=self._decode_timeout)
+            resp = await self.client.send(request, stream=True)
+            try:
+                if resp.status_code >= 400:
+                    detail = (await resp.aread())[:500].decode(errors="replace")
+                    raise UpstreamError(f"decode worker {worker.worker_id} answered "
+                                        f"{resp.status_code}: {detail}", role="decode",
+                                        kind="status")
+                async for chunk in resp.aiter_raw():
+                    if chunk:
+                        out = rewriter.feed(chunk)
+                        if out:
+                            yield out
+                tail = rewriter.flush()
+                if tail:
+                    yield tail
+            finally:
+                await resp.aclose()
+
+        async def stream() -> AsyncIterator[bytes]:
+            yield first_events(endpoint, first)
+            metrics.ttft.labels(endpoint=endpoint.name).observe(
+                time.perf_counter() - clock.started)
+            tried: set[str] = set()
+            retried: set[str] = set()
+            last: UpstreamError | None = None
+            for attempt in range(self.settings.decode_retries + 1):
+                worker = self._choose("decode", route, tried)
+                if worker is None:
+                    break
+                clock.mark("decode_chosen")
+                if attempt:
+                    metrics.upstream_retries.labels(role="decode").inc()
+                self._begin("decode", route, worker)
+                relayed = ok = False
+                try:
+                    async for out in decode_once(worker):
+                        if not relayed:
+                            clock.mark("decode_first_byte")
+                            relayed = True
+                        yield out
+                    ok = True
+                    self.tracker.mark_ok(worker.worker_id)
+                    return
+                except (httpx.HTTPError, UpstreamError) as exc:
+                    err = exc if isinstance(exc, UpstreamError) else \
+                        _upstream_error("decode", worker, exc)
+                    self._failed(worker, err)
+                    last = err
+                    if relayed:
+                        break
+                    if isinstance(exc, httpx.HTTPError):
+                        _allow_same_worker_retry(exc, worker, tried, retried)
+                finally:
+                    self._end("decode", route, worker, ok=ok)
+            state["status"] = last.status if last is not None else 503
+            message = last.message if last is not None else \
+                f"no live decode worker for model '{route.model}'"
+            event = {"error": {"message": f"decode failed: {message}", "type": "upstream_error",
+                               "param": None, "code": "upstream_stream_error"}}
+            yield b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
+
+        async def cleanup() -> None:
+            if state["done"]:
+                return
+            state["done"] = True
+            clock.mark("done")
+            metrics.requests.labels(endpoint=endpoint.name, status="200").inc()
+            metrics.request_duration.labels(endpoint=endpoint.name).observe(
+                clock.mono["done"] - clock.started)
+            self.on_done(clock, 200)
+
+        return RelayResponse(stream(), status_code=200, media_type="text/event-stream",
+                             cleanup=cleanup)
+
     def _relay(
         self, endpoint: Endpoint, route: RouteRequest, worker: WorkerRecord,
         resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, clock: PhaseClock,
@@ -420,10 +520,13 @@ class PDProxy:
                              cleanup=cleanup)
 
 
-def _kv_transfer_params(resp: httpx.Response) -> dict[str, Any] | None:
+def _json(resp: httpx.Response) -> Any:
     try:
-        data = resp.json()
+        return resp.json()
     except ValueError:
         return None
+
+
+def _kv_transfer_params(data: Any) -> dict[str, Any] | None:
     params = data.get("kv_transfer_params") if isinstance(data, dict) else None
     return params if isinstance(params, dict) and params else None

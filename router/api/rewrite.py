@@ -10,9 +10,13 @@ from router.api.schemas import Endpoint
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {"do_remote_decode": True}
 
 
-def prefill_body(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
-    """The same request capped at one token, non-streaming, asking P to keep the KV blocks."""
+def prefill_body(endpoint: Endpoint, body: dict[str, Any], *,
+                 token_ids: bool = False) -> dict[str, Any]:
+    """The same request capped at one token, non-streaming, asking P to keep the KV blocks
+    (``token_ids``: and to return the prompt's and the sampled token's ids)."""
     out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    if token_ids:
+        out["return_token_ids"] = True
     out["max_tokens"] = 1
     if endpoint.chat:
         out["max_completion_tokens"] = 1

@@ -25,6 +25,7 @@ import pytest
 from serve.redis_server import free_port
 from serve.tiny_model import build_tiny_model
 from serve.worker import stop_process, vllm_command, vllm_env, wait_healthy
+from tests.support.otlp import OtlpReceiver
 
 SERVED_NAME = "tiny-llama"
 LEASE_S = 8.0
@@ -40,6 +41,12 @@ class Cluster:
     redis_url: str = ""
     corrupt_flag: Path = field(default_factory=Path)
     output: list[str] = field(default_factory=list)
+    router_timeline: Path = field(default_factory=Path)
+    """JSON lines of the router's request timelines (``--timeline-file``)."""
+    kv_timeline: Path = field(default_factory=Path)
+    """JSON lines of both workers' connector timelines."""
+    traces: OtlpReceiver | None = None
+    """Receives the OTLP traces of the router and both vLLM workers."""
 
 
 @dataclass
@@ -74,13 +81,21 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
     port = free_port()
     flag = tmp / "corrupt-pulled-kv"
+    traces = OtlpReceiver()
+    router_timeline, kv_timeline = tmp / "router-timeline.jsonl", tmp / "kv-timeline.jsonl"
     cmd = [sys.executable, "-m", "serve.cli", "up", "--model", str(tiny_model_dir),
            "--served-model-name", SERVED_NAME, "--port", str(port),
            "--redis", f"redis://127.0.0.1:{free_port()}/0", "--lease-s", str(LEASE_S),
-           f"--worker-arg=--corrupt-pulled-kv-file={flag}"]
+           f"--worker-arg=--corrupt-pulled-kv-file={flag}",
+           f"--worker-arg=--timeline-file={kv_timeline}",
+           f"--router-arg=--timeline-file={router_timeline}",
+           "--otlp-traces-endpoint", traces.endpoint]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    cluster = Cluster(proc, f"http://127.0.0.1:{port}", corrupt_flag=flag)
+                            start_new_session=True, env=env)
+    cluster = Cluster(proc, f"http://127.0.0.1:{port}", corrupt_flag=flag,
+                      router_timeline=router_timeline, kv_timeline=kv_timeline, traces=traces)
     ready = threading.Event()
 
     def pump() -> None:
@@ -118,6 +133,7 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     assert code == 0, "".join(cluster.output[-30:])
     assert leaves is not None and len(leaves.stop()) == len(worker_urls) == 2
     assert not any(_port_open(u) for u in [*worker_urls, cluster.url])
+    traces.close()
 
 
 class _LeaveListener:

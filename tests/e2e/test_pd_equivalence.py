@@ -74,9 +74,18 @@ def test_completions_match_plain(cluster: Cluster, plain: Plain, prompts: list[s
         assert ours["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"]
 
 
+def _paths(url: str) -> dict[str, float]:
+    samples = scrape(url)
+    return {p: value(samples, "pdserve_router_paths_total", path=p) for p in ("pd", "pd_first_token")}
+
+
 def test_completions_stream_match_plain(cluster: Cluster, plain: Plain,
                                         prompts: list[str]) -> None:
-    for prompt in prompts[::3]:
+    """Streams take the first-token path (the prefill's token at once, the decode continuing
+    from it) and still equal a plain server's output and usage."""
+    before = _paths(cluster.url)
+    streamed = prompts[::3]
+    for prompt in streamed:
         body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
                 "temperature": 0}
         ours, ours_usage = stream(cluster.url, "/v1/completions", body)
@@ -84,6 +93,26 @@ def test_completions_stream_match_plain(cluster: Cluster, plain: Plain,
         assert ours == ref["choices"][0]["text"]
         assert ours_usage is not None
         assert ours_usage["completion_tokens"] == ref["usage"]["completion_tokens"]
+        assert ours_usage["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+    after = _paths(cluster.url)
+    assert after["pd_first_token"] - before["pd_first_token"] == len(streamed)
+    assert after["pd"] == before["pd"]
+
+
+def test_classic_pd_stream_for_requests_that_cannot_continue(cluster: Cluster, plain: Plain,
+                                                             prompts: list[str]) -> None:
+    """A stop string could span the first two tokens: such a stream takes classic P/D
+    (the decode samples the first token itself) and equals plain too."""
+    before = _paths(cluster.url)
+    for prompt in prompts[1::6]:
+        body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                "temperature": 0, "stop": ["never-appears-in-output"]}
+        ours, _ = stream(cluster.url, "/v1/completions", body)
+        ref = complete(plain.url, prompt, stop=["never-appears-in-output"])
+        assert ours == ref["choices"][0]["text"]
+    after = _paths(cluster.url)
+    assert after["pd"] - before["pd"] == len(prompts[1::6])
+    assert after["pd_first_token"] == before["pd_first_token"]
 
 
 def test_chat_match_plain(cluster: Cluster, plain: Plain, prompts: list[str]) -> None:

@@ -1,0 +1,184 @@
+"""Stream the prefill's token at once: the first token of a P/D request costs one prefill.
+
+The prefill worker runs the prompt with ``max_tokens=1`` and so samples the first output token
+anyway. Classic P/D (vLLM's toy proxy, SGLang's router) throws it away and waits for the decode
+worker to recompute the last prompt position and sample it again: the client's first token then
+waits for the decode request, the KV pull and a decode step (~20-60 ms here, ~58 ms of recompute
+alone in vllm#50913). Here the router sends that token to the client as soon as the prefill
+answers and asks the decode worker to *continue* from it: the decode request's prompt is the
+prompt's token ids plus the sampled token, the KV of the prompt comes from the prefill (the
+connector pulls only the tokens the prefill holds) and the decode computes the one new position,
+exactly what a plain engine does after sampling its first token. Greedy output is unchanged;
+sampled output has the same distribution.
+
+Only requests whose every field keeps that true take this path (``eligible``): a single prompt,
+streaming, ``n == 1``, ``max_tokens`` unset or > 1, no stop strings, logprobs, echo, penalties
+over the output, structured output, tools or seeded sampling. Everything else, and a prefill
+whose token ended the request or is an incomplete UTF-8 sequence, uses classic P/D.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from router.api.schemas import Endpoint
+
+_SAMPLING = {"temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop_token_ids",
+             "repetition_penalty", "skip_special_tokens", "spaces_between_special_tokens",
+             "include_stop_str_in_output", "min_tokens", "user", "seed"}
+"""Request fields that mean the same for the continuation as for the whole request."""
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "n", "best_of", "stop",
+           "presence_penalty", "frequency_penalty", "logprobs"} | _SAMPLING
+_COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs",
+                          "add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice"}
+_EMPTY: tuple[Any, ...] = (None, False, 0, 0.0, "", [], {})
+
+
+def eligible(endpoint: Endpoint, body: Mapping[str, Any]) -> bool:
+    """True when continuing from the prefill's token gives what the whole request would."""
+    allowed = _CHAT_FIELDS if endpoint.chat else _COMPLETION_FIELDS
+    if set(body) - allowed or body.get("stream") is not True:
+        return False
+    for name in ("stop", "presence_penalty", "frequency_penalty", "logprobs", "echo",
+                 "top_logprobs", "tools", "tool_choice"):
+        if body.get(name) not in _EMPTY and body.get(name) != "none":
+            return False
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
+        return False
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_tokens is not None and max_tokens < 2:
+        return False
+    if body.get("seed") is not None and body.get("temperature") != 0:
+        return False  # a seeded sample must come from one generator, as on one engine
+    if body.get("add_generation_prompt") is False:
+        return False
+    if endpoint.chat:
+        return True
+    prompt = body.get("prompt")
+    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt)
+                                       and all(isinstance(t, int) for t in prompt))
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """What the prefill sampled, and the ids its KV belongs to."""
+
+    response_id: str
+    created: int
+    model: str
+    text: str
+    token_id: int
+    prompt_token_ids: tuple[int, ...]
+
+
+def parse_prefill(data: Any) -> FirstToken | None:
+    """The prefill's token when the request can continue from it, else None (classic P/D)."""
+    if not isinstance(data, dict):
+        return None
+    choices = data.get("choices") or []
+    if len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    choice = choices[0]
+    text = choice.get("text")
+    if text is None and isinstance(choice.get("message"), dict):
+        text = choice["message"].get("content")
+    token_ids = choice.get("token_ids")
+    prompt_ids = data.get("prompt_token_ids") or choice.get("prompt_token_ids")
+    if (choice.get("finish_reason") != "length" or not isinstance(text, str) or "\ufffd" in text
+            or not isinstance(token_ids, list) or len(token_ids) != 1
+            or not isinstance(prompt_ids, list) or not prompt_ids):
+        return None
+    return FirstToken(str(data.get("id", "")), int(data.get("created", 0)),
+                      str(data.get("model", "")), text, int(token_ids[0]),
+                      tuple(int(t) for t in prompt_ids))
+
+
+def continuation_body(body: Mapping[str, Any], first: FirstToken,
+                      kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """The decode request (always ``/v1/completions``): prompt ids + the first token, one
+    token less to generate, the prefill's ``kv_transfer_params``."""
+    out: dict[str, Any] = {k: body[k] for k in _SAMPLING if k in body}
+    out["model"] = body["model"]
+    out["prompt"] = [*first.prompt_token_ids, first.token_id]
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_tokens is not None:
+        out["max_tokens"] = max_tokens - 1
+    if isinstance(out.get("min_tokens"), int):
+        out["min_tokens"] = max(0, out["min_tokens"] - 1)
+    out["stream"] = True
+    if body.get("stream_options") is not None:
+        out["stream_options"] = body["stream_options"]
+    out["kv_transfer_params"] = kv_transfer_params
+    return out
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + \
+        b"\n\n"
+
+
+def first_events(endpoint: Endpoint, first: FirstToken) -> bytes:
+    """The SSE events that carry the first token (chat: the role chunk, then the content)."""
+    head = {"id": first.response_id, "created": first.created, "model": first.model}
+    if not endpoint.chat:
+        return _event({**head, "object": "text_completion", "choices": [
+            {"index": 0, "text": first.text, "logprobs": None, "finish_reason": None,
+             "stop_reason": None}], "usage": None})
+    chunk = {**head, "object": "chat.completion.chunk"}
+    role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}
+    content = {"index": 0, "delta": {"content": first.text}, "logprobs": None,
+               "finish_reason": None}
+    return _event({**chunk, "choices": [role]}) + _event({**chunk, "choices": [content]})
+
+
+class ContinuationRewriter:
+    """Turns the decode's completion stream into the rest of the client's stream: usage counts
+    the first token as output (not prompt), chat requests get chat chunks under the prefill's id."""
+
+    def __init__(self, endpoint: Endpoint, first: FirstToken) -> None:
+        self.endpoint = endpoint
+        self.first = first
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Rewrite every complete event in ``chunk`` (partial events wait for the rest)."""
+        self._buf += chunk.replace(b"\r\n", b"\n")
+        *events, self._buf = self._buf.split(b"\n\n")
+        return b"".join(self._rewrite(e) for e in events if e.strip())
+
+    def flush(self) -> bytes:
+        """Whatever is left when the stream ends."""
+        rest, self._buf = self._buf, b""
+        return self._rewrite(rest) if rest.strip() else b""
+
+    def _rewrite(self, event: bytes) -> bytes:
+        if not event.startswith(b"data:"):
+            return event + b"\n\n"
+        payload = event[5:].strip()
+        if payload == b"[DONE]":
+            return b"data: [DONE]\n\n"
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return event + b"\n\n"
+        if not isinstance(data, dict) or "error" in data:
+            return event + b"\n\n"
+        usage = data.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            usage["prompt_tokens"] -= 1
+            usage["completion_tokens"] = int(usage.get("completion_tokens") or 0) + 1
+        data["id"] = self.first.response_id
+        if self.endpoint.chat:
+            data["object"] = "chat.completion.chunk"
+            data["choices"] = [
+                {"index": c.get("index", 0),
+                 "delta": {"content": c["text"]} if c.get("text") else {},
+                 "logprobs": None, "finish_reason": c.get("finish_reason"),
+                 "stop_reason": c.get("stop_reason")}
+                for c in data.get("choices") or [] if isinstance(c, dict)]
+        return _event(data)
