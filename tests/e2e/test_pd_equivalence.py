@@ -76,7 +76,8 @@ def test_completions_match_plain(cluster: Cluster, plain: Plain, prompts: list[s
 
 def _paths(url: str) -> dict[str, float]:
     samples = scrape(url)
-    return {p: value(samples, "pdserve_router_paths_total", path=p) for p in ("pd", "pd_first_token")}
+    return {p: value(samples, "pdserve_router_paths_total", path=p)
+            for p in ("pd", "pd_first_token")}
 
 
 def test_completions_stream_match_plain(cluster: Cluster, plain: Plain,
