@@ -58,6 +58,10 @@ class RouterSettings:
     first_token_from_prefill: bool = True
     """Stream the token the prefill sampled at once and let the decode continue from it
     (``router.api.first_token``); off = classic P/D (the decode samples it again)."""
+    disagg_min_prefill_tokens: int = 0
+    """Selective disaggregation: a request whose prompt has fewer uncached tokens than this on
+    the decode worker the decode policy picks goes there whole, skipping the prefill hop
+    (``router.policy.disagg``); 0 disaggregates every request."""
     timeline_file: str | None = None
     """If set, every finished request's phase timeline is appended here as one JSON line
     (wall-clock events and phase durations; see ``router.api.timeline``)."""
@@ -88,7 +92,7 @@ class RouterSettings:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("prefill_retries", "decode_retries", "failure_cooldown_s",
-                     "load_poll_interval_s"):
+                     "load_poll_interval_s", "disagg_min_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -126,6 +130,10 @@ def _parser() -> argparse.ArgumentParser:
                    action=argparse.BooleanOptionalAction,
                    help="stream the prefill's sampled token at once "
                    "(PDSERVE_ROUTER_FIRST_TOKEN_FROM_PREFILL, default on)")
+    p.add_argument("--disagg-min-prefill-tokens", dest="disagg_min_prefill_tokens", type=int,
+                   help="selective disaggregation: prompts with fewer uncached tokens (on the "
+                   "chosen decode worker) skip the prefill hop "
+                   "(PDSERVE_ROUTER_DISAGG_MIN_PREFILL_TOKENS, default 0 = always P/D)")
     p.add_argument("--timeline-file", dest="timeline_file",
                    help="append each request's phase timeline as a JSON line "
                    "(PDSERVE_ROUTER_TIMELINE_FILE)")
@@ -158,6 +166,7 @@ _ENV_NAMES = {
     "max_upstream_connections": "MAX_UPSTREAM_CONNECTIONS",
     "load_poll_interval_s": "LOAD_POLL_INTERVAL_S",
     "first_token_from_prefill": "FIRST_TOKEN_FROM_PREFILL",
+    "disagg_min_prefill_tokens": "DISAGG_MIN_PREFILL_TOKENS",
     "timeline_file": "TIMELINE_FILE",
     "otlp_traces_endpoint": "OTLP_TRACES_ENDPOINT",
 }

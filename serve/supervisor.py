@@ -55,6 +55,9 @@ class ClusterSettings:
     """Start one worker per pool and let `pdserve autoscale` size the pools."""
     autoscale_args: tuple[str, ...] = field(default_factory=tuple)
     drain_timeout_s: float = 300.0
+    aggregated: int = 0
+    """Plain (non-disaggregated) vLLM workers beside the P/D pools; with ``prefill`` and
+    ``decode`` 0 the cluster is aggregated only (``--mode aggregated --replicas N``)."""
     cpu_layout: str = "auto"
     """``auto``: each engine on its own cores when there are enough (see serve.cpu_layout);
     ``float``: every engine on every core."""
@@ -64,8 +67,16 @@ class ClusterSettings:
     """OTLP endpoint given to the router and every worker: one trace per request."""
 
     def __post_init__(self) -> None:
-        if self.prefill < 1 or self.decode < 1:
-            raise ValueError("--prefill and --decode must be >= 1")
+        if self.prefill < 0 or self.decode < 0 or self.aggregated < 0:
+            raise ValueError("worker counts must be >= 0")
+        if (self.prefill == 0) != (self.decode == 0):
+            raise ValueError("--prefill and --decode must both be >= 1 (or both 0 with "
+                             "aggregated workers)")
+        if self.prefill + self.aggregated == 0:
+            raise ValueError("the cluster needs a prefill and a decode worker, or an "
+                             "aggregated one")
+        if self.autoscale and self.prefill == 0:
+            raise ValueError("--autoscale sizes P/D pools; it needs --prefill and --decode")
         if self.cpu_layout not in ("auto", "float"):
             raise ValueError(f"--cpu-layout must be auto or float, got {self.cpu_layout!r}")
 
@@ -97,7 +108,8 @@ class Cluster:
             DEFAULT_SERVED_NAME if settings.model is None else settings.model)
         self._drains: set[asyncio.Task[None]] = set()
         self.cpu_plan: CpuPlan = plan_cpus(sorted(os.sched_getaffinity(0)),
-                                           settings.prefill + settings.decode,
+                                           settings.prefill + settings.decode
+                                           + settings.aggregated,
                                            settings.cpu_layout)
 
     @property
@@ -115,8 +127,9 @@ class Cluster:
             self.redis = start_redis()
             self.redis_url = self.redis.url
             logger.info("no Redis at %s: started one at %s", s.redis_url, self.redis_url)
-        for role, count in (("prefill", s.prefill), ("decode", s.decode)):
-            for _ in range(1 if s.autoscale else count):
+        for role, count in (("prefill", s.prefill), ("decode", s.decode),
+                            ("aggregated", s.aggregated)):
+            for _ in range(min(1, count) if s.autoscale and role != "aggregated" else count):
                 self.spawn_worker(role)
         logger.info("CPU layout: %s%s", self.cpu_plan.reason,
                     "".join(f"; engine {i}: cores {cpu_list(c)}"
@@ -274,6 +287,9 @@ async def run_cluster(settings: ClusterSettings) -> int:
         pools = f"{settings.prefill} prefill + {settings.decode} decode"
         if settings.autoscale:
             pools = f"autoscaled up to {pools}"
+        if settings.aggregated:
+            pools = f"{settings.aggregated} aggregated" + (
+                f" + {pools}" if settings.prefill else "")
         print(f"pdserve CPU layout: {cluster.cpu_plan.reason}", flush=True)
         print(f"pdserve ready: {cluster.url}/v1 (model {cluster.served_name}, {pools}, "
               f"redis {cluster.redis_url})", flush=True)
@@ -306,8 +322,15 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=env("PDSERVE_MODEL"),
                         help="model dir or HF id (default: the tiny offline model)")
     parser.add_argument("--served-model-name", default=env("PDSERVE_SERVED_MODEL_NAME"))
+    parser.add_argument("--mode", choices=["pd", "aggregated"], default=env("PDSERVE_MODE", "pd"),
+                        help="pd: prefill + decode pools (default); aggregated: --replicas plain "
+                             "vLLM workers behind the same router")
+    parser.add_argument("--replicas", type=int, default=int(env("PDSERVE_REPLICAS", "1")),
+                        help="workers of --mode aggregated")
     parser.add_argument("--prefill", type=int, default=int(env("PDSERVE_PREFILL", "1")))
     parser.add_argument("--decode", type=int, default=int(env("PDSERVE_DECODE", "1")))
+    parser.add_argument("--aggregated", type=int, default=int(env("PDSERVE_AGGREGATED", "0")),
+                        help="plain vLLM workers beside the P/D pools (a mixed fleet)")
     parser.add_argument("--port", type=int, default=int(env("PDSERVE_PORT", "8000")))
     parser.add_argument("--host", default=env("PDSERVE_HOST", "127.0.0.1"))
     parser.add_argument("--redis", default=env("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
@@ -338,8 +361,12 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> ClusterSettings:
     """ClusterSettings from parsed `pdserve up` flags."""
+    aggregated_only = args.mode == "aggregated"
     return ClusterSettings(model=args.model, served_model_name=args.served_model_name,
-                           prefill=args.prefill, decode=args.decode, port=args.port,
+                           prefill=0 if aggregated_only else args.prefill,
+                           decode=0 if aggregated_only else args.decode,
+                           aggregated=args.replicas if aggregated_only else args.aggregated,
+                           port=args.port,
                            host=args.host, redis_url=args.redis, policy=args.policy,
                            lease_s=args.lease_s, kv_cache_gib=args.kv_cache_gib,
                            worker_args=tuple(args.worker_arg), autoscale=args.autoscale,

@@ -65,8 +65,8 @@ class WorkerSettings:
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"--role must be prefill or decode, got {self.role!r}")
+        if self.role not in ("prefill", "decode", "aggregated"):
+            raise ValueError(f"--role must be prefill, decode or aggregated, got {self.role!r}")
 
 
 def kv_transfer_config(engine_id: str, *, lease_s: float, pull_timeout_s: float,
@@ -170,10 +170,10 @@ class WorkerLauncher:
 
     def start_vllm(self) -> subprocess.Popen[bytes]:
         s = self.settings
-        kv = kv_transfer_config(self.engine_id, lease_s=s.lease_s, pull_timeout_s=s.pull_timeout_s,
-                                handshake_file=self.handshake_file,
-                                corrupt_pulled_kv_file=s.corrupt_pulled_kv_file,
-                                timeline_file=s.timeline_file)
+        kv = None if s.role == "aggregated" else kv_transfer_config(
+            self.engine_id, lease_s=s.lease_s, pull_timeout_s=s.pull_timeout_s,
+            handshake_file=self.handshake_file, corrupt_pulled_kv_file=s.corrupt_pulled_kv_file,
+            timeline_file=s.timeline_file)
         extra = s.extra_vllm_args
         if s.otlp_traces_endpoint:
             extra = ("--otlp-traces-endpoint", s.otlp_traces_endpoint, *extra)
@@ -184,13 +184,15 @@ class WorkerLauncher:
         return self.proc
 
     async def _describe(self) -> WorkerRecord:
-        hs = json.loads(Path(self.handshake_file).read_text())
+        address = b""
+        if self.settings.role != "aggregated":  # plain vLLM: no connector, no UCX address
+            from kvtransfer.protocol import Handshake
+
+            hs = json.loads(Path(self.handshake_file).read_text())
+            address = Handshake.from_wire(hs["handshake"]).ucx_address
         async with httpx.AsyncClient(timeout=5.0) as client:
             models = (await client.get(f"{self.url}/v1/models")).json()["data"]
         max_len = int(models[0].get("max_model_len") or self.settings.max_model_len or 0)
-        from kvtransfer.protocol import Handshake
-
-        address = Handshake.from_wire(hs["handshake"]).ucx_address
         return WorkerRecord(worker_id=self.worker_id, role=self.settings.role,  # type: ignore[arg-type]
                             model=self.served_name, model_path=self.settings.model,
                             http_url=self.advertised_url, engine_id=self.engine_id,
@@ -245,7 +247,7 @@ class WorkerLauncher:
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `pdserve worker` (each mirrors a PDSERVE_WORKER_* env var)."""
     env = os.environ.get
-    parser.add_argument("--role", choices=["prefill", "decode"],
+    parser.add_argument("--role", choices=["prefill", "decode", "aggregated"],
                         default=env("PDSERVE_WORKER_ROLE"), required=not env("PDSERVE_WORKER_ROLE"))
     parser.add_argument("--model", default=env("PDSERVE_WORKER_MODEL"),
                         help="model dir or HF id (default: the tiny offline model)")

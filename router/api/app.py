@@ -35,6 +35,7 @@ from router.config import RouterSettings
 from router.errors import APIError, InvalidRequestError
 from router.metrics import RouterMetrics
 from router.policy.base import RouteRequest
+from router.policy.disagg import SelectiveDisaggregation
 from router.policy.hashing import block_hashes
 from router.policy.registry import create_decode_policy, create_prefill_policy
 from router.state.cluster import ClusterSource, ClusterView
@@ -68,7 +69,9 @@ class RouterService:
             params = {"ttft_slo_s": settings.ttft_slo_s,
                       "per_token_s": settings.prefill_s_per_token}
         self._prefill_policy = create_prefill_policy(settings.policy, **params)
+        self._aggregated_policy = create_prefill_policy(settings.policy, **params)
         self._decode_policy = create_decode_policy(settings.decode_policy)
+        self.disagg = SelectiveDisaggregation(settings.disagg_min_prefill_tokens)
 
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=self.settings.max_upstream_connections,
@@ -81,7 +84,9 @@ class RouterService:
         self.proxy = PDProxy(self.settings, self.cluster, self.metrics, self._prefill_policy,
                              self._decode_policy, self.tracker, self.client,
                              self.loads.loads if self.loads is not None else dict,
-                             on_done=self._timeline_done)
+                             on_done=self._timeline_done,
+                             aggregated_policy=self._aggregated_policy,
+                             decode_observers=(self.disagg.observe,))
         await self.cluster.start()
         if self.loads is not None:
             self.loads.start()
@@ -167,22 +172,40 @@ class RouterService:
         if not records:
             raise InvalidRequestError(f"The model '{req.model}' does not exist.",
                                       code="model_not_found", param="model", status=404)
-        for role in ("prefill", "decode"):
-            if not any(r.role == role for r in records):
-                raise APIError(f"no live {role} worker for model '{req.model}'", status=503,
-                               code="no_workers_available", type="service_unavailable")
+        roles = {r.role for r in records}
+        pd_ok = {"prefill", "decode"} <= roles
+        if not pd_ok and "aggregated" not in roles:
+            missing = "prefill" if "prefill" not in roles else "decode"
+            raise APIError(f"no live {missing} worker for model '{req.model}'", status=503,
+                           code="no_workers_available", type="service_unavailable")
         token_ids = await self._check_context(req, records, body)
         # hashed once here; prefix-aware policies and the load accounting reuse the blocks
         route = RouteRequest(request_id=clock.request_id, model=req.model,
                              prompt_token_ids=token_ids, block_hashes=block_hashes(token_ids))
         clock.mark("validated")
         assert self.proxy is not None, "RouterService.start() was not awaited"
+        stream = bool(req.stream)
+        if not pd_ok:  # aggregated workers only
+            self.metrics.paths.labels(path="aggregated", reason="no_pd_pool").inc()
+            return await self.proxy.decode(endpoint, body, None, route, incoming, stream=stream,
+                                           clock=clock, role="aggregated")
+        if self.disagg.enabled:
+            target = self.proxy.peek_decode(route)
+            choice = self.disagg.decide(route, target.worker_id) if target else None
+            if choice is not None and choice.path == "decode_only":
+                self.metrics.paths.labels(path="decode_only", reason=choice.reason).inc()
+                return await self.proxy.decode(endpoint, body, None, route, incoming,
+                                               stream=stream, clock=clock, first_choice=target)
         continue_from_prefill = self.settings.first_token_from_prefill and \
             first_token.eligible(endpoint, body)
         result = await self.proxy.prefill(endpoint, body, route, incoming, clock,
                                           token_ids=continue_from_prefill)
         if isinstance(result, Response):
             return result
+        if isinstance(result, WorkerRecord):  # mixed fleet: the policy chose a plain worker
+            self.metrics.paths.labels(path="aggregated", reason="aggregated_worker").inc()
+            return await self.proxy.decode(endpoint, body, None, route, incoming, stream=stream,
+                                           clock=clock, role="aggregated", first_choice=result)
         kv_params, prefill_worker, answer = result
         logger.debug("prefill done on %s", prefill_worker.worker_id)
         first = first_token.parse_prefill(answer) if continue_from_prefill else None
@@ -193,16 +216,19 @@ class RouterService:
         reason = "prefill_token_unusable" if continue_from_prefill else "not_eligible"
         self.metrics.paths.labels(path="pd", reason=reason).inc()
         return await self.proxy.decode(endpoint, body, kv_params, route, incoming,
-                                       stream=bool(req.stream), clock=clock)
+                                       stream=stream, clock=clock)
 
     def health(self) -> JSONResponse:
         prefill = len(self.cluster.workers("prefill"))
         decode = len(self.cluster.workers("decode"))
+        aggregated = len(self.cluster.workers("aggregated"))
         self.metrics.workers.labels(role="prefill").set(prefill)
         self.metrics.workers.labels(role="decode").set(decode)
-        ok = prefill > 0 and decode > 0
+        self.metrics.workers.labels(role="aggregated").set(aggregated)
+        ok = (prefill > 0 and decode > 0) or aggregated > 0
         body = {"status": "ok" if ok else "unavailable", "prefill_workers": prefill,
-                "decode_workers": decode, "redis": "ok" if self.cluster.redis_ok else "unreachable"}
+                "decode_workers": decode, "aggregated_workers": aggregated,
+                "redis": "ok" if self.cluster.redis_ok else "unreachable"}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     def workers(self) -> dict[str, Any]:

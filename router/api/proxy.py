@@ -38,6 +38,7 @@ from router.policy.base import (
     Finished,
     Membership,
     PlacementPolicy,
+    PolicyEvent,
     PrefixAware,
     RouteRequest,
 )
@@ -177,6 +178,8 @@ class PDProxy:
         client: httpx.AsyncClient,
         reported_loads: Callable[[], Mapping[str, WorkerLoad]] = dict,
         on_done: Callable[[PhaseClock, int], None] = lambda clock, status: None,
+        aggregated_policy: PlacementPolicy | None = None,
+        decode_observers: tuple[Callable[[PolicyEvent], None], ...] = (),
     ) -> None:
         self.settings = settings
         self.cluster = cluster
@@ -189,6 +192,11 @@ class PDProxy:
         """Workers' own fresh load reports (:class:`WorkerLoadPoller.loads`)."""
         self.on_done = on_done
         """Called once when a relayed stream ends (its timeline is complete)."""
+        self.aggregated_policy = aggregated_policy or prefill_policy
+        """Places requests among aggregated (plain) workers: a prefix-aware policy instance of
+        its own, so its rings hold only aggregated workers."""
+        self.decode_observers = decode_observers
+        """Also told of decode dispatches and membership (selective disaggregation's cache)."""
         self._prefill_timeout = httpx.Timeout(settings.prefill_timeout_s,
                                               connect=settings.connect_timeout_s)
         self._decode_timeout = httpx.Timeout(settings.decode_timeout_s,
@@ -198,13 +206,28 @@ class PDProxy:
 
     # -- bookkeeping -------------------------------------------------------------------------
 
+    def _policy(self, role: str) -> PlacementPolicy:
+        return {"prefill": self.prefill_policy, "decode": self.decode_policy,
+                "aggregated": self.aggregated_policy}[role]
+
+    def _live(self, role: str, model: str) -> list[WorkerRecord]:
+        """Workers placed by ``role``'s policy; in a mixed fleet the prefill policy places
+        prefill and aggregated workers together (an aggregated pick serves the whole request)."""
+        live = self.cluster.workers(role, model)
+        if role == "prefill":
+            live += self.cluster.workers("aggregated", model)
+        return live
+
     def _choose(self, role: str, route: RouteRequest, tried: set[str]) -> WorkerRecord | None:
-        live = self.cluster.workers(role, route.model)
-        policy = self.prefill_policy if role == "prefill" else self.decode_policy
+        live = self._live(role, route.model)
+        policy = self._policy(role)
         members = tuple(sorted(r.worker_id for r in live))
         if self._members.get((role, route.model)) != members:
             self._members[(role, route.model)] = members
             policy.observe(Membership(route.model, members))
+            if role == "decode":
+                for observe in self.decode_observers:
+                    observe(Membership(route.model, members))
         records = [r for r in live if r.worker_id not in tried]
         candidates = self.tracker.candidates(records, self.reported_loads())
         choice, reason = _select_with_reason(policy, route, candidates)
@@ -215,20 +238,33 @@ class PDProxy:
         tried.add(worker.worker_id)
         return worker
 
+    def peek_decode(self, route: RouteRequest) -> WorkerRecord | None:
+        """The decode worker the decode policy would pick now (nothing is recorded)."""
+        live = self._live("decode", route.model)
+        candidates = self.tracker.candidates(live, self.reported_loads())
+        choice, _ = _select_with_reason(self.decode_policy, route, candidates)
+        return None if choice is None else next(r for r in live
+                                                if r.worker_id == choice.worker_id)
+
     def _begin(self, role: str, route: RouteRequest, worker: WorkerRecord) -> None:
-        policy = self.prefill_policy if role == "prefill" else self.decode_policy
+        policy = self._policy(role)
         tokens = 0
-        if role == "prefill":
+        if role in ("prefill", "aggregated"):
             # uncached tokens: asked before Dispatched, which records the prompt as cached there
             cached = (policy.cached_prefix_tokens(route, worker.worker_id)
                       if isinstance(policy, PrefixAware) else 0)
             tokens = max(route.prompt_len - cached, 0)
-        policy.observe(Dispatched(route.request_id, worker.worker_id, route.model, route))
-        self.tracker.start(worker.worker_id, route.request_id, tokens, prefill=role == "prefill")
+        dispatched = Dispatched(route.request_id, worker.worker_id, route.model, route)
+        policy.observe(dispatched)
+        if role == "decode":
+            for observe in self.decode_observers:
+                observe(dispatched)
+        self.tracker.start(worker.worker_id, route.request_id, tokens,
+                           prefill=role in ("prefill", "aggregated"))
         self.metrics.in_flight.labels(role=role).inc()
 
     def _end(self, role: str, route: RouteRequest, worker: WorkerRecord, ok: bool) -> None:
-        policy = self.prefill_policy if role == "prefill" else self.decode_policy
+        policy = self._policy(role)
         policy.observe(Finished(route.request_id, worker.worker_id, route.model, ok))
         self.tracker.finish(worker.worker_id, route.request_id)
         self.metrics.in_flight.labels(role=role).dec()
@@ -250,9 +286,11 @@ class PDProxy:
     async def prefill(
         self, endpoint: Endpoint, body: dict[str, Any], route: RouteRequest,
         incoming: dict[str, str], clock: PhaseClock, *, token_ids: bool = False,
-    ) -> tuple[dict[str, Any], WorkerRecord, Any] | Response:
+    ) -> tuple[dict[str, Any], WorkerRecord, Any] | WorkerRecord | Response:
         """Run the prefill; returns (kv_transfer_params, worker, the prefill's JSON answer) or a
-        relayed 4xx response. ``token_ids`` asks for the prompt's and the sampled token's ids."""
+        relayed 4xx response; in a mixed fleet, the aggregated worker the prefill policy chose
+        instead (nothing sent yet). ``token_ids`` asks for the prompt's and the sampled token's
+        ids."""
         content = encode(prefill_body(endpoint, body, token_ids=token_ids))
         headers = self._headers(route, incoming)
         tried: set[str] = set()
@@ -262,6 +300,8 @@ class PDProxy:
             worker = self._choose("prefill", route, tried)
             if worker is None:
                 break
+            if worker.role == "aggregated":
+                return worker
             clock.mark("prefill_chosen")
             if attempt:
                 self.metrics.upstream_retries.labels(role="prefill").inc()
@@ -312,23 +352,31 @@ class PDProxy:
     # -- decode ------------------------------------------------------------------------------
 
     async def decode(
-        self, endpoint: Endpoint, body: dict[str, Any], kv_params: dict[str, Any],
+        self, endpoint: Endpoint, body: dict[str, Any], kv_params: dict[str, Any] | None,
         route: RouteRequest, incoming: dict[str, str], *, stream: bool, clock: PhaseClock,
+        role: str = "decode", first_choice: WorkerRecord | None = None,
     ) -> Response:
-        content = encode(decode_body(body, kv_params))
+        """Run the decode (``kv_params`` from the prefill), or the whole request on one worker
+        (``kv_params`` None: a decode worker skipping the prefill hop, or an aggregated worker,
+        ``role``); ``first_choice`` is a worker already chosen for the first attempt."""
+        content = encode(decode_body(body, kv_params) if kv_params is not None else body)
         headers = self._headers(route, incoming)
         tried: set[str] = set()
         retried: set[str] = set()
         last: UpstreamError | None = None
         for attempt in range(self.settings.decode_retries + 1):
-            worker = self._choose("decode", route, tried)
+            if attempt == 0 and first_choice is not None:
+                worker: WorkerRecord | None = first_choice
+                tried.add(first_choice.worker_id)
+            else:
+                worker = self._choose(role, route, tried)
             if worker is None:
                 break
             clock.mark("decode_chosen")
             if attempt:
-                self.metrics.upstream_retries.labels(role="decode").inc()
-            logger.debug("decode on %s (attempt %d)", worker.worker_id, attempt + 1)
-            self._begin("decode", route, worker)
+                self.metrics.upstream_retries.labels(role=role).inc()
+            logger.debug("%s on %s (attempt %d)", role, worker.worker_id, attempt + 1)
+            self._begin(role, route, worker)
             request = self.client.build_request("POST", worker.http_url + endpoint.path,
                                                 content=content, headers=headers,
                                                 timeout=self._decode_timeout)
@@ -339,8 +387,8 @@ class PDProxy:
                     if resp.status_code >= 500:
                         detail = (await resp.aread())[:500].decode(errors="replace")
                         last = UpstreamError(
-                            f"decode worker {worker.worker_id} answered {resp.status_code}: "
-                            f"{detail}", role="decode", kind="status")
+                            f"{role} worker {worker.worker_id} answered {resp.status_code}: "
+                            f"{detail}", role=role, kind="status")
                         self._failed(worker, last)
                         continue
                     if resp.status_code >= 400 or not stream:
@@ -360,20 +408,20 @@ class PDProxy:
                     clock.mark("decode_first_byte")
                     handed_over = True
                     self.tracker.mark_ok(worker.worker_id)
-                    return self._relay(endpoint, route, worker, resp, chunks, first, clock)
+                    return self._relay(endpoint, route, worker, resp, chunks, first, clock, role)
                 finally:
                     if not handed_over:
                         await resp.aclose()
             except httpx.HTTPError as exc:
-                last = _upstream_error("decode", worker, exc)
+                last = _upstream_error(role, worker, exc)
                 self._failed(worker, last)
                 _allow_same_worker_retry(exc, worker, tried, retried)
                 continue
             finally:
                 if not handed_over:
-                    self._end("decode", route, worker, ok=ok)
+                    self._end(role, route, worker, ok=ok)
         if last is None:
-            raise _no_workers("decode", route.model)
+            raise _no_workers(role, route.model)
         raise last
 
     def continue_stream(
@@ -471,6 +519,7 @@ class PDProxy:
     def _relay(
         self, endpoint: Endpoint, route: RouteRequest, worker: WorkerRecord,
         resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, clock: PhaseClock,
+        role: str = "decode",
     ) -> RelayResponse:
         state = {"done": False, "ok": True}
         detector = _FirstToken()
@@ -494,7 +543,7 @@ class PDProxy:
                         yield chunk
             except httpx.HTTPError as exc:
                 state["ok"] = False
-                err = _upstream_error("decode", worker, exc)
+                err = _upstream_error(role, worker, exc)
                 self._failed(worker, err)
                 event = {"error": {"message": f"decode failed mid-stream: {err.message}",
                                    "type": "upstream_error", "param": None,
@@ -507,7 +556,7 @@ class PDProxy:
                 return
             state["done"] = True
             # Bookkeeping first: the await below may be interrupted by cancellation.
-            self._end("decode", route, worker, ok=state["ok"])
+            self._end(role, route, worker, ok=state["ok"])
             clock.mark("done")
             metrics.requests.labels(endpoint=endpoint.name, status=str(resp.status_code)).inc()
             metrics.request_duration.labels(endpoint=endpoint.name).observe(

@@ -19,7 +19,8 @@ from router.errors import RegistryError
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "aggregated")
+"""``aggregated``: a plain vLLM server that serves whole requests (no KV connector)."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class WorkerRecord:
     """What a worker tells the cluster about itself."""
 
     worker_id: str
-    role: Literal["prefill", "decode"]
+    role: Literal["prefill", "decode", "aggregated"]
     model: str
     """Served model name (what clients put in ``model``)."""
     model_path: str
