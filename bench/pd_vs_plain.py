@@ -8,7 +8,9 @@ The same distinct prompts (exactly ``--prompt-tokens`` tokens, so no prefix-cach
 this machine, in one run:
 
   plain     one vLLM OpenAI server, no connector (the anchor);
-  pdserve   ``pdserve up``: router + 1 prefill + 1 decode, KV pulled over UCX;
+  pdserve   ``pdserve up``: router + 1 prefill + 1 decode, KV pulled over UCX, the prefill's
+            token streamed at once (``router.api.first_token``);
+  pdserve-classic (``--classic``) the same with ``--no-first-token-from-prefill``;
   nixl      (``--nixl``) two vLLM servers with ``NixlConnector`` behind the same router.
 
 Layouts (each one a column group): ``--isolate-cores`` gives every engine its own core(s), the
@@ -193,16 +195,20 @@ def bench_plain(model: Path, prompts: list[str], max_tokens: int, layout: str,
 
 
 def bench_pdserve(model: Path, prompts: list[str], max_tokens: int, layout: str,
-                  tmp: Path) -> SetupResult:
+                  tmp: Path, first_token: bool = True) -> SetupResult:
     from serve.supervisor import Cluster, ClusterSettings
 
-    router_tl, kv_tl = tmp / f"router-{layout}.jsonl", tmp / f"kv-{layout}.jsonl"
+    name = "pdserve" if first_token else "pdserve-classic"
+    router_tl, kv_tl = tmp / f"router-{name}-{layout}.jsonl", tmp / f"kv-{name}-{layout}.jsonl"
+    router_args = [f"--timeline-file={router_tl}"]
+    if not first_token:
+        router_args.append("--no-first-token-from-prefill")
     settings = ClusterSettings(
         model=str(model), served_model_name=SERVED, port=free_port(),
         redis_url=f"redis://127.0.0.1:{free_port()}/0",
         cpu_layout="auto" if layout == "isolated" else "float",
         worker_args=(f"--timeline-file={kv_tl}",),
-        router_args=(f"--timeline-file={router_tl}",))
+        router_args=tuple(router_args))
     cluster = Cluster(settings)
     cluster.start()
     try:
@@ -211,12 +217,12 @@ def bench_pdserve(model: Path, prompts: list[str], max_tokens: int, layout: str,
         if cluster.router is not None:
             named["router"] = cluster.router.pid
         placement = placement_of(named)
-        samples = run_prompts(cluster.url, prompts, max_tokens, f"pd-{layout}")
+        samples = run_prompts(cluster.url, prompts, max_tokens, f"{name}-{layout}")
         time.sleep(1.0)  # connector stats reach the API server with the next engine steps
         load = os.getloadavg()[:2]
     finally:
         cluster.stop()
-    return SetupResult("pdserve", layout, samples, placement, load,  # type: ignore[arg-type]
+    return SetupResult(name, layout, samples, placement, load,  # type: ignore[arg-type]
                        read_timelines([router_tl, kv_tl], samples))
 
 
@@ -341,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--breakdown", action="store_true",
                         help="print the phase breakdown from the router and connector timelines")
     parser.add_argument("--nixl", action="store_true", help="also run vLLM's NixlConnector")
+    parser.add_argument("--classic", action="store_true",
+                        help="also run classic P/D (--no-first-token-from-prefill: the decode "
+                             "samples the first token again), the behaviour before it")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
     layouts = [name for name, on in (("isolated", args.isolate_cores), ("float", args.floating))
@@ -358,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
             cpus = plan.slots[0] if layout == "isolated" and plan.isolated else ()
             results.append(bench_plain(model, prompts, args.max_tokens, layout, cpus))
             results.append(bench_pdserve(model, prompts, args.max_tokens, layout, Path(tmp)))
+            if args.classic:
+                results.append(bench_pdserve(model, prompts, args.max_tokens, layout, Path(tmp),
+                                             first_token=False))
     if args.nixl:
         nixl = bench_nixl(model, prompts[:3], args.max_tokens)
         if nixl is not None:
