@@ -1,0 +1,185 @@
+"""Goodput head-to-head: the highest request rate each setup serves at >= 90 % SLO attainment.
+
+    python -m bench.pd_goodput [--duration 40] [--rates 1,2,3,4,6,8] [--slo-ttft 1.0]
+                               [--slo-tpot 0.05] [--out DIR]
+
+One BurstGPT-shaped trace with long prompts (``pdserve bench synth``: median 1,000 prompt tokens,
+64 output tokens) is swept (``pdserve bench sweep``) on this machine against, in turn:
+
+  (a) pd          ``pdserve up``: 1 prefill + 1 decode (each engine on its own cores);
+  (b) aggregated  ``pdserve up --mode aggregated --replicas 2``: 2 plain vLLM workers behind the
+                  same router and policies;
+  (c) plain       one plain vLLM server (``pdserve worker --role aggregated``, no router);
+  (d) selective   (a) with ``--disagg-min-prefill-tokens`` (short or decode-cached prompts skip
+                  the prefill hop).
+
+Every setup is started through the ``pdserve`` CLI, swept alone, and stopped before the next.
+The table prints the highest passing rate, attainment at each rate tried, where each process
+ran and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+SETUPS = ("pd", "aggregated", "plain", "selective")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pdserve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "serve.cli", *args]
+
+
+def _wait(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{url} not ready in {timeout_s} s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _cores(pid: int) -> str:
+    """Which cores each process of the tree under ``pid`` may use."""
+    out = subprocess.run(["ps", "-o", "pid=,comm=", "--ppid", str(pid)], capture_output=True,
+                         text=True).stdout.split("\n")
+    found = []
+    for line in out:
+        parts = line.split()
+        if len(parts) >= 2:
+            child = int(parts[0])
+            try:
+                cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(child)))
+            except OSError:
+                continue
+            found.append(f"{parts[1]}[{child}]:{cpus}")
+    return " ".join(found)
+
+
+def start(setup: str, min_prefill_tokens: int) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``setup`` through the pdserve CLI; returns (process group leader, base URL)."""
+    port = _free_port()
+    redis = f"redis://127.0.0.1:{_free_port()}/0"
+    common = ["--port", str(port), "--redis", redis, "--served-model-name", "tiny-llama"]
+    if setup == "pd":
+        cmd = _pdserve("up", *common)
+    elif setup == "selective":
+        cmd = _pdserve("up", *common,
+                       f"--router-arg=--disagg-min-prefill-tokens={min_prefill_tokens}")
+    elif setup == "aggregated":
+        cmd = _pdserve("up", *common, "--mode", "aggregated", "--replicas", "2")
+    else:
+        cmd = _pdserve("worker", "--role", "aggregated", "--port", str(port),
+                       "--served-model-name", "tiny-llama")
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    _wait(url, proc)
+    return proc, url
+
+
+def sweep(url: str, trace: Path, out: Path, args: argparse.Namespace) -> dict[str, object]:
+    cmd = _pdserve("bench", "sweep", "--url", url, "--trace", str(trace), "--rates", args.rates,
+                   "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot),
+                   "--bisect-steps", str(args.bisect_steps), "--out", str(out),
+                   "--no-progress", "--no-plots", "--no-sessions")
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads((out / "sweep.json").read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--duration", type=float, default=40.0, help="trace seconds")
+    parser.add_argument("--rates", default="1,2,3,4,6,8", help="req/s tried in ascending order")
+    parser.add_argument("--bisect-steps", type=int, default=2)
+    parser.add_argument("--slo-ttft", type=float, default=1.0)
+    parser.add_argument("--slo-tpot", type=float, default=0.05)
+    parser.add_argument("--prompt-median", type=float, default=1000.0)
+    parser.add_argument("--response-median", type=float, default=64.0)
+    parser.add_argument("--min-prefill-tokens", type=int, default=512,
+                        help="selective disaggregation threshold of setup (d)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="pd-goodput-"))
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "trace.csv"
+    subprocess.run(_pdserve("bench", "synth", "--out", str(trace), "--duration",
+                            str(args.duration), "--rate", "1", "--prompt-median",
+                            str(args.prompt_median), "--response-median",
+                            str(args.response_median), "--max-prompt-tokens", "2500",
+                            "--max-response-tokens", "192", "--conversation-fraction", "0",
+                            "--seed", str(args.seed)), check=True, stdout=subprocess.DEVNULL)
+    results: dict[str, dict[str, object]] = {}
+    for setup in [s for s in args.setups.split(",") if s]:
+        if setup not in SETUPS:
+            raise SystemExit(f"unknown setup {setup!r}; allowed: {', '.join(SETUPS)}")
+        load0 = os.getloadavg()[0]
+        proc, url = start(setup, args.min_prefill_tokens)
+        try:
+            layout = _cores(proc.pid)
+            doc = sweep(url, trace, out / setup, args)
+            paths = {}
+            if setup in ("pd", "selective", "aggregated"):
+                text = httpx.get(f"{url}/metrics", timeout=10).text
+                for m in re.finditer(r'pdserve_router_paths_total\{path="(\w+)",reason="(\w+)"\}'
+                                     r" (\S+)", text):
+                    paths[f"{m[1]}/{m[2]}"] = float(m[3])
+        finally:
+            _stop(proc)
+        results[setup] = {"max_rate_rps": doc["max_rate_rps"], "points": doc["points"],
+                          "layout": layout, "load_before": load0,
+                          "load_after": os.getloadavg()[0], "paths": paths}
+        print(f"{setup:11s} max rate at >= 90% attainment: {doc['max_rate_rps']} req/s  "
+              f"(load {load0:.2f} -> {os.getloadavg()[0]:.2f}; {layout})", flush=True)
+    print(f"\ntrace: {trace} ({args.duration:.0f} s, prompt median {args.prompt_median:.0f}, "
+          f"output median {args.response_median:.0f}); SLO TTFT {args.slo_ttft} s, "
+          f"TPOT {args.slo_tpot} s")
+    print(f"\n{'setup':11s} {'max req/s':>10s}   attainment by rate")
+    for setup, r in results.items():
+        points: list[dict[str, float]] = r["points"]  # type: ignore[assignment]
+        pts = sorted(points, key=lambda p: p["rate"])
+        cells = " ".join(f"{p['rate']:g}:{p['slo_attainment']:.2f}" for p in pts)
+        print(f"{setup:11s} {r['max_rate_rps']!s:>10s}   {cells}")
+        if r["paths"]:
+            print(f"{'':11s} {'':>10s}   paths: {r['paths']}")
+    (out / "goodput.json").write_text(json.dumps(results, indent=2))
+    print(f"\nwritten: {out / 'goodput.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
