@@ -47,13 +47,18 @@ def _pdserve(*args: str) -> list[str]:
     return [sys.executable, "-m", "serve.cli", *args]
 
 
-def _wait(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 900.0) -> None:
+def _wait(url: str, proc: subprocess.Popen[bytes], workers: dict[str, int],
+          timeout_s: float = 900.0) -> None:
+    """Until ``url``/health answers 200 with at least ``workers`` (e.g. ``aggregated_workers``
+    2) registered."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{url}: server exited with {proc.returncode}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            resp = httpx.get(f"{url}/health", timeout=2)
+            if resp.status_code == 200 and all(resp.json().get(k, 0) >= n
+                                               for k, n in workers.items()):
                 return
         except httpx.HTTPError:
             pass
@@ -106,7 +111,7 @@ def start(setup: str, min_prefill_tokens: int) -> tuple[subprocess.Popen[bytes],
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    _wait(url, proc)
+    _wait(url, proc, {"aggregated_workers": 2} if setup == "aggregated" else {})
     return proc, url
 
 
