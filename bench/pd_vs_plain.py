@@ -168,8 +168,11 @@ def read_timelines(paths: list[Path], samples: list[Sample]) -> dict[str, dict[s
         first_token_wall = sample.sent_wall + sample.ttft_s
         phases = {"client.to_router": events["received"] - sample.sent_wall}
         phases.update({f"router.{k}": v for k, v in rec["phases"].items()})
-        if "decode_first_byte" in events:
-            phases["client.first_byte_to_client"] = first_token_wall - events["decode_first_byte"]
+        # the event after which the router relays the first token
+        relay = "prefill_answered" if rec.get("path") == "pd_first_token" else \
+            "decode_first_byte"
+        if relay in events:
+            phases["client.first_token_after_router"] = first_token_wall - events[relay]
         for x in lines:  # vLLM's ids embed the router's: cmpl-<id>-<n>-<suffix>
             if x["source"] == "kv" and rid in x["request_id"]:
                 phases.update({f"kv.{k}": v for k, v in x["phases"].items()})

@@ -186,6 +186,7 @@ class RouterService:
         assert self.proxy is not None, "RouterService.start() was not awaited"
         stream = bool(req.stream)
         if not pd_ok:  # aggregated workers only
+            clock.path = "aggregated"
             self.metrics.paths.labels(path="aggregated", reason="no_pd_pool").inc()
             return await self.proxy.decode(endpoint, body, None, route, incoming, stream=stream,
                                            clock=clock, role="aggregated")
@@ -193,6 +194,7 @@ class RouterService:
             target = self.proxy.peek_decode(route)
             choice = self.disagg.decide(route, target.worker_id) if target else None
             if choice is not None and choice.path == "decode_only":
+                clock.path = "decode_only"
                 self.metrics.paths.labels(path="decode_only", reason=choice.reason).inc()
                 return await self.proxy.decode(endpoint, body, None, route, incoming,
                                                stream=stream, clock=clock, first_choice=target)
@@ -203,6 +205,7 @@ class RouterService:
         if isinstance(result, Response):
             return result
         if isinstance(result, WorkerRecord):  # mixed fleet: the policy chose a plain worker
+            clock.path = "aggregated"
             self.metrics.paths.labels(path="aggregated", reason="aggregated_worker").inc()
             return await self.proxy.decode(endpoint, body, None, route, incoming, stream=stream,
                                            clock=clock, role="aggregated", first_choice=result)
@@ -210,10 +213,12 @@ class RouterService:
         logger.debug("prefill done on %s", prefill_worker.worker_id)
         first = first_token.parse_prefill(answer) if continue_from_prefill else None
         if first is not None:
+            clock.path = "pd_first_token"
             self.metrics.paths.labels(path="pd_first_token", reason="eligible").inc()
             return self.proxy.continue_stream(endpoint, body, first, kv_params, route, incoming,
                                               clock)
         reason = "prefill_token_unusable" if continue_from_prefill else "not_eligible"
+        clock.path = "pd"
         self.metrics.paths.labels(path="pd", reason=reason).inc()
         return await self.proxy.decode(endpoint, body, kv_params, route, incoming,
                                        stream=stream, clock=clock)

@@ -36,6 +36,8 @@ class PhaseClock:
     request_id: str
     mono: dict[str, float] = field(default_factory=dict)
     wall: dict[str, float] = field(default_factory=dict)
+    path: str = ""
+    """The path the request took (``pdserve_router_paths_total``'s label), once decided."""
     span: object | None = None
     """The request's trace span while tracing is on (see ``router.api.tracing``)."""
 
@@ -73,5 +75,5 @@ class PhaseClock:
 
     def record(self) -> dict[str, object]:
         """The JSON line of the timeline file."""
-        return {"source": "router", "request_id": self.request_id, "events": dict(self.wall),
-                "phases": self.phases()}
+        return {"source": "router", "request_id": self.request_id, "path": self.path,
+                "events": dict(self.wall), "phases": self.phases()}
