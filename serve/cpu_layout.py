@@ -48,3 +48,38 @@ def plan_cpus(cores: list[int] | tuple[int, ...], engines: int, mode: str = "aut
 def cpu_list(cpus: tuple[int, ...]) -> str:
     """``taskset``/vLLM style list: ``0``, ``2,3``."""
     return ",".join(str(c) for c in cpus)
+
+
+def worker_cpus(spec: str, role: str, available: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """Cores one worker pins itself to (empty = leave as is) from ``--cpus``:
+
+    - ``all``: no pinning;
+    - ``role``: prefill workers take the first half of ``available``, decode workers the second
+      half, aggregated workers all of them (deployments that cannot plan per replica, e.g.
+      Docker Compose: prefill and decode then never share a core);
+    - a list like ``0-3,8``: exactly those cores.
+    """
+    cores = sorted(available)
+    if spec in ("", "all"):
+        return ()
+    if spec == "role":
+        if role == "aggregated" or len(cores) < 2:
+            return ()
+        half = len(cores) // 2
+        return tuple(cores[:half]) if role == "prefill" else tuple(cores[half:])
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(
+                f"--cpus must be all, role or a list like 0-3,8; got {spec!r}") from None
+        if first > last:
+            raise ValueError(f"--cpus range {part!r} is empty")
+        out.update(range(first, last + 1))
+    missing = out - set(cores)
+    if missing:
+        raise ValueError(f"--cpus names cores {sorted(missing)} this process may not use "
+                         f"(allowed: {cpu_list(tuple(cores))})")
+    return tuple(sorted(out))

@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from router.state.registry import WorkerRecord, WorkerRegistry
+from serve.cpu_layout import cpu_list, worker_cpus
 from serve.redis_server import free_port
 from serve.tiny_model import SERVE_DTYPE, is_tiny_model
 
@@ -62,6 +63,8 @@ class WorkerSettings:
     """Append each request's connector timeline here as a JSON line (kvtransfer.timeline)."""
     otlp_traces_endpoint: str | None = None
     """Passed to vLLM's ``--otlp-traces-endpoint``: its request spans join the router's trace."""
+    cpus: str = "all"
+    """Cores the worker and its engine run on: ``all``, ``role`` or a list (serve.cpu_layout)."""
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -179,8 +182,12 @@ class WorkerLauncher:
             extra = ("--otlp-traces-endpoint", s.otlp_traces_endpoint, *extra)
         cmd = vllm_command(s.model, s.host, self.port, self.served_name, kv, s.max_model_len,
                            extra)
-        logger.info("starting vLLM %s worker on %s", s.role, self.url)
-        self.proc = subprocess.Popen(cmd, env=vllm_env(s.kv_cache_gib), start_new_session=True)
+        cpus = worker_cpus(s.cpus, s.role, sorted(os.sched_getaffinity(0)))
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        logger.info("starting vLLM %s worker on %s (%s)", s.role, self.url,
+                    f"cores {cpu_list(cpus)}" if cpus else "all cores")
+        self.proc = subprocess.Popen(cmd, env=vllm_env(s.kv_cache_gib), start_new_session=True,
+                                     preexec_fn=pin)
         return self.proc
 
     async def _describe(self) -> WorkerRecord:
@@ -268,6 +275,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="append each request's KV connector timeline (JSON lines)")
     parser.add_argument("--otlp-traces-endpoint", default=env("PDSERVE_OTLP_TRACES_ENDPOINT"),
                         help="vLLM's --otlp-traces-endpoint: request spans join the router's trace")
+    parser.add_argument("--cpus", default=env("PDSERVE_WORKER_CPUS", "all"),
+                        help="cores of this worker's engine: all (default), role (prefill the "
+                             "first half of the cores, decode the second), or a list like 0-3")
     parser.add_argument("--corrupt-pulled-kv-file", default=None, help=argparse.SUPPRESS)
 
 
@@ -285,5 +295,5 @@ def settings_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerSett
                           kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
                           corrupt_pulled_kv_file=args.corrupt_pulled_kv_file,
                           timeline_file=args.timeline_file,
-                          otlp_traces_endpoint=args.otlp_traces_endpoint,
+                          otlp_traces_endpoint=args.otlp_traces_endpoint, cpus=args.cpus,
                           extra_vllm_args=tuple(extra))

@@ -6,7 +6,6 @@ import pytest
 
 from kvtransfer.timeline import DECODE_CHAIN, PREFILL_CHAIN, PhaseJoiner
 from router.api.timeline import EVENTS, PhaseClock
-from serve.cpu_layout import plan_cpus
 
 
 def test_decode_chain_joins_events_from_both_halves_in_any_order() -> None:
@@ -64,19 +63,3 @@ def test_router_clock_keeps_the_first_stamp_and_rejects_unknown_events() -> None
     assert list(clock.phases()) == ["prefill_choose"]
     with pytest.raises(ValueError):
         clock.mark("nonsense")
-
-
-@pytest.mark.parametrize(("cores", "engines", "mode", "slots"), [
-    ([0, 1], 2, "auto", ((0,), (1,))),
-    ([0, 1, 2, 3, 4], 2, "auto", ((0, 1, 2), (3, 4))),
-    ([4, 5, 6, 7], 4, "auto", ((4,), (5,), (6,), (7,))),
-    ([0, 1], 3, "auto", ()),  # fewer cores than engines: float
-    ([0, 1, 2, 3], 2, "float", ()),
-])
-def test_cpu_plan(cores: list[int], engines: int, mode: str,
-                  slots: tuple[tuple[int, ...], ...]) -> None:
-    plan = plan_cpus(cores, engines, mode)
-    assert plan.slots == slots
-    assert plan.isolated == bool(slots)
-    flat = [c for s in plan.slots for c in s]
-    assert len(flat) == len(set(flat))  # disjoint
