@@ -11,6 +11,7 @@ Controllers (:class:`bench.sim.engine.PoolController`), each asked every ``inter
   (HPA-style) on the prefill busy fraction and the decode batch-slot occupancy
   (running / ``max_running``, the simulator's analogue of ``vllm:kv_cache_usage_perc``).
 - :class:`ScriptedController`: fixed ``(time_s, prefill, decode)`` steps (tests).
+- :class:`StaticController`: fixed pools that stop a run once it cannot reach its target.
 
 The static pool needs no controller. :func:`autoscale_summary` gives the per-run numbers of
 ``pdserve sim --autoscale``: billed instance-seconds, SLO attainment on both SLOs, maxima.
@@ -33,12 +34,14 @@ from router.autoscale.threshold import ThresholdAutoscaler
 
 AUTOSCALERS = ("planner", "threshold", "static")
 
-#: The planner's knobs in the simulator: its defaults except a 20 s scale-down cooldown (the
-#: planner removes one instance per step, so with 60 s a pool comes down from a peak of N
-#: instances in N minutes, the largest waste in simulation) and a 0.9 target utilisation (the
-#: fitted p90 model already carries the queueing headroom; on the full trace 0.8 cost 5 % more
-#: instance-seconds and met the SLOs no more often: 0.946 vs 0.950).
-SIM_PLANNER = PlannerConfig(scale_down_cooldown_s=20.0, target_utilisation=0.9)
+#: The planner's knobs in the simulator: its defaults except a 20 s scale-down cooldown (with
+#: 60 s a pool comes down from a peak of N instances in N minutes, the largest waste in
+#: simulation), a 0.9 target utilisation (the fitted p90 model already carries the queueing
+#: headroom) and scale-down once the remaining instances would run below 0.8 of capacity (0.6
+#: held a 10-instance pool at the peak of a ramp that 7 served). Tuned on seeds 0-2 of the
+#: steps, ramp and diurnal shapes (``bench.autoscale_sim.TUNED``).
+SIM_PLANNER = PlannerConfig(scale_down_cooldown_s=20.0, target_utilisation=0.9,
+                            safety_utilisation=0.8)
 
 
 def capacity_models(prefill: PrefillPerf, decode: DecodePerf, mean_context_tokens: float,
@@ -46,16 +49,14 @@ def capacity_models(prefill: PrefillPerf, decode: DecodePerf, mean_context_token
     """The planner's profile of the simulated hardware, as ``pdserve bench profile`` would
     measure it; every time multiplied by ``bias``.
 
-    Prefill: cost per uncached token and per batch, and the TTFT latency outside the prefill
-    queue: KV transfer + first decode step at the workload's mean context (without it the
-    planner's online fit would read a model 1.5x too optimistic at every load).
+    Prefill: cost per uncached token and per batch, and the KV transfer per prompt token (the
+    planner adds it and the first decode step to the TTFT, ``PrefillModel.with_handoff``).
     Decode: step time per running sequence at the mean context (the simulator charges
     ``per_ctx_token_s`` per context token)."""
     if bias <= 0:
         raise ValueError("profile bias must be > 0")
-    latency = (decode.kv_transfer_s_per_token * mean_context_tokens
-               + decode.step_time_s(1, round(mean_context_tokens)))
-    return (PrefillModel(prefill.per_token_s * bias, prefill.overhead_s * bias, latency * bias),
+    return (PrefillModel(prefill.per_token_s * bias, prefill.overhead_s * bias,
+                         kv_s_per_token=decode.kv_transfer_s_per_token * bias),
             DecodeModel(decode.step_s * bias,
                         (decode.per_seq_s + decode.per_ctx_token_s * mean_context_tokens) * bias,
                         decode.max_running))
@@ -83,7 +84,10 @@ def observation(stats: IntervalStats) -> Observation:
         tpot_p90_s=_p90(stats.tpot_s),
         tpot_mean_s=statistics.fmean(stats.tpot_s) if stats.tpot_s else None,
         prefill_starting=max(0, stats.prefill_replicas - stats.prefill_ready),
-        decode_starting=max(0, stats.decode_replicas - stats.decode_ready))
+        decode_starting=max(0, stats.decode_replicas - stats.decode_ready),
+        mean_prompt_tokens=stats.prompt_tokens / max(1, len(stats.uncached_per_request))
+        if stats.prompt_tokens else None,
+        prefilled=len(stats.uncached_per_request))
 
 
 @dataclass
@@ -142,6 +146,35 @@ class ScriptedController:
             if stats.now_s >= t:
                 want = (p, d)
         return want
+
+
+class Hopeless(Exception):
+    """A static run has already missed more requests than its target allows."""
+
+
+@dataclass
+class StaticController:
+    """Fixed pools that give up early: once more than ``miss_budget`` requests missed the TTFT
+    SLO (or the TPOT SLO) the run cannot reach its target, and :class:`Hopeless` stops it (an
+    overloaded pool's queues grow without bound and take long to simulate)."""
+
+    pools: tuple[int, int]
+    ttft_slo_s: float
+    tpot_slo_s: float
+    miss_budget: int
+    interval_s: float = 10.0
+    _ttft_misses: int = 0
+    _tpot_misses: int = 0
+
+    def initial(self) -> tuple[int, int]:
+        return self.pools
+
+    def decide(self, stats: IntervalStats) -> tuple[int, int]:
+        self._ttft_misses += sum(t > self.ttft_slo_s for t in stats.ttft_s)
+        self._tpot_misses += sum(t > self.tpot_slo_s for t in stats.tpot_s)
+        if max(self._ttft_misses, self._tpot_misses) > self.miss_budget:
+            raise Hopeless(f"{self.pools}: over {self.miss_budget} misses")
+        return self.pools
 
 
 @dataclass(frozen=True)

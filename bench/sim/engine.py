@@ -171,6 +171,8 @@ class IntervalStats:
     """Running sequences / ``max_running`` over the serving decode instances (0..1)."""
     uncached_per_request: tuple[int, ...] = ()
     """Uncached prompt tokens of each request prefilled in the interval."""
+    prompt_tokens: int = 0
+    """Whole prompt tokens (cached ones too) of the requests prefilled in the interval."""
 
 
 class PoolController(Protocol):
@@ -260,7 +262,7 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
     DONE_P, DONE_D, READY_P, READY_D, TICK = 1, 2, 3, 4, 5
     # interval counters for the controller
     last_tick = 0.0
-    n_arr = unc_tok = out_tok = 0
+    n_arr = unc_tok = out_tok = prompt_tok = 0
     iv_ttft: list[float] = []
     iv_tpot: list[float] = []
     iv_unc: list[int] = []
@@ -319,7 +321,7 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
         policy.observe(Membership(MODEL, tuple(inst)))
 
     def start_batch(p: _Prefill, now: float) -> None:
-        nonlocal unc_tok
+        nonlocal unc_tok, prompt_tok
         batch: list[_Job] = []
         tokens = 0
         cached_sum = 0
@@ -333,6 +335,7 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
             p.queue.popleft()
             job.cached, job.uncached = hit, unc
             iv_unc.append(unc)
+            prompt_tok += n
             batch.append(job)
             tokens += unc
             cached_sum += hit
@@ -466,7 +469,7 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
                 stop(d, now)
 
     def tick(now: float) -> None:
-        nonlocal last_tick, n_arr, unc_tok, out_tok, iv_ttft, iv_tpot, iv_unc, p_busy
+        nonlocal last_tick, n_arr, unc_tok, out_tok, iv_ttft, iv_tpot, iv_unc, p_busy, prompt_tok
         nonlocal p_area, d_area, run_area
         assert controller is not None
         advance(now)
@@ -478,8 +481,9 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
         stats = IntervalStats(
             now, interval, n_arr, unc_tok, out_tok, tuple(iv_ttft), tuple(iv_tpot), pt, dt,
             pr, dr, min(1.0, p_busy / p_area) if p_area > 0 else 0.0,
-            min(1.0, run_area / (d_area * dp.max_running)) if d_area > 0 else 0.0, tuple(iv_unc))
-        last_tick, n_arr, unc_tok, out_tok = now, 0, 0, 0
+            min(1.0, run_area / (d_area * dp.max_running)) if d_area > 0 else 0.0, tuple(iv_unc),
+            prompt_tok)
+        last_tick, n_arr, unc_tok, out_tok, prompt_tok = now, 0, 0, 0, 0
         iv_ttft, iv_tpot, iv_unc, p_busy, p_area, d_area, run_area = [], [], [], 0.0, 0.0, 0.0, 0.0
         want_p, want_d = controller.decide(stats)
         if resize_prefill(max(1, want_p), now):

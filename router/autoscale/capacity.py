@@ -8,9 +8,13 @@ s_per_token`` (batching amortises the per-request overhead). The mean wait is
 / 2: 0.5 is DistServe's M/D/1, 1.0 the default; BurstGPT-like bursts and heavy-tailed prompt
 lengths measure 2 to 5) and its tail is exponential, ``P(wait > t) = rho * exp(-t * rho / W)``,
 so the ``q``-quantile wait is ``W / rho * ln(rho / (1 - q))`` (0 while ``rho <= 1 - q``). TTFT =
-``latency_s`` (outside the prefill queue: KV transfer, the first decode step) + ``D`` + wait;
+``latency_s`` + ``handoff_s`` (outside the prefill queue, below) + ``D`` + wait;
 its quantile adds the quantile wait to the service time of the quantile prompt (``tail_isl``:
 prompt lengths are heavy-tailed, so at low load the p90 TTFT is the p90 prompt's prefill).
+In P/D the TTFT also holds the handoff: the KV transfer of the whole context
+(``kv_s_per_token`` x prompt tokens, cached ones included) and the first decode step at the
+decode pool's batch; :meth:`PrefillModel.with_handoff` sets it each interval, so the budget
+left for queueing shrinks as decode batches grow and the online fit compares like with like.
 Capacity = the largest load whose TTFT (mean, or quantile) stays within the SLO.
 
 Decode: one engine step over ``b`` running sequences takes ``step_base_s + step_per_seq_s * b``.
@@ -43,7 +47,14 @@ class PrefillModel:
     s_per_token: float = 1e-4
     overhead_s: float = 0.005
     latency_s: float = 0.0
+    """Fixed TTFT outside the prefill queue (network, router)."""
     variability: float = 1.0
+    kv_s_per_token: float = 0.0
+    """KV transfer to the decode worker per prompt token (cached ones too: the whole
+    context moves)."""
+    handoff_s: float = 0.0
+    """TTFT after the prefill of the current traffic: the KV transfer plus the first decode
+    step (set by :meth:`with_handoff`)."""
 
     def scaled(self, factor: float) -> PrefillModel:
         """The same instance with every prefill ``factor`` x slower."""
@@ -53,6 +64,17 @@ class PrefillModel:
     def with_variability(self, variability: float) -> PrefillModel:
         """The same instance under traffic of another ``variability``."""
         return replace(self, variability=variability)
+
+    def with_handoff(self, context_tokens: float, first_step_s: float) -> PrefillModel:
+        """The same instance whose requests carry ``context_tokens`` of KV to a decode worker
+        and then wait ``first_step_s`` for its first step: both are part of the TTFT."""
+        return replace(self, handoff_s=self.kv_s_per_token * max(0.0, context_tokens)
+                       + max(0.0, first_step_s))
+
+    @property
+    def outside_s(self) -> float:
+        """TTFT outside the prefill queue and service: fixed latency plus the handoff."""
+        return self.latency_s + self.handoff_s
 
     def request_s(self, isl: float) -> float:
         """Service time of one prefill of ``isl`` uncached tokens."""
@@ -72,7 +94,7 @@ class PrefillModel:
         """The queueing part of :meth:`ttft_s` (mean, or its ``quantile``)."""
         d = self.request_s(isl)
         return self._ttft(d, min(0.999, tokens_per_s * self.s_per_token), quantile, d) \
-            - self.latency_s - d
+            - self.outside_s - d
 
     def mean_ttft_s(self, isl: float, tokens_per_s: float) -> float:
         """Predicted mean TTFT of an instance offered ``tokens_per_s`` uncached tokens/s."""
@@ -82,7 +104,7 @@ class PrefillModel:
                      tail_isl: float | None = None) -> float:
         """Uncached tokens/s one instance sustains with its TTFT (mean, or ``quantile``, see
         :meth:`ttft_s`) within ``ttft_slo_s``."""
-        d, budget = self.request_s(isl), ttft_slo_s - self.latency_s
+        d, budget = self.request_s(isl), ttft_slo_s - self.outside_s
         d_tail = self.request_s(max(isl, tail_isl or isl)) if quantile is not None else d
         if d_tail >= budget:
             return 0.0
@@ -102,12 +124,12 @@ class PrefillModel:
 
     def _ttft(self, d: float, rho: float, quantile: float | None, d_tail: float) -> float:
         if rho <= 0:
-            return self.latency_s + (d if quantile is None else d_tail)
+            return self.outside_s + (d if quantile is None else d_tail)
         scale = self.variability * d / (1 - rho)  # mean wait of those who wait
         if quantile is None:
-            return self.latency_s + d + rho * scale
+            return self.outside_s + d + rho * scale
         wait = scale * math.log(rho / (1 - quantile)) if rho > 1 - quantile else 0.0
-        return self.latency_s + d_tail + wait
+        return self.outside_s + d_tail + wait
 
 
 @dataclass(frozen=True)
@@ -190,7 +212,8 @@ def load_profile(path: str | Path) -> tuple[PrefillModel, DecodeModel]:
     overhead = p.get("overhead_s", p.get("fixed_s", PrefillModel.overhead_s))
     prefill = PrefillModel(float(s_per_token), float(overhead),
                            float(p.get("latency_s", PrefillModel.latency_s)),
-                           float(p.get("variability", PrefillModel.variability)))
+                           float(p.get("variability", PrefillModel.variability)),
+                           float(p.get("kv_s_per_token", PrefillModel.kv_s_per_token)))
     if "points" in d and d["points"]:
         base, per_seq = fit_line([(float(pt["batch_size"]), float(pt["step_s"]))
                                   for pt in d["points"]])

@@ -4,7 +4,12 @@ Each interval the planner forecasts the arrival rate and the mean uncached input
 lengths, turns them into load (prefill: uncached tokens/s; decode: output tokens/s), and
 divides by what one instance sustains within its SLO (``capacity.py``).
 The load is the larger of the next interval's forecast and the forecast ``forecast_horizon_s``
-ahead (a worker's start time: an instance asked for now serves only then). The models are
+ahead (a worker's start time: an instance asked for now serves only then), times a headroom
+for bursts learned from this trace's own history (``predictors.BurstHeadroom``: the
+``burst_quantile`` of how far the rate overshot the forecast within a start time plus an
+interval), plus any backlog (arrived, not yet prefilled) drained within ``backlog_drain_s``.
+The prefill model's TTFT holds the handoff to decode (KV transfer of the whole context and the
+first decode step, ``capacity.PrefillModel.with_handoff``). The models are
 fitted online: each interval the planner compares the latency it observed with what its model
 predicts for the load each serving instance got. Prefill: a light interval (the model puts
 under ``queue_share`` of the p90 TTFT in queueing) fits the service-time scale (the
@@ -13,7 +18,8 @@ under ``queue_share`` of the p90 TTFT in queueing) fits the service-time scale (
 Decode: the mean TPOT fits the step-time scale. Each fit is an EWMA. Then:
 
 - scale up at once (at most ``max_scale_up_factor`` x current per interval);
-- scale down one instance at a time, only after ``scale_down_cooldown_s`` since the pool last
+- scale down ``max_scale_down_step`` instances at a time, only after ``scale_down_cooldown_s``
+  since the pool last
   changed, never while one of its instances is still starting, and only if the remaining
   instances stay below ``safety_utilisation``;
 - panic: when the observed p90 latency breaks its SLO by ``panic_factor`` while the model says
@@ -26,11 +32,11 @@ Parameters (defaults) are the fields of :class:`PlannerConfig`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from router.autoscale.capacity import DecodeModel, PrefillModel, fit_scale
-from router.autoscale.predictors import Predictor, make_predictor
+from router.autoscale.predictors import BurstHeadroom, Predictor, make_predictor
 
 Pool = Literal["prefill", "decode"]
 
@@ -60,6 +66,24 @@ class PlannerConfig:
     predictor: str = "holt"
     forecast_horizon_s: float = 30.0
     """Also plan for the load forecast this far ahead (about a worker's start time)."""
+    tail_prompt: bool = True
+    """Size prefill for the tail prompt's TTFT (else the mean prompt's): a long prompt's own
+    prefill can take most of the SLO, and no number of instances shortens it."""
+    burst_quantile: float = 0.9
+    """Size for this quantile of the rate's overshoot of its forecast within a worker start
+    plus an interval (0 disables the headroom)."""
+    burst_window_s: float = 900.0
+    """History the burst headroom is learned from."""
+    max_headroom: float = 10.0
+    """Cap of the burst headroom factor."""
+    free_headroom: float = 2.0
+    """Headroom up to this factor applies even above the highest rate seen (a ramp's
+    forecast lags its rise); beyond it the plan stops at the ``burst_quantile`` of the rates
+    seen (a 10x factor at a quiet level asks for the peak, not 10x the peak)."""
+    backlog_drain_s: float = 30.0
+    """Size to drain the observed backlog (arrived, not yet prefilled) within this long."""
+    max_scale_down_step: int = 1
+    """Instances removed per interval at most."""
     correction_alpha: float = 0.3  # 0 disables the online fits
     """EWMA weight of each interval's fitted service-time scale or variability."""
     correction_bounds: tuple[float, float] = (0.5, 2.0)
@@ -75,6 +99,10 @@ class PlannerConfig:
             raise ValueError("need 1 <= min_replicas <= max_replicas")
         if not 0 < self.safety_utilisation <= self.target_utilisation <= 1:
             raise ValueError("need 0 < safety_utilisation <= target_utilisation <= 1")
+        if not 0 <= self.burst_quantile < 1 or self.max_headroom < 1:
+            raise ValueError("need 0 <= burst_quantile < 1 and max_headroom >= 1")
+        if self.backlog_drain_s <= 0 or self.max_scale_down_step < 1:
+            raise ValueError("need backlog_drain_s > 0 and max_scale_down_step >= 1")
 
 
 @dataclass(frozen=True)
@@ -100,6 +128,11 @@ class Observation:
     prefill_starting: int = 0
     """Of ``prefill_replicas``, instances asked for but not serving yet."""
     decode_starting: int = 0
+    mean_prompt_tokens: float | None = None
+    """Mean whole prompt (cached tokens too) per request prefilled: the KV that moves to
+    decode (None: take ``mean_isl``)."""
+    prefilled: int | None = None
+    """Requests whose prefill finished in the interval (None: unknown, no backlog term)."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +145,15 @@ class Decision:
     reason: str
     """One of: steady, scale_up, scale_down, cooldown, panic, bounds."""
     load: float
+    """Load sized for: forecast x headroom + backlog (prefill: uncached tokens/s; decode:
+    output tokens/s)."""
     capacity_per_instance: float
+    predicted_load: float = 0.0
+    """The forecast load, before headroom and backlog."""
+    observed_load: float = 0.0
+    """The load of the interval just observed."""
+    headroom: float = 1.0
+    """Burst headroom factor applied to the forecast."""
 
     @property
     def direction(self) -> str:
@@ -140,9 +181,13 @@ class Planner:
     _osl: Predictor = field(init=False)
     _pools: dict[str, _PoolState] = field(init=False)
     _variability: float = field(init=False)
+    _burst: BurstHeadroom | None = field(init=False, default=None)
+    _backlog: float = field(init=False, default=0.0)
+    _ctx: Predictor = field(init=False)
 
     def __post_init__(self) -> None:
         self._rate = make_predictor(self.config.predictor)
+        self._ctx = make_predictor("ewma")  # whole prompt tokens per request
         self._isl = make_predictor("ewma")
         self._isl_tail = make_predictor("ewma")  # p90 / mean uncached prompt length
         self._osl = make_predictor("ewma")
@@ -168,18 +213,22 @@ class Planner:
         return (1 - a) * old + a * fitted
 
     def _fit_prefill(self, observed_p90: float | None, isl: float, tail_isl: float,
-                     per_instance: float) -> None:
+                     per_instance: float, context: float, first_step_s: float) -> None:
         """Light interval (little predicted queueing): fit the service-time scale; loaded
-        interval: fit the queue's variability."""
+        interval: fit the queue's variability. The model's TTFT holds the interval's own
+        handoff (KV transfer of ``context`` tokens, a first decode step of ``first_step_s``),
+        so neither fit reads the decode side as a slow prefill."""
         if observed_p90 is None or observed_p90 <= 0 or self.config.correction_alpha <= 0:
             return
         if observed_p90 > self.config.panic_factor * self.config.ttft_slo_s:
             return  # a backlog draining (a burst, a cold start) is no steady-state measurement
-        state, model = self._pools["prefill"], self.prefill()
+        state = self._pools["prefill"]
+        model = self.prefill().with_handoff(context, first_step_s)
         wait = model.queue_wait_s(isl, per_instance, 0.9)
         if wait < self.config.queue_share * model.ttft_s(isl, per_instance, 0.9, tail_isl):
             fitted = fit_scale(lambda c: self.prefill_model.scaled(c).with_variability(
-                self._variability).ttft_s(isl, per_instance, 0.9, tail_isl), observed_p90,
+                self._variability).with_handoff(context, first_step_s).ttft_s(
+                    isl, per_instance, 0.9, tail_isl), observed_p90,
                 self.config.correction_bounds)
             state.correction = self._ewma(state.correction, fitted)
         else:
@@ -197,15 +246,22 @@ class Planner:
 
     def plan(self, obs: Observation) -> tuple[Decision, Decision]:
         """Desired (prefill, decode) replicas after this interval."""
+        cfg = self.config
         rate = obs.arrivals / obs.interval_s if obs.interval_s > 0 else 0.0
         # The fits compare what the model predicts for the load actually offered.
         isl_now, osl_now = max(obs.mean_isl, 1.0), max(obs.mean_osl, 1.0)
         tail_now = max(obs.p90_isl or isl_now, isl_now)
+        ctx_now = max(obs.mean_prompt_tokens or isl_now, isl_now)
+        decode_now = self.decode_model.scaled(self.correction("decode"))
+        # the first decode step these requests waited for: what decode ran at, as measured
+        first_step = obs.tpot_mean_s if obs.tpot_mean_s else decode_now.step_s(
+            cfg.target_utilisation * decode_now.max_batch(cfg.tpot_slo_s))
         serving = max(1, obs.prefill_replicas - obs.prefill_starting)
         # A TTFT measured while decode breaks its SLO includes waits for a decode slot: it says
         # nothing about the prefill model, so the prefill fit holds that interval.
-        if obs.tpot_p90_s is None or obs.tpot_p90_s <= self.config.tpot_slo_s:
-            self._fit_prefill(obs.ttft_p90_s, isl_now, tail_now, rate * isl_now / serving)
+        if obs.tpot_p90_s is None or obs.tpot_p90_s <= cfg.tpot_slo_s:
+            self._fit_prefill(obs.ttft_p90_s, isl_now, tail_now, rate * isl_now / serving,
+                              ctx_now, first_step)
         self._fit_decode(obs.tpot_mean_s, rate * osl_now / max(
             1, obs.decode_replicas - obs.decode_starting))
 
@@ -213,24 +269,52 @@ class Planner:
         if obs.mean_isl > 0:  # an interval that served nothing says nothing of lengths
             self._isl.observe(obs.mean_isl)
             self._isl_tail.observe(tail_now / isl_now)
+            self._ctx.observe(ctx_now)
         if obs.mean_osl > 0:
             self._osl.observe(obs.mean_osl)
-        cfg = self.config
-        ahead = cfg.forecast_horizon_s / obs.interval_s if obs.interval_s > 0 else 1.0
+        interval = obs.interval_s if obs.interval_s > 0 else 1.0
+        ahead = cfg.forecast_horizon_s / interval
         rate_hat = max(self._rate.predict(1.0), self._rate.predict(max(1.0, ahead)))
+        if self._burst is None:
+            self._burst = BurstHeadroom(max(2, round(cfg.burst_window_s / interval)),
+                                        cfg.max_headroom)
+        self._burst.observe(rate, rate_hat)
+        # an instance asked for now serves a start time from now, until the next decision
+        horizon = math.ceil(ahead) + 1
+        factor = self._burst.factor(horizon, cfg.burst_quantile)
+        # beyond free_headroom, never plan above a rate this trace has shown (request-weighted)
+        ceiling_rate = self._burst.rate_quantile(horizon, cfg.burst_quantile)
+        planned_rate = max(rate_hat * min(factor, cfg.free_headroom),
+                           min(rate_hat * factor, ceiling_rate))
+        headroom = planned_rate / rate_hat if rate_hat > 0 else 1.0
+        if obs.prefilled is not None:
+            self._backlog = max(0.0, self._backlog + obs.arrivals - obs.prefilled)
         isl_hat, osl_hat = max(self._isl.predict(), 1.0), max(self._osl.predict(), 1.0)
-        tail_hat = isl_hat * max(1.0, self._isl_tail.predict())
+        tail_hat = isl_hat * (max(1.0, self._isl_tail.predict()) if cfg.tail_prompt else 1.0)
+        ctx_hat = max(self._ctx.predict(), isl_hat)
 
-        # Prefill: uncached tokens/s against tokens/s per instance within the TTFT SLO.
-        load_p = rate_hat * isl_hat
-        cap_p = self.prefill().tokens_per_s(isl_hat, cfg.ttft_slo_s, cfg.slo_quantile, tail_hat)
+        # Prefill: uncached tokens/s against tokens/s per instance within the TTFT SLO, the
+        # handoff to decode (KV transfer, first step at the planned batch) inside that SLO.
+        backlog_rate = self._backlog / cfg.backlog_drain_s
+        load_p = (planned_rate + backlog_rate) * isl_hat
+        planned_step = decode_now.step_s(
+            cfg.target_utilisation * decode_now.max_batch(cfg.tpot_slo_s))
+        model_p = self.prefill().with_handoff(ctx_hat, planned_step)
+        # When even an idle instance misses the quantile (the tail prompt alone takes longer
+        # than the SLO: cold caches), more instances cannot help it: size for the mean.
+        cap_p = model_p.tokens_per_s(isl_hat, cfg.ttft_slo_s, cfg.slo_quantile, tail_hat) \
+            or model_p.tokens_per_s(isl_hat, cfg.ttft_slo_s)
         # Decode: output tokens/s against tokens/s per instance within the TPOT SLO.
-        load_d = rate_hat * osl_hat
-        cap_d = self.decode_model.scaled(self.correction("decode")).tokens_per_s(cfg.tpot_slo_s)
-        return (self._decide("prefill", obs.prefill_replicas, load_p, cap_p, obs.ttft_p90_s,
-                             cfg.ttft_slo_s, obs.now_s, obs.prefill_starting),
-                self._decide("decode", obs.decode_replicas, load_d, cap_d,
-                             obs.tpot_p90_s, cfg.tpot_slo_s, obs.now_s, obs.decode_starting))
+        load_d = (planned_rate + backlog_rate) * osl_hat
+        cap_d = decode_now.tokens_per_s(cfg.tpot_slo_s)
+        p = self._decide("prefill", obs.prefill_replicas, load_p, cap_p, obs.ttft_p90_s,
+                         cfg.ttft_slo_s, obs.now_s, obs.prefill_starting)
+        d = self._decide("decode", obs.decode_replicas, load_d, cap_d, obs.tpot_p90_s,
+                         cfg.tpot_slo_s, obs.now_s, obs.decode_starting)
+        return (replace(p, predicted_load=rate_hat * isl_hat, observed_load=rate * isl_now,
+                        headroom=headroom),
+                replace(d, predicted_load=rate_hat * osl_hat, observed_load=rate * osl_now,
+                        headroom=headroom))
 
     def _decide(self, pool: Pool, current: int, load: float, capacity: float,
                 observed_p90: float | None, slo: float, now: float, starting: int) -> Decision:
@@ -269,7 +353,8 @@ class Planner:
                     or now - state.last_change_s < cfg.scale_down_cooldown_s):
                 reason = "cooldown"
             elif remaining_util <= cfg.safety_utilisation:
-                desired, reason = current - 1, "scale_down"
+                desired = max(needed, current - cfg.max_scale_down_step)
+                reason = "scale_down"
         bounded = min(ceiling, max(cfg.min_replicas, desired))
         if bounded != desired:
             desired, reason = bounded, "bounds"

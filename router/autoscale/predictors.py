@@ -82,3 +82,74 @@ def make_predictor(name: str) -> Predictor:
         return PREDICTORS[name]()  # type: ignore[abstract]
     except KeyError:
         raise ValueError(f"unknown predictor {name!r}; allowed: {sorted(PREDICTORS)}") from None
+
+
+class BurstHeadroom:
+    """How far the arrival rate overshoots its forecast within a horizon, learned online.
+
+    Each interval the planner records the rate it saw and the forecast it made. For every past
+    interval ``i`` of the last ``window`` ones whose next ``horizon`` intervals are known, the
+    overshoot is ``mean(rate[i+1 .. i+horizon]) / forecast[i]`` (a mean over the horizon, not
+    a maximum: one noisy interval is the queue model's business, a level shift is this
+    one's). :meth:`factor` is a quantile of those overshoots weighted by the rate that
+    followed (SLO attainment counts requests, so a burst weighs what it brought), within
+    ``[1, cap]``. Sizing for ``forecast * factor`` keeps instances for the bursts this trace has
+    shown within a worker's start time, and none for bursts it has not (a smooth trace learns
+    a factor near 1).
+
+    Parameters (defaults): ``window`` 90 intervals, ``cap`` 4.0. Until an overshoot is known
+    the factor is 1.0 (a cold start is what the planner's panic rule covers).
+    """
+
+    def __init__(self, window: int = 90, cap: float = 4.0) -> None:
+        if window < 2 or cap < 1.0:
+            raise ValueError(f"need window >= 2 and cap >= 1, got {window}, {cap}")
+        self.window, self.cap = window, cap
+        self._rates: list[float] = []
+        self._forecasts: list[float] = []
+
+    def observe(self, rate: float, forecast: float) -> None:
+        """This interval's observed rate and the forecast made after seeing it."""
+        self._rates.append(max(0.0, rate))
+        self._forecasts.append(max(0.0, forecast))
+        extra = len(self._rates) - self.window
+        if extra > 0:
+            del self._rates[:extra], self._forecasts[:extra]
+
+    def overshoots(self, horizon: int) -> list[tuple[float, float]]:
+        """Every known ``(overshoot, rate that followed)``; overshoots capped at ``cap``."""
+        out = []
+        h = max(1, horizon)
+        for i in range(len(self._rates) - h):
+            after = sum(self._rates[i + 1:i + 1 + h]) / h
+            base = self._forecasts[i]
+            ratio = (self.cap if after > 0 else 1.0) if base <= 0 else after / base
+            out.append((min(self.cap, ratio), after))
+        return out
+
+    def rate_quantile(self, horizon: int, quantile: float) -> float:
+        """The rate-weighted ``quantile`` of the mean rates over ``horizon`` intervals seen in
+        the window: a rate this trace has shown (0 before any is known)."""
+        rates = sorted(after for _, after in self.overshoots(horizon))
+        weight = sum(rates)
+        if weight <= 0:
+            return 0.0
+        seen = 0.0
+        for r in rates:
+            seen += r
+            if seen >= quantile * weight:
+                return r
+        return rates[-1]
+
+    def factor(self, horizon: int, quantile: float) -> float:
+        """The rate-weighted ``quantile`` of :meth:`overshoots`, at least 1."""
+        xs = sorted(self.overshoots(horizon))
+        weight = sum(w for _, w in xs)
+        if not xs or quantile <= 0 or weight <= 0:
+            return 1.0
+        seen = 0.0
+        for ratio, w in xs:
+            seen += w
+            if seen >= quantile * weight:
+                return max(1.0, ratio)
+        return max(1.0, xs[-1][0])

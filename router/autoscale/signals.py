@@ -106,6 +106,7 @@ def observe(before: Snapshot, after: Snapshot) -> Observation:
     return Observation(
         now_s=after.time_s, interval_s=interval, arrivals=int(arrivals),
         mean_isl=isl_tokens / prefilled if prefilled else 0.0,
+        mean_prompt_tokens=(isl_tokens + hit_tokens) / prefilled if prefilled else None,
         mean_osl=osl_tokens / decoded if decoded else 0.0,
         p90_isl=None if p90_prompt is None else p90_prompt * uncached_share,
         prefill_replicas=len(after.prefill), decode_replicas=len(after.decode),

@@ -165,7 +165,8 @@ def _fitted_run(truth: PrefillModel, rate: float, alpha: float = 0.3
                 PREFILL, DECODE)
     replicas = 1
     for i in range(60):
-        observed = truth.ttft_s(1000, rate * 1000 / replicas, 0.9)
+        # the TTFT the router sees holds the first decode step (obs: a 0.1 s TPOT)
+        observed = truth.ttft_s(1000, rate * 1000 / replicas, 0.9) + 0.1
         dp, _ = p.plan(obs(10.0 * i, rate, prefill=replicas, decode=8, ttft_p90_s=observed))
         replicas = dp.desired
     return p, replicas
@@ -197,9 +198,9 @@ def test_fits_converge_on_a_biased_capacity_model() -> None:
 
 
 def test_a_pessimistic_profile_is_corrected_down() -> None:
-    _, fewer = _fitted_run(PREFILL.scaled(0.7), rate=40.0)
-    assert fewer < _fitted_run(PREFILL.scaled(0.7), rate=40.0, alpha=0.0)[1]
-    assert PREFILL.scaled(0.7).ttft_s(1000, 40 * 1000 / fewer, 0.9) <= 1.0
+    _, fewer = _fitted_run(PREFILL.scaled(0.7), rate=60.0)
+    assert fewer < _fitted_run(PREFILL.scaled(0.7), rate=60.0, alpha=0.0)[1]
+    assert PREFILL.scaled(0.7).ttft_s(1000, 60 * 1000 / fewer, 0.9) <= 1.0
 
 
 def test_decode_correction_converges() -> None:

@@ -144,10 +144,14 @@ def test_observation_from_interval_stats() -> None:
 
 def test_capacity_models_follow_the_perf_models() -> None:
     pm, dm = capacity_models(PP, DP, mean_context_tokens=1000)
-    # prefill service: batch overhead + per token; TTFT outside the queue: transfer of 1000
-    # tokens + one decode step at 1000 context
+    # prefill service: batch overhead + per token; the handoff (TTFT after the prefill) is the
+    # transfer of every prompt token plus the first decode step the planner passes in
     assert pm.overhead_s == pytest.approx(0.02)
-    assert pm.latency_s == pytest.approx(5e-6 * 1000 + 0.012 + 1e-4 + 2e-8 * 1000)
+    assert (pm.latency_s, pm.kv_s_per_token) == (0.0, 5e-6)
+    handed = pm.with_handoff(1000, 0.05)
+    assert handed.outside_s == pytest.approx(5e-6 * 1000 + 0.05)
+    # the handoff shrinks the queueing budget: less capacity within the same SLO
+    assert handed.tokens_per_s(1000, 1.0, 0.9) < pm.tokens_per_s(1000, 1.0, 0.9)
     assert pm.s_per_token == 1e-4
     assert (dm.step_base_s, dm.step_per_seq_s, dm.max_seqs) == (
         0.012, pytest.approx(1e-4 + 2e-8 * 1000), 256)
