@@ -53,6 +53,8 @@ class KubernetesActuatorConfig:
     """``fieldManager`` recorded by the API server for the replica field."""
     request_timeout_s: float = 10.0
     """Timeout of each API call."""
+    conflict_retries: int = 2
+    """Times a PATCH answered 409 Conflict is sent again before giving up."""
 
     def __post_init__(self) -> None:
         for name in ("namespace", "prefill_deployment", "decode_deployment", "field_manager"):
@@ -60,6 +62,8 @@ class KubernetesActuatorConfig:
                 raise ConfigError(f"{name} must not be empty")
         if self.request_timeout_s <= 0:
             raise ConfigError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.conflict_retries < 0:
+            raise ConfigError(f"conflict_retries must be >= 0, got {self.conflict_retries}")
 
     def deployment(self, pool: Pool) -> str:
         """The Deployment that runs ``pool``."""
@@ -145,18 +149,30 @@ class KubernetesActuator:
         from kubernetes.client.exceptions import ApiException
 
         req = scale_request(self.config, pool, replicas)
-        try:
-            scale = self.api.patch_namespaced_deployment_scale(
-                self.config.deployment(pool), self.config.namespace, req.body,
-                field_manager=self.config.field_manager,
-                # The client would otherwise pick json-patch (its first JSON type) and then
-                # rewrite an object body to strategic-merge; say what we send.
-                _content_type=req.content_type,
-                _request_timeout=self.config.request_timeout_s)
-        except ApiException as exc:
-            raise KubernetesActuatorError(
-                f"scaling {self.config.deployment(pool)} to {replicas}: "
-                f"{exc.status} {exc.reason}") from exc
+        attempt = 0
+        while True:
+            try:
+                scale = self.api.patch_namespaced_deployment_scale(
+                    self.config.deployment(pool), self.config.namespace, req.body,
+                    field_manager=self.config.field_manager,
+                    # The client would otherwise pick json-patch (its first JSON type) and then
+                    # rewrite an object body to strategic-merge; say what we send.
+                    _content_type=req.content_type,
+                    _request_timeout=self.config.request_timeout_s)
+                break
+            except ApiException as exc:
+                # A merge patch names no resourceVersion, so a 409 is another writer's update
+                # landing at the same moment: the same absolute count is safe to send again.
+                if exc.status == 409 and attempt < self.config.conflict_retries:
+                    attempt += 1
+                    logger.warning("conflict scaling %s; retry %d", self.config.deployment(pool),
+                                   attempt)
+                    continue
+                hint = (" (RBAC: the autoscaler's Role must allow patch on deployments/scale "
+                        "of this Deployment)" if exc.status == 403 else "")
+                raise KubernetesActuatorError(
+                    f"scaling {self.config.deployment(pool)} to {replicas}: "
+                    f"{exc.status} {exc.reason}{hint}") from exc
         accepted = int(scale.spec.replicas or 0) if scale.spec else 0
         logger.info("scaled %s/%s to %d replicas", self.config.namespace,
                     self.config.deployment(pool), accepted)
