@@ -19,6 +19,7 @@ yaml = pytest.importorskip("yaml", reason="PyYAML not installed")
 kv = pytest.importorskip("kubernetes_validate",
                          reason="kubernetes-validate not installed (dev extra)")
 
+from router.autoscale.drain import main as drain_main  # noqa: E402
 from router.autoscale.kubernetes import KubernetesActuatorConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,9 +129,19 @@ def test_workers_probe_health_drain_and_advertise_pod_ip(
         env = {e["name"]: e for e in c["env"]}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["PDSERVE_WORKER_ROLE"]["value"] == name.removeprefix("pdserve-")
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        for probe in ("startupProbe", "livenessProbe"):
             assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
-        assert "exec" in c["lifecycle"]["preStop"]
+        # ready = healthy and not draining; the preStop deregisters from routing, then drains
+        ready_cmd = c["readinessProbe"]["exec"]["command"]
+        assert ready_cmd == ["python3", "-m", "router.autoscale.drain", "ready", "--port=8100"]
+        prestop_cmd = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert prestop_cmd[:4] == ["python3", "-m", "router.autoscale.drain", "prestop"]
+        timeout = float(next(a for a in prestop_cmd if a.startswith("--timeout-s=")
+                             ).split("=")[1])
+        assert timeout < pod["terminationGracePeriodSeconds"]
+        # both command lines parse (a typo would only show in a cluster): nothing listens on
+        # port 1, so `ready` answers not-ready
+        assert drain_main([*ready_cmd[3:-1], "--port=1"]) == 1
         assert pod["terminationGracePeriodSeconds"] >= 150
         limits = c["resources"].get("limits", {})
         if overlay == "cuda":
