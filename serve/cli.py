@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("sim", help="cluster simulator (see `pdserve sim -h`)", add_help=False)
     from router.autoscale.service import add_autoscale_args
 
-    scale = sub.add_parser("autoscale", help="size the prefill and decode pools to the SLOs")
+    scale = sub.add_parser("autoscale", help="size the prefill and decode pools to the SLOs "
+                           "(`pdserve autoscale status`: its recent decisions)")
     add_autoscale_args(scale)
     model = sub.add_parser("model", help="build models")
     msub = model.add_subparsers(dest="model_command", required=True)
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.sim.cli import main as sim_main
 
         return sim_main(argv[1:])
+    if argv[:2] == ["autoscale", "status"]:
+        from router.autoscale.decisions import status_main
+
+        return status_main(argv[2:])
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "worker":

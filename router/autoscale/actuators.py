@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import subprocess
@@ -39,22 +38,16 @@ def decisions_key(prefix: str) -> str:
 
 
 class RedisActuator:
-    """Publishes desired replicas (and every decision with its reason) in Redis."""
+    """Publishes desired replicas in Redis (the decisions themselves go to
+    ``router.autoscale.decisions.DecisionLog``, whatever the actuator)."""
 
-    def __init__(self, redis_url: str, prefix: str = "pdserve", keep: int = 1000) -> None:
+    def __init__(self, redis_url: str, prefix: str = "pdserve") -> None:
         self._redis = aioredis.from_url(redis_url, socket_connect_timeout=1.0, socket_timeout=2.0)
-        self._prefix, self._keep = prefix, keep
+        self._prefix = prefix
 
     async def apply(self, decisions: Sequence[Decision], now_s: float) -> None:
         mapping: dict[str | bytes, int] = {d.pool: d.desired for d in decisions}
         await self._redis.hset(desired_key(self._prefix), mapping=mapping)  # type: ignore[misc,arg-type]
-        records = [json.dumps({"time": now_s, "pool": d.pool, "current": d.current,
-                               "desired": d.desired, "reason": d.reason,
-                               "load": round(d.load, 3),
-                               "capacity_per_instance": round(d.capacity_per_instance, 3)})
-                   for d in decisions]
-        await self._redis.lpush(decisions_key(self._prefix), *records)  # type: ignore[misc]
-        await self._redis.ltrim(decisions_key(self._prefix), 0, self._keep - 1)  # type: ignore[misc]
 
     async def close(self) -> None:
         await self._redis.aclose()

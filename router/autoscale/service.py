@@ -2,9 +2,12 @@
 
 Several replicas may run; a Redis lock (``SET NX PX``) lets exactly one act at a time. Each
 interval it scrapes the router and every registered worker, turns two snapshots into an
-:class:`Observation`, asks the :class:`Planner`, exports the decisions
-(``pdserve_autoscaler_desired_replicas{pool}``, ``pdserve_autoscaler_decisions_total{pool,
-direction,reason}``) and hands them to the actuator.
+:class:`Observation`, asks the :class:`Planner`, and makes every decision visible three ways:
+metrics (``pdserve_autoscaler_{desired,current,ready}_replicas{pool}``,
+``pdserve_autoscaler_decisions_total{pool,direction,reason}``,
+``pdserve_autoscaler_load{pool,kind}``, ``pdserve_autoscaler_headroom_ratio{pool}``), a log
+line, and a record in Redis (``router.autoscale.decisions``, read by ``pdserve autoscale
+status``); then it hands them to the actuator.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from router.autoscale.actuators import Actuator, ComposeActuator, RedisActuator
 from router.autoscale.capacity import DecodeModel, PrefillModel, load_profile
+from router.autoscale.decisions import DecisionLog
 from router.autoscale.planner import Decision, Planner, PlannerConfig
 from router.autoscale.signals import Snapshot, observe
 from router.samples import Samples
@@ -77,6 +81,20 @@ class Autoscaler:
         self.decisions = Counter("pdserve_autoscaler_decisions_total",
                                  "Planner decisions by pool, direction and reason.",
                                  ["pool", "direction", "reason"], registry=self.metrics)
+        self.current = Gauge("pdserve_autoscaler_current_replicas",
+                             "Replicas of the pool when the planner decided (serving + starting).",
+                             ["pool"], registry=self.metrics)
+        self.ready = Gauge("pdserve_autoscaler_ready_replicas",
+                           "Registered, serving replicas of the pool the planner observed.",
+                           ["pool"], registry=self.metrics)
+        self.load = Gauge("pdserve_autoscaler_load",
+                          "Pool load (prefill: uncached tokens/s; decode: output tokens/s): "
+                          "observed in the interval, predicted (forecast), planned (sized for).",
+                          ["pool", "kind"], registry=self.metrics)
+        self.headroom = Gauge("pdserve_autoscaler_headroom_ratio",
+                              "Burst headroom factor applied to the forecast.", ["pool"],
+                              registry=self.metrics)
+        self.decision_log = DecisionLog(settings.redis_url, settings.prefix)
 
     async def _leader(self) -> bool:
         ttl_ms = int(self.settings.interval_s * 3000)
@@ -114,6 +132,7 @@ class Autoscaler:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), timeout=self.settings.interval_s)
         await self.registry.close()
+        await self.decision_log.close()
         await self._redis.aclose()
 
     async def step(self, previous: Snapshot, current: Snapshot) -> None:
@@ -130,13 +149,29 @@ class Autoscaler:
             decode_starting=max(0, want_d - obs.decode_replicas))
         decisions = self.planner.plan(obs)
         self._desired = {d.pool: d.desired for d in decisions}
+        starting = {"prefill": obs.prefill_starting, "decode": obs.decode_starting}
         for d in decisions:
-            self.desired.labels(pool=d.pool).set(d.desired)
-            self.decisions.labels(pool=d.pool, direction=d.direction, reason=d.reason).inc()
-            log = logger.info if d.direction != "none" else logger.debug
-            log("%s: %d -> %d (%s; load %.2f, capacity/instance %.2f)", d.pool, d.current,
-                d.desired, d.reason, d.load, d.capacity_per_instance)
+            self.export(d, d.current - starting[d.pool])
+        try:
+            await self.decision_log.record(decisions, time.time())
+        except Exception as exc:  # the decision stands; losing its record must not stop it
+            logger.warning("cannot record decisions in Redis: %s", exc)
         await self.actuator.apply(decisions, obs.now_s)
+
+    def export(self, d: Decision, ready: int) -> None:
+        """One decision as metrics and a log line."""
+        self.desired.labels(pool=d.pool).set(d.desired)
+        self.current.labels(pool=d.pool).set(d.current)
+        self.ready.labels(pool=d.pool).set(ready)
+        self.decisions.labels(pool=d.pool, direction=d.direction, reason=d.reason).inc()
+        for kind, value in (("observed", d.observed_load), ("predicted", d.predicted_load),
+                            ("planned", d.load)):
+            self.load.labels(pool=d.pool, kind=kind).set(value)
+        self.headroom.labels(pool=d.pool).set(d.headroom)
+        logger.info("decision %s: %d -> %d (%s); load observed %.1f, predicted %.1f, headroom "
+                    "%.2f, sized for %.1f; capacity/instance %.1f", d.pool, d.current,
+                    d.desired, d.reason, d.observed_load, d.predicted_load, d.headroom, d.load,
+                    d.capacity_per_instance)
 
 
 def add_autoscale_args(parser: argparse.ArgumentParser) -> None:
