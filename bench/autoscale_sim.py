@@ -2,7 +2,7 @@
 pools, on a family of generated trace shapes and seeds.
 
     python -m bench.autoscale_sim [--shapes steps,ramp,diurnal,spikes,burstgpt] [--seeds 5]
-                                  [--duration-s 600] [--peak-rps 32] [--jobs 1] [--out DIR]
+                                  [--duration-s 1200] [--peak-rps 32] [--jobs 1] [--out DIR]
 
 Each trace: gamma inter-arrivals (BurstGPT's burstiness) at a rate that follows a shape of
 ``bench.sim.shapes`` (0.1 .. 1.0 of ``--peak-rps``), lengths and sessions as in
@@ -111,7 +111,7 @@ def run(reqs: Sequence[SimRequest], policy: str, settings: AutoscaleSettings,
 class Scenario:
     """Everything but the trace that one table row holds fixed."""
 
-    duration_s: float = 600.0
+    duration_s: float = 1200.0
     peak_rps: float = 32.0
     slowdown: float = 2.0
     ttft_slo_s: float = 2.0

@@ -80,6 +80,8 @@ class PlannerConfig:
     """Headroom up to this factor applies even above the highest rate seen (a ramp's
     forecast lags its rise); beyond it the plan stops at the ``burst_quantile`` of the rates
     seen (a 10x factor at a quiet level asks for the peak, not 10x the peak)."""
+    decode_headroom: bool = True
+    """Apply the burst headroom to decode as well (else decode sizes for the forecast)."""
     backlog_drain_s: float = 30.0
     """Size to drain the observed backlog (arrived, not yet prefilled) within this long."""
     max_scale_down_step: int = 1
@@ -188,6 +190,9 @@ class Planner:
     def __post_init__(self) -> None:
         self._rate = make_predictor(self.config.predictor)
         self._ctx = make_predictor("ewma")  # whole prompt tokens per request
+        # the burst headroom multiplies a level, not Holt's extrapolation: after a burst the
+        # trend forecasts ~0, and a quiet interval must not erase what the burst taught
+        self._level = make_predictor("ewma")
         self._isl = make_predictor("ewma")
         self._isl_tail = make_predictor("ewma")  # p90 / mean uncached prompt length
         self._osl = make_predictor("ewma")
@@ -266,6 +271,7 @@ class Planner:
             1, obs.decode_replicas - obs.decode_starting))
 
         self._rate.observe(rate)
+        self._level.observe(rate)
         if obs.mean_isl > 0:  # an interval that served nothing says nothing of lengths
             self._isl.observe(obs.mean_isl)
             self._isl_tail.observe(tail_now / isl_now)
@@ -284,8 +290,9 @@ class Planner:
         factor = self._burst.factor(horizon, cfg.burst_quantile)
         # beyond free_headroom, never plan above a rate this trace has shown (request-weighted)
         ceiling_rate = self._burst.rate_quantile(horizon, cfg.burst_quantile)
-        planned_rate = max(rate_hat * min(factor, cfg.free_headroom),
-                           min(rate_hat * factor, ceiling_rate))
+        base = max(rate_hat, self._level.predict())
+        planned_rate = max(rate_hat, base * min(factor, cfg.free_headroom),
+                           min(base * factor, ceiling_rate)) if rate > 0 or rate_hat > 0 else 0.0
         headroom = planned_rate / rate_hat if rate_hat > 0 else 1.0
         if obs.prefilled is not None:
             self._backlog = max(0.0, self._backlog + obs.arrivals - obs.prefilled)
@@ -305,7 +312,10 @@ class Planner:
         cap_p = model_p.tokens_per_s(isl_hat, cfg.ttft_slo_s, cfg.slo_quantile, tail_hat) \
             or model_p.tokens_per_s(isl_hat, cfg.ttft_slo_s)
         # Decode: output tokens/s against tokens/s per instance within the TPOT SLO.
-        load_d = (planned_rate + backlog_rate) * osl_hat
+        # Decode keeps only the forecast: its queue is shared (no request is stuck behind one
+        # instance's backlog) and a burst shows as a bigger batch, slower by a step at most
+        decode_rate = planned_rate if cfg.decode_headroom else rate_hat
+        load_d = (decode_rate + backlog_rate) * osl_hat
         cap_d = decode_now.tokens_per_s(cfg.tpot_slo_s)
         p = self._decide("prefill", obs.prefill_replicas, load_p, cap_p, obs.ttft_p90_s,
                          cfg.ttft_slo_s, obs.now_s, obs.prefill_starting)
