@@ -193,6 +193,13 @@ def add_autoscale_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cooldown-s", type=float,
                         default=float(env("PDSERVE_AUTOSCALE_COOLDOWN_S", "60")))
     parser.add_argument("--predictor", default="holt", choices=["last", "ewma", "holt"])
+    parser.add_argument("--burst-quantile", type=float,
+                        default=float(env("PDSERVE_AUTOSCALE_BURST_QUANTILE", "0.9")),
+                        help="size for this quantile of the rate's overshoots over a start "
+                             "time (0: no burst headroom)")
+    parser.add_argument("--burst-window-s", type=float,
+                        default=float(env("PDSERVE_AUTOSCALE_BURST_WINDOW_S", "900")),
+                        help="history the burst headroom is learned from")
     parser.add_argument("--correction-alpha", type=float, default=0.3,
                         help="EWMA weight of the online model fits (0: the profile as is)")
     parser.add_argument("--actuator", default=env("PDSERVE_AUTOSCALE_ACTUATOR", "redis"),
@@ -212,6 +219,8 @@ def settings_from_args(args: argparse.Namespace) -> AutoscalerSettings:
                             max_prefill_replicas=args.max_prefill,
                             max_decode_replicas=args.max_decode,
                             scale_down_cooldown_s=args.cooldown_s, predictor=args.predictor,
+                            burst_quantile=args.burst_quantile,
+                            burst_window_s=args.burst_window_s,
                             correction_alpha=args.correction_alpha)
     return AutoscalerSettings(redis_url=args.redis, router_url=args.router,
                               interval_s=args.interval_s, profile=args.profile,

@@ -51,7 +51,10 @@ def autoscaled(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            "--decode", "2", "--redis", f"redis://127.0.0.1:{free_port()}/0", "--autoscale",
            f"--autoscale-arg=--profile={profile}", "--autoscale-arg=--interval-s=2",
            "--autoscale-arg=--cooldown-s=60", "--autoscale-arg=--tpot-slo-s=1.0",
-           "--autoscale-arg=--ttft-slo-s=30", "--autoscale-arg=--correction-alpha=0"]
+           "--autoscale-arg=--ttft-slo-s=30", "--autoscale-arg=--correction-alpha=0",
+           # the burst headroom remembers the load phase for its window: a short one, so the
+           # pool may shrink within this test once the load is gone
+           "--autoscale-arg=--burst-window-s=60"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     ready, found = threading.Event(), {}
