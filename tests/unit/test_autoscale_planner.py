@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import pytest
 
@@ -66,7 +67,7 @@ def test_predictors() -> None:
         EwmaPredictor(0.0)
 
 
-def obs(now: float, rate: float, prefill: int = 1, decode: int = 1, **kw: float) -> Observation:
+def obs(now: float, rate: float, prefill: int = 1, decode: int = 1, **kw: Any) -> Observation:
     kw.setdefault("tpot_mean_s", 0.1)
     return Observation(now_s=now, interval_s=10.0, arrivals=round(rate * 10), mean_isl=1000,
                        mean_osl=100, prefill_replicas=prefill, decode_replicas=decode, **kw)
@@ -247,3 +248,46 @@ def test_profile_from_bench_profile_schema(tmp_path) -> None:  # noqa: ANN001
     assert (prefill.s_per_token, prefill.overhead_s) == (2e-4, 0.02)
     assert decode.step_base_s == pytest.approx(0.010)
     assert decode.step_per_seq_s == pytest.approx(0.001)
+
+
+def test_burst_headroom_learns_overshoots_from_history() -> None:
+    from router.autoscale.predictors import BurstHeadroom
+
+    h = BurstHeadroom(window=10, cap=4.0)
+    # forecast 10 throughout; the rate sits at 10, then jumps to 30 for two intervals
+    for rate in (10, 10, 10, 30, 30, 10):
+        h.observe(rate, 10.0)
+    # horizon 2: mean of the next two rates over the forecast, with the rate that followed
+    assert h.overshoots(2) == [(1.0, 10.0), (2.0, 20.0), (3.0, 30.0), (2.0, 20.0)]
+    # rate-weighted: the burst intervals carry 50 of the 80 requests that followed
+    assert h.factor(2, 0.5) == 2.0
+    assert h.factor(2, 0.9) == 3.0
+    assert h.factor(2, 0.0) == 1.0  # off
+    assert h.rate_quantile(2, 0.9) == 30.0
+    assert h.factor(1, 1.0) == 3.0  # one interval ahead: 30 / 10
+    # the window forgets: ten quiet intervals later nothing of the burst is left
+    for _ in range(10):
+        h.observe(10.0, 10.0)
+    assert h.factor(2, 0.9) == 1.0
+    # a smooth series learns no headroom (negative control for the burst above)
+    smooth = BurstHeadroom(window=30)
+    for _ in range(30):
+        smooth.observe(20.0, 20.0)
+    assert smooth.factor(4, 0.9) == 1.0
+
+
+def test_planner_keeps_capacity_for_bursts_it_has_seen() -> None:
+    """Quiet at 2 req/s with a 10x burst every 2 minutes: after the first burst the planner
+    holds more prefill between bursts than one without headroom (burst_quantile 0)."""
+    quiet: dict[float, int] = {}
+    for q in (0.9, 0.0):
+        p = planner(burst_quantile=q, max_scale_up_factor=100.0)
+        size = 1
+        for i in range(66):
+            rate = 20.0 if i % 12 in (6, 7, 8) else 2.0
+            dp, _ = p.plan(obs(10.0 * i, rate, prefill=size))
+            size = dp.desired
+        quiet[q] = size  # after i = 65: what serves the burst arriving in the next interval
+    # a 20 req/s burst needs 4 instances (20k tokens/s over 6182 usable per instance)
+    assert quiet[0.0] == 1
+    assert quiet[0.9] >= 4
