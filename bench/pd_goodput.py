@@ -1,6 +1,6 @@
 """Goodput head-to-head: the highest request rate each setup serves at >= 90 % SLO attainment.
 
-    python -m bench.pd_goodput [--duration 40] [--rates 1,2,3,4,6,8] [--slo-ttft 1.0]
+    python -m bench.pd_goodput [--duration 120] [--rates 4,8,12,16,24] [--slo-ttft 1.0]
                                [--slo-tpot 0.05] [--out DIR]
 
 One BurstGPT-shaped trace with long prompts (``pdserve bench synth``: median 1,000 prompt tokens,
@@ -127,8 +127,8 @@ def sweep(url: str, trace: Path, out: Path, args: argparse.Namespace) -> dict[st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--setups", default=",".join(SETUPS))
-    parser.add_argument("--duration", type=float, default=40.0, help="trace seconds")
-    parser.add_argument("--rates", default="1,2,3,4,6,8", help="req/s tried in ascending order")
+    parser.add_argument("--duration", type=float, default=120.0, help="trace seconds at 1 req/s")
+    parser.add_argument("--rates", default="4,8,12,16,24", help="req/s tried in ascending order")
     parser.add_argument("--bisect-steps", type=int, default=2)
     parser.add_argument("--slo-ttft", type=float, default=1.0)
     parser.add_argument("--slo-tpot", type=float, default=0.05)
