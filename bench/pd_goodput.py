@@ -14,7 +14,7 @@ One BurstGPT-shaped trace with long prompts (``pdserve bench synth``: median 1,0
                   the prefill hop).
 
 Every setup is started through the ``pdserve`` CLI, swept alone, and stopped before the next.
-The table prints the highest passing rate, attainment at each rate tried, where each process
+Each setup first serves a discarded warm-up replay. The table prints the highest passing rate, attainment at each rate tried, where each process
 ran and the load average.
 """
 
@@ -115,6 +115,15 @@ def start(setup: str, min_prefill_tokens: int) -> tuple[subprocess.Popen[bytes],
     return proc, url
 
 
+def warm_up(url: str, trace: Path, out: Path, args: argparse.Namespace) -> None:
+    """A discarded replay of the trace's first requests: every setup meets the sweep warm
+    (tokenizer loaded, vLLM's first long-prompt shapes compiled, connections open)."""
+    subprocess.run(_pdserve("bench", "replay", "--url", url, "--trace", str(trace), "--rate",
+                            "1", "--max-requests", str(args.warmup_requests), "--out", str(out),
+                            "--no-progress", "--no-plots", "--no-sessions"),
+                   check=True, stdout=subprocess.DEVNULL)
+
+
 def sweep(url: str, trace: Path, out: Path, args: argparse.Namespace) -> dict[str, object]:
     cmd = _pdserve("bench", "sweep", "--url", url, "--trace", str(trace), "--rates", args.rates,
                    "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot),
@@ -136,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--response-median", type=float, default=64.0)
     parser.add_argument("--min-prefill-tokens", type=int, default=512,
                         help="selective disaggregation threshold of setup (d)")
+    parser.add_argument("--warmup-requests", type=int, default=20,
+                        help="requests replayed (and discarded) before each sweep; 0 = none")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -156,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         proc, url = start(setup, args.min_prefill_tokens)
         try:
             layout = _cores(proc.pid)
+            if args.warmup_requests:
+                warm_up(url, trace, out / f"{setup}-warmup", args)
             doc = sweep(url, trace, out / setup, args)
             paths = {}
             if setup in ("pd", "selective", "aggregated"):
