@@ -14,8 +14,8 @@ One BurstGPT-shaped trace with long prompts (``pdserve bench synth``: median 1,0
                   the prefill hop).
 
 Every setup is started through the ``pdserve`` CLI, swept alone, and stopped before the next.
-Each setup first serves a discarded warm-up replay. The table prints the highest passing rate, attainment at each rate tried, where each process
-ran and the load average.
+Each setup first serves a discarded warm-up replay. The table prints the highest passing rate,
+attainment at each rate tried, where each process ran and the load average.
 """
 
 from __future__ import annotations
