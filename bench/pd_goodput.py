@@ -34,6 +34,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.placement import children, placement_of
+
 SETUPS = ("pd", "aggregated", "plain", "selective")
 
 
@@ -74,23 +76,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def _cores(pid: int) -> str:
-    """Which cores each process of the tree under ``pid`` may use."""
-    out = subprocess.run(["ps", "-o", "pid=,comm=", "--ppid", str(pid)], capture_output=True,
-                         text=True).stdout.split("\n")
-    found = []
-    for line in out:
-        parts = line.split()
-        if len(parts) >= 2:
-            child = int(parts[0])
-            try:
-                cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(child)))
-            except OSError:
-                continue
-            found.append(f"{parts[1]}[{child}]:{cpus}")
-    return " ".join(found)
 
 
 def start(setup: str, min_prefill_tokens: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -166,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         load0 = os.getloadavg()[0]
         proc, url = start(setup, args.min_prefill_tokens)
         try:
-            layout = _cores(proc.pid)
+            layout = " ".join(f"{name}:{cores}" for name, cores in
+                              placement_of(children(proc.pid)).items())
             if args.warmup_requests:
                 warm_up(url, trace, out / f"{setup}-warmup", args)
             doc = sweep(url, trace, out / setup, args)

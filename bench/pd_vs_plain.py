@@ -41,8 +41,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.placement import placement_of
 from bench.prompts import PromptSynthesizer, load_tokenizer
-from serve.cpu_layout import cpu_list, plan_cpus
+from serve.cpu_layout import plan_cpus
 from serve.redis_server import free_port, start_redis
 from serve.tiny_model import build_tiny_model
 from serve.worker import stop_process, vllm_command, vllm_env, wait_healthy
@@ -126,28 +127,6 @@ def run_prompts(base: str, prompts: list[str], max_tokens: int, tag: str) -> lis
                        f"warm-{tag}-{i}-{uuid.uuid4().hex[:6]}")
         return [stream_one(client, base, p, max_tokens, f"b-{tag}-{i}-{uuid.uuid4().hex[:8]}")
                 for i, p in enumerate(prompts)]
-
-
-def _affinity(pid: int) -> str:
-    try:
-        return cpu_list(tuple(sorted(os.sched_getaffinity(pid))))
-    except OSError:
-        return "?"
-
-
-def _descendants(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
-    kids = [int(x) for x in out.stdout.split()]
-    return kids + [g for k in kids for g in _descendants(k)]
-
-
-def placement_of(named: dict[str, int]) -> dict[str, str]:
-    """name -> the cores each process tree may run on (e.g. ``prefill: 0``)."""
-    out = {}
-    for name, pid in named.items():
-        cores = sorted({_affinity(p) for p in [pid, *_descendants(pid)]})
-        out[name] = " | ".join(cores)
-    return out
 
 
 def read_timelines(paths: list[Path], samples: list[Sample]) -> dict[str, dict[str, float]]:
