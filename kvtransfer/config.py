@@ -21,6 +21,11 @@ class ConnectorConfig:
     timeline_file: str | None = None
     """If set, every completed request's connector timeline (wall-clock events and phase
     durations, see :mod:`kvtransfer.timeline`) is appended here as one JSON line."""
+    signing_keys_file: str | None = None
+    """Cluster keyring (one secret per line, see :mod:`kvtransfer.signing`): when set, only
+    router-signed ``kv_transfer_params`` may lease blocks or start a pull; re-read on change."""
+    signature_max_age_s: float = 120.0
+    """Signed params older than this (or as far in the future) are refused as stale."""
     corrupt_pulled_kv_file: str | None = None
     """Test-only negative control: while this file exists, pulled blocks are overwritten with
     noise after each pull (proves that output equality tests can fail)."""
@@ -28,6 +33,8 @@ class ConnectorConfig:
     def __post_init__(self) -> None:
         if self.lease_s <= 0:
             raise ConfigError(f"lease_s must be > 0, got {self.lease_s}")
+        if self.signature_max_age_s <= 0:
+            raise ConfigError(f"signature_max_age_s must be > 0, got {self.signature_max_age_s}")
         if self.pull_timeout_s <= 0:
             raise ConfigError(f"pull_timeout_s must be > 0, got {self.pull_timeout_s}")
 
