@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -47,6 +48,8 @@ class Cluster:
     """JSON lines of both workers' connector timelines."""
     traces: OtlpReceiver | None = None
     """Receives the OTLP traces of the router and both vLLM workers."""
+    keyring_file: Path = field(default_factory=Path)
+    """The cluster secret every process shares: tests that play the router sign with it."""
 
 
 @dataclass
@@ -90,12 +93,16 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            f"--worker-arg=--timeline-file={kv_timeline}",
            f"--router-arg=--timeline-file={router_timeline}",
            "--otlp-traces-endpoint", traces.endpoint]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+    keyring_file = tmp / "keyring"
+    keyring_file.write_text(secrets.token_urlsafe(32) + "\n")
+    keyring_file.chmod(0o600)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_CLUSTER_SECRET_FILE": str(keyring_file),
            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=env)
     cluster = Cluster(proc, f"http://127.0.0.1:{port}", corrupt_flag=flag,
-                      router_timeline=router_timeline, kv_timeline=kv_timeline, traces=traces)
+                      router_timeline=router_timeline, kv_timeline=kv_timeline, traces=traces,
+                      keyring_file=keyring_file)
     ready = threading.Event()
 
     def pump() -> None:
