@@ -1,65 +1,73 @@
-"""KV-shaped pull benchmark: our transport (same-host pvm path and UCX path) vs NIXL READ vs a
-single-thread memcpy.
+"""KV-shaped pull benchmark on one wire: our transport vs NIXL READ vs a single-thread memcpy.
 
-    python bench/kv_transfer.py --mib 256
+    python -m bench.kv_transfer --wire tcp --mib 64 --json out.json
+
+Wires (`--wire`, comma-separated):
+  same-host  both processes on this host and pid namespace: ours reads with process_vm_readv
+             (its same-host path), NIXL uses UCX's default transports (cma/shared memory).
+  default    both processes on this host, each on UCX with its default transports (ours with
+             the same-host path off): what each picks as its best UCX lanes.
+  tcp        the cross-host analog: server and client in their own network and pid namespaces
+             joined by a veth pair (bench/netns.py; needs root), UCX_TLS=tcp for both, so no
+             shared memory, cma or process_vm_readv can apply.
 
 Layout: `--layers` registered regions per side (one per layer, like vLLM's per-layer KV tensors),
-each split into K and V halves of `num_blocks` blocks of `--block-kib`. The decode side pulls
-`--mib` MiB: a random permutation of prefill block ids built from contiguous runs (1..8 blocks),
-for every layer and K/V half, into consecutive local blocks. Runs contiguous on both sides are
-coalesced into one op, as the connector does. Every backend pulls exactly the same (local,
-remote, length) list between two spawned processes; the memcpy baseline copies the same number
-of bytes in one process with one contiguous numpy copy. Medians over `--repeats` (after one
-warm-up pull whose bytes are checked).
+each split into K and V halves of `num_blocks` blocks of `--block-kib`. The client pulls `--mib`
+MiB: a random permutation of prefill block ids built from contiguous runs (1..8 blocks), for every
+layer and K/V half, into consecutive local blocks; runs contiguous on both sides are coalesced into
+one op, as the connector does. Both backends pull exactly the same (local, remote, length) list;
+the memcpy baseline copies the same number of bytes in this process with one numpy copy. Figures
+are medians over `--repeats` timed pulls after one warm-up pull whose bytes are checked. The small
+pull is `--small-blocks` scattered blocks per layer and K/V half (one op each), timed
+`--small-repeats` times: p50/p99 microseconds.
 
-ours(pvm) is our transport with the server's locality passed to `connect` (same-host
-process_vm_readv path; "pvm" with 1 worker thread, "pvm2" with 2); ours(ucx) is the same transport
-forced onto UCX (`PDSERVE_KV_SAME_HOST=0`) under each UCX config, the best one reported.
+Each figure is printed with the load average and the cores each process may run on
+(bench/placement.py); the JSON (`--json PATH`) holds, per wire, ours_gbps, nixl_gbps,
+memcpy_gbps, ratio_vs_nixl, ratio_vs_memcpy, message_bytes, the block geometry and the small-pull
+percentiles.
 
-Parameters (defaults): --mib 256, --block-kib 32, --layers 16, --repeats 7,
---configs "pvm,pvm2,ucx-default,ucx-nowakeup,ucx-tcp", --nixl-config default, --no-nixl.
+Parameters (defaults): --wire same-host,default,tcp, --mib 256, --block-kib 32, --layers 16,
+--repeats 7, --small-blocks 16, --small-repeats 200, --ours-env/--nixl-env K=V (extra
+environment of that backend's processes, for tuning), --no-nixl, --pin (server on core 0,
+client on core 1).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import contextlib
+import importlib.util
+import json
 import logging
-import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-if __package__ in (None, ""):
-    # Run as a script, sys.path[0] is bench/, whose trace.py and profile.py would shadow the
-    # standard library's modules of those names: put the repository root there instead.
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+from bench.kv_transfer_peer import Channel
+from bench.metrics import distribution
+from bench.netns import Host, host_pair
+from bench.placement import placement_of
 
 logger = logging.getLogger("bench.kv_transfer")
 
-UCX_CONFIGS: dict[str, dict[str, str]] = {
-    "default": {},
-    "cma": {"UCX_TLS": "cma,tcp"},
-    "sm": {"UCX_TLS": "sm,tcp"},
-    "tcp": {"UCX_TLS": "tcp"},
-    "tcp-bigseg": {"UCX_TLS": "tcp", "UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"},
-    "nowakeup": {"PDSERVE_UCX_WAKEUP": "0"},
-    "spin5ms": {"PDSERVE_UCX_SPIN_US": "5000"},
-}
+ROOT = Path(__file__).resolve().parent.parent
+WIRES = ("same-host", "default", "tcp")
 
-# Our transport's configs: (expected get path, environment of both processes).
-OURS_CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
-    "pvm": ("pvm", {"PDSERVE_KV_PVM_THREADS": "1"}),
-    "pvm2": ("pvm", {"PDSERVE_KV_PVM_THREADS": "2"}),
-    **{f"ucx-{name}": ("ucx", {**env, "PDSERVE_KV_SAME_HOST": "0"})
-       for name, env in UCX_CONFIGS.items()},
+# Per wire: (our UcxEngine keyword arguments, our environment, NIXL's environment, namespaced).
+WIRE_SETUP: dict[str, tuple[dict[str, Any], dict[str, str], dict[str, str], bool]] = {
+    "same-host": ({}, {}, {}, False),
+    "default": ({}, {"PDSERVE_KV_SAME_HOST": "0"}, {}, False),
+    "tcp": ({}, {"UCX_TLS": "tcp"}, {"UCX_TLS": "tcp"}, True),
 }
+EXPECTED_PATH = {"same-host": "pvm", "default": "ucx", "tcp": "ucx"}
 
 
 @dataclass(frozen=True)
@@ -124,153 +132,65 @@ def build_runs(layout: Layout, ids: np.ndarray) -> list[tuple[int, int, int, int
     return out
 
 
-def _fill(buf: np.ndarray, layer: int) -> None:
-    buf[:] = np.random.default_rng(1000 + layer).integers(0, 256, buf.size, dtype=np.uint8)
+def small_block_ids(layout: Layout, n: int, seed: int = 1) -> np.ndarray:
+    """`n` distinct remote block ids, no two adjacent (one op per block)."""
+    rng = np.random.default_rng(seed)
+    evens = rng.permutation(layout.blocks_per_half // 2)[:n] * 2
+    return evens.astype(np.int64)
 
 
-def _expected_checksum(layout: Layout, runs: list[tuple[int, int, int, int]]) -> int:
-    total = 0
-    srcs = {}
-    for layer, _lo, ro, n in runs:
-        if layer not in srcs:
-            srcs[layer] = np.empty(layout.region_bytes, np.uint8)
-            _fill(srcs[layer], layer)
-        total += int(srcs[layer][ro:ro + n].astype(np.uint64).sum()) * (layer + 1)
-    return total
+@dataclass
+class Side:
+    """One running side process and its control channel."""
+
+    proc: subprocess.Popen[str]
+    ch: Channel
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
 
 
-def _checksum(dsts: list[np.ndarray], runs: list[tuple[int, int, int, int]]) -> int:
-    return sum(int(dsts[layer][lo:lo + n].astype(np.uint64).sum()) * (layer + 1)
-               for layer, lo, _ro, n in runs)
+def _start(backend: str, role: str, spec: dict[str, Any], env: dict[str, str],
+           host: Host | None, cpu: int | None) -> Side:
+    argv = [sys.executable, "-m", "bench.kv_transfer_peer"]
+    if cpu is not None:
+        argv = ["taskset", "-c", str(cpu), *argv]
+    if host is not None:
+        argv = host.wrap(argv)
+    full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=full_env)
+    assert proc.stdin is not None and proc.stdout is not None
+    ch = Channel(proc.stdout, proc.stdin)
+    ch.send({**spec, "backend": backend, "role": role})
+    return Side(proc, ch)
 
 
-# --------------------------------------------------------------------------- ours
-
-
-def _ours_server(conn: Any, layout: Layout, env: dict[str, str]) -> None:
-    os.environ.update(env)
-    from kvtransfer.transport import UcxEngine
-
-    engine = UcxEngine(name="bench-prefill")
-    bufs = []
-    meta = []
-    for layer in range(layout.layers):
-        buf = np.empty(layout.region_bytes, np.uint8)
-        _fill(buf, layer)
-        reg = engine.register(buf.ctypes.data, buf.nbytes, keepalive=buf)
-        bufs.append(buf)
-        meta.append((reg.addr, reg.rkey))
-    conn.send((engine.address, engine.locality, meta))
-    conn.recv()  # client done
-    engine.close()
-
-
-def _ours_client(conn: Any, layout: Layout, runs: list[tuple[int, int, int, int]],
-                 env: dict[str, str], repeats: int, result: Any) -> None:
-    os.environ.update(env)
-    from kvtransfer.transport import UcxEngine
-
-    address, locality, meta = conn.recv()
-    engine = UcxEngine(name="bench-decode")
-    dsts = [np.ones(layout.local_region_bytes, np.uint8) for _ in range(layout.layers)]
-    for d in dsts:
-        engine.register(d.ctypes.data, d.nbytes, keepalive=d)
-    peer = engine.connect(address, locality)
-    rkeys = [peer.unpack_rkey(rk, base=addr, length=layout.region_bytes) for addr, rk in meta]
-    ops = np.array([(dsts[layer].ctypes.data + lo, meta[layer][0] + ro, n, rkeys[layer])
-                    for layer, lo, ro, n in runs], dtype=np.uint64)
-    warm = peer.get(ops)  # warm-up: connection, registration caches
-    warm.wait(60)
-    ok = _checksum(dsts, runs) == _expected_checksum(layout, runs)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        peer.get(ops).wait(60)
-        times.append(time.perf_counter() - t0)
-    result.put((ok, times, len(ops), warm.path))
-    conn.send("done")
-    engine.close()
-
-
-# --------------------------------------------------------------------------- NIXL
-
-
-def _nixl_server(conn: Any, layout: Layout, env: dict[str, str]) -> None:
-    os.environ.update(env)
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    agent = nixl_agent("prefill", nixl_agent_config(backends=["UCX"]))
-    bufs = []
-    for layer in range(layout.layers):
-        buf = np.empty(layout.region_bytes, np.uint8)
-        _fill(buf, layer)
-        bufs.append(buf)
-    reg = agent.register_memory([(b.ctypes.data, b.nbytes, 0, "") for b in bufs], "DRAM")
-    conn.send((agent.get_agent_metadata(), [b.ctypes.data for b in bufs]))
-    conn.recv()
-    agent.deregister_memory(reg)
-
-
-def _nixl_client(conn: Any, layout: Layout, runs: list[tuple[int, int, int, int]],
-                 env: dict[str, str], repeats: int, result: Any) -> None:
-    os.environ.update(env)
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    md, raddrs = conn.recv()
-    agent = nixl_agent("decode", nixl_agent_config(backends=["UCX"]))
-    peer = agent.add_remote_agent(md)
-    dsts = [np.ones(layout.local_region_bytes, np.uint8) for _ in range(layout.layers)]
-    reg = agent.register_memory([(d.ctypes.data, d.nbytes, 0, "") for d in dsts], "DRAM")
-    local = agent.get_xfer_descs([(dsts[layer].ctypes.data + lo, n, 0)
-                                  for layer, lo, _ro, n in runs], "DRAM")
-    remote = agent.get_xfer_descs([(raddrs[layer] + ro, n, 0) for layer, _lo, ro, n in runs],
-                                  "DRAM")
-    handle = agent.initialize_xfer("READ", local, remote, peer)
-
-    def once() -> None:
-        state = agent.transfer(handle)
-        deadline = time.monotonic() + 60
-        while state not in ("DONE", "ERR"):
-            if time.monotonic() > deadline:
-                raise RuntimeError("NIXL transfer timed out")
-            state = agent.check_xfer_state(handle)
-        if state != "DONE":
-            raise RuntimeError(f"NIXL transfer state {state}")
-
-    once()
-    ok = _checksum(dsts, runs) == _expected_checksum(layout, runs)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t0)
-    result.put((ok, times, len(runs), "nixl"))
-    agent.release_xfer_handle(handle)
-    agent.deregister_memory(reg)
-    agent.remove_remote_agent(peer)
-    conn.send("done")
-
-
-# --------------------------------------------------------------------------- driver
-
-
-def run_pair(server: Any, client: Any, layout: Layout, runs: list[tuple[int, int, int, int]],
-             env: dict[str, str], repeats: int) -> tuple[bool, list[float], int, str]:
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    result = ctx.Queue()
-    ps = ctx.Process(target=server, args=(a, layout, env), daemon=True)
-    pc = ctx.Process(target=client, args=(b, layout, runs, env, repeats, result), daemon=True)
-    ps.start()
-    pc.start()
+def run_pair(backend: str, spec: dict[str, Any], env: dict[str, str],
+             hosts: tuple[Host, Host] | None, pin: bool) -> dict[str, Any]:
+    """Start a server and a client side, relay the server's coordinates, return the result."""
+    server = client = None
     try:
-        out: tuple[bool, list[float], int, str] = result.get(timeout=300)
+        server = _start(backend, "server", spec, env, hosts[0] if hosts else None,
+                        0 if pin else None)
+        coords = server.ch.recv()
+        client = _start(backend, "client", spec, env, hosts[1] if hosts else None,
+                        1 if pin else None)
+        client.ch.send(coords)
+        placement = placement_of({"server": server.proc.pid, "client": client.proc.pid})
+        result: dict[str, Any] = client.ch.recv()
+        server.ch.send("done")
+        result["placement"] = placement
+        result["loadavg"] = os.getloadavg()
+        for side in (client, server):
+            side.proc.wait(60)
+        return result
     finally:
-        for p in (pc, ps):
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    return out
+        for side in (client, server):
+            if side is not None:
+                side.stop()
 
 
 def memcpy_times(nbytes: int, repeats: int) -> list[float]:
@@ -294,79 +214,134 @@ def _spread(nbytes: int, times: list[float]) -> str:
     return f"min {rates[0]:.2f} max {rates[-1]:.2f}"
 
 
+def _percentiles_us(times: list[float]) -> dict[str, float]:
+    dist = distribution([t * 1e6 for t in times])
+    return {f"p{p}_us": round(float(dist[f"p{p}"] or 0), 1) for p in (50, 99)}
+
+
+def _kv(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"expected K=V, got {pair!r}")
+        out[key] = value
+    return out
+
+
+@contextlib.contextmanager
+def _hosts(namespaced: bool) -> Iterator[tuple[Host, Host] | None]:
+    if not namespaced:
+        yield None
+        return
+    with host_pair() as pair:
+        yield pair
+
+
+def _describe(result: dict[str, Any]) -> str:
+    cores = ", ".join(f"{k} on {v}" for k, v in result["placement"].items())
+    load = "/".join(f"{x:.2f}" for x in result["loadavg"])
+    return f"load {load}; {cores}"
+
+
+def run_wire(wire: str, args: argparse.Namespace, layout: Layout, runs: list[Any],
+             small_runs: list[Any], mem: float) -> dict[str, Any]:
+    """Ours and NIXL on one wire; the JSON record of that wire."""
+    kwargs, ours_env, nixl_env, namespaced = WIRE_SETUP[wire]
+    nbytes = layout.total_pulled
+    spec = {"layers": layout.layers, "region_bytes": layout.region_bytes,
+            "local_region_bytes": layout.local_region_bytes, "runs": runs,
+            "small_runs": small_runs, "repeats": args.repeats,
+            "small_repeats": args.small_repeats, "engine_kwargs": kwargs}
+    small_bytes = sum(n for *_, n in small_runs)
+    rec: dict[str, Any] = {
+        "wire": wire, "message_bytes": nbytes, "memcpy_gbps": round(mem, 3),
+        "geometry": {"layers": layout.layers, "block_bytes": layout.block,
+                     "blocks_per_half": layout.blocks_per_half,
+                     "pulled_blocks_per_half": layout.pulled_per_half, "ops": len(runs)},
+        "small_pull": {"blocks_per_half": args.small_blocks, "bytes": small_bytes,
+                       "ops": len(small_runs), "repeats": args.small_repeats},
+    }
+    with _hosts(namespaced) as hosts:
+        ours = run_pair("ours", spec, {**ours_env, **_kv(args.ours_env)}, hosts, args.pin)
+        if not ours["ok"]:
+            raise SystemExit(f"{wire}: ours pulled wrong bytes")
+        if ours["path"] != EXPECTED_PATH[wire]:
+            raise SystemExit(f"{wire}: ours used path {ours['path']} ({ours['path_reason']}), "
+                             f"expected {EXPECTED_PATH[wire]}")
+        rate = gbps(nbytes, ours["times"])
+        logger.info("%-9s ours  %6.2f GB/s (%s; path %s, %d ops)  [%s]", wire, rate,
+                    _spread(nbytes, ours["times"]), ours["path"], ours["ops"], _describe(ours))
+        rec.update(ours_gbps=round(rate, 3), ours_path=ours["path"],
+                   ours_path_reason=ours["path_reason"], ours_ucx=ours["ucx"],
+                   ours_loadavg=ours["loadavg"], ours_placement=ours["placement"],
+                   ratio_vs_memcpy=round(rate / mem, 3))
+        rec["small_pull"]["ours"] = _percentiles_us(ours["small_times"])
+        if not args.no_nixl and importlib.util.find_spec("nixl") is not None:
+            nixl = run_pair("nixl", spec, {**nixl_env, **_kv(args.nixl_env)}, hosts, args.pin)
+            if not nixl["ok"]:
+                raise SystemExit(f"{wire}: NIXL pulled wrong bytes")
+            nrate = gbps(nbytes, nixl["times"])
+            logger.info("%-9s NIXL  %6.2f GB/s (%s)  [%s]", wire, nrate,
+                        _spread(nbytes, nixl["times"]), _describe(nixl))
+            rec.update(nixl_gbps=round(nrate, 3), ratio_vs_nixl=round(rate / nrate, 3),
+                       nixl_loadavg=nixl["loadavg"], nixl_placement=nixl["placement"])
+            rec["small_pull"]["nixl"] = _percentiles_us(nixl["small_times"])
+        else:
+            logger.warning("NIXL not measured (pip install --no-deps nixl nixl-cu12)")
+            rec.update(nixl_gbps=None, ratio_vs_nixl=None)
+    sp = rec["small_pull"]
+    logger.info("%-9s small pull (%d ops, %d KiB): ours p50 %.0f us p99 %.0f us%s", wire,
+                sp["ops"], small_bytes >> 10, sp["ours"]["p50_us"], sp["ours"]["p99_us"],
+                f" | NIXL p50 {sp['nixl']['p50_us']:.0f} us p99 {sp['nixl']['p99_us']:.0f} us"
+                if "nixl" in sp else "")
+    return rec
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--wire", default=",".join(WIRES),
+                        help=f"comma-separated, from {list(WIRES)}")
     parser.add_argument("--mib", type=int, default=256, help="MiB pulled per transfer")
     parser.add_argument("--block-kib", type=int, default=32)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--configs", default="pvm,pvm2,ucx-default,ucx-nowakeup,ucx-tcp",
-                        help=f"configs for ours, from {sorted(OURS_CONFIGS)}")
-    parser.add_argument("--nixl-config", default="default", help="UCX config for NIXL")
+    parser.add_argument("--small-blocks", type=int, default=16)
+    parser.add_argument("--small-repeats", type=int, default=200)
+    parser.add_argument("--ours-env", action="append", default=[], metavar="K=V")
+    parser.add_argument("--nixl-env", action="append", default=[], metavar="K=V")
     parser.add_argument("--no-nixl", action="store_true")
+    parser.add_argument("--pin", action="store_true", help="server on core 0, client on core 1")
+    parser.add_argument("--json", type=Path, help="write the per-wire records here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    wires = args.wire.split(",")
+    for wire in wires:
+        if wire not in WIRES:
+            raise SystemExit(f"unknown wire {wire!r}; choose from {list(WIRES)}")
 
     layout = make_layout(args.mib, args.block_kib, args.layers)
     runs = build_runs(layout, block_ids(layout))
+    small_runs = build_runs(layout, small_block_ids(layout, args.small_blocks))
     nbytes = layout.total_pulled
     logger.info("pulling %.1f MiB: %d layers x K/V, %d of %d blocks of %d KiB per half, "
                 "%d coalesced ops, median of %d repeats", nbytes / 2**20, layout.layers,
                 layout.pulled_per_half, layout.blocks_per_half, args.block_kib, len(runs),
                 args.repeats)
-
     times = memcpy_times(nbytes, args.repeats)
     mem = gbps(nbytes, times)
-    logger.info("memcpy (numpy, 1 thread, contiguous)      %6.2f GB/s  (%s)", mem,
-                _spread(nbytes, times))
-
-    best: dict[str, tuple[float, str]] = {}
-    for name in args.configs.split(","):
-        want, env = OURS_CONFIGS[name]
-        ok, times, nops, path = run_pair(_ours_server, _ours_client, layout, runs, env,
-                                         args.repeats)
-        rate = gbps(nbytes, times)
-        logger.info("ours  [%-13s path %-3s] %6.2f GB/s  (%s; %d ops, bytes %s)", name, path,
-                    rate, _spread(nbytes, times), nops, "ok" if ok else "WRONG")
-        if not ok:
-            logger.error("ours pulled wrong bytes with config %s", name)
-            return 1
-        if path != want:
-            logger.error("config %s used path %s, expected %s", name, path, want)
-            return 1
-        if path not in best or rate > best[path][0]:
-            best[path] = (rate, name)
-
-    nixl: float | None = None
-    if not args.no_nixl:
-        try:
-            importlib.import_module("nixl._api")
-        except ImportError:
-            logger.warning("NIXL is not installed (.venv/bin/pip install --no-deps nixl "
-                           "nixl-cu12): skipping the NIXL READ comparison")
-        else:
-            env = UCX_CONFIGS[args.nixl_config]
-            ok, times, _, _ = run_pair(_nixl_server, _nixl_client, layout, runs, env,
-                                       args.repeats)
-            nixl = gbps(nbytes, times)
-            logger.info("NIXL READ [%-19s] %6.2f GB/s  (%s; bytes %s)", args.nixl_config, nixl,
-                        _spread(nbytes, times), "ok" if ok else "WRONG")
-            if not ok:
-                logger.error("NIXL pulled wrong bytes")
-                return 1
-
+    logger.info("memcpy (numpy, 1 thread, contiguous) %6.2f GB/s (%s)  [load %s]", mem,
+                _spread(nbytes, times), "/".join(f"{x:.2f}" for x in os.getloadavg()))
+    out = {wire: run_wire(wire, args, layout, runs, small_runs, mem) for wire in wires}
     logger.info("--")
-    logger.info("memcpy %.2f GB/s | NIXL READ %s", mem,
-                f"{nixl:.2f} GB/s" if nixl is not None else "not measured")
-    for path in ("pvm", "ucx"):
-        if path not in best:
-            continue
-        rate, name = best[path]
-        line = f"ours({path}) {rate:.2f} GB/s [{name}] | ours/memcpy {rate / mem:.2f}"
-        if nixl is not None:
-            line += f" | ours/NIXL {rate / nixl:.2f}"
-        logger.info("%s", line)
+    for wire, rec in out.items():
+        logger.info("%-9s ours %.2f GB/s | NIXL %s | memcpy %.2f GB/s | ours/NIXL %s | "
+                    "ours/memcpy %.2f", wire, rec["ours_gbps"],
+                    f"{rec['nixl_gbps']:.2f} GB/s" if rec["nixl_gbps"] else "-",
+                    rec["memcpy_gbps"], rec["ratio_vs_nixl"] or "-", rec["ratio_vs_memcpy"])
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 
