@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 _MAX_TRACES = 4096
 
 _COUNTERS = ("pulls", "pulls_same_host", "pull_failures", "pulled_bytes", "pulled_blocks",
-             "leases_released", "leases_expired")
+             "leases_released", "leases_expired", "refused_params")
 PULL_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
                         5.0, 10.0)
 
@@ -75,6 +75,10 @@ class TransferStats(KVConnectorStats):
         """Leases ended since the last report."""
         self.data["leases_released"] += released
         self.data["leases_expired"] += expired
+
+    def record_refused(self) -> None:
+        """One request whose ``kv_transfer_params`` were refused (unsigned, forged, stale)."""
+        self.data["refused_params"] += 1
 
     def reset(self) -> None:
         self.data = _empty()
@@ -123,6 +127,8 @@ class TransferPromMetrics(KVConnectorPromMetrics):
             "pulled_blocks": "KV blocks pulled over UCX (decode side).",
             "leases_released": "Prefill leases ended by a decode release.",
             "leases_expired": "Prefill leases that expired before any release.",
+            "refused_params": "Requests whose kv_transfer_params were refused (unsigned, forged "
+                              "or stale signature): served without lease or pull.",
         }
         self._counters: dict[str, dict[int, Any]] = {}
         for key, doc in docs.items():

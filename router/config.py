@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from router.errors import ConfigError
 
@@ -67,6 +67,14 @@ class RouterSettings:
     (wall-clock events and phase durations; see ``router.api.timeline``)."""
     otlp_traces_endpoint: str | None = None
     """OTLP endpoint for request traces (the flag vLLM uses); None = tracing off."""
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Accepted ``Authorization: Bearer`` keys (``--api-key``, repeatable; ``PDSERVE_API_KEY``,
+    comma-separated); empty = no authentication. ``/health`` and ``/metrics`` stay open."""
+    cluster_secret: str | None = field(default=None, repr=False)
+    """Cluster keyring text (``PDSERVE_CLUSTER_SECRET``): the router signs every
+    ``kv_transfer_params`` it sends so workers act only on its (kvtransfer.signing)."""
+    cluster_secret_file: str | None = None
+    """Keyring file (``PDSERVE_CLUSTER_SECRET_FILE``), re-read on change (rotation)."""
 
     def __post_init__(self) -> None:
         from router.policy.registry import DECODE_POLICIES, PREFILL_POLICIES
@@ -95,6 +103,8 @@ class RouterSettings:
                      "load_poll_interval_s", "disagg_min_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if any(not k or k != k.strip() for k in self.api_keys):
+            raise ConfigError("api keys must be non-empty and have no surrounding spaces")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(
                 f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}"
@@ -140,6 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--otlp-traces-endpoint", dest="otlp_traces_endpoint",
                    help="export OpenTelemetry request traces to this OTLP endpoint "
                    "(PDSERVE_ROUTER_OTLP_TRACES_ENDPOINT)")
+    p.add_argument("--api-key", dest="api_keys", action="append",
+                   help="require 'Authorization: Bearer <key>' on the API and /workers "
+                   "(repeatable; PDSERVE_API_KEY, comma-separated)")
     p.add_argument("--log-level", dest="log_level",
                    help="log level (PDSERVE_ROUTER_LOG_LEVEL, default INFO)")
     return p
@@ -197,10 +210,15 @@ def load(
                 values[name] = raw
         except ValueError as exc:
             raise ConfigError(f"{ENV_PREFIX + suffix}={raw!r} is not a valid {kind}") from exc
+    keys = env.get("PDSERVE_API_KEY")
+    if keys:
+        values["api_keys"] = tuple(k.strip() for k in keys.split(",") if k.strip())
+    values["cluster_secret"] = env.get("PDSERVE_CLUSTER_SECRET") or None
+    values["cluster_secret_file"] = env.get("PDSERVE_CLUSTER_SECRET_FILE") or None
     args = _parser().parse_args(list(argv) if argv is not None else None)
     for name, value in vars(args).items():
         if value is not None:
-            values[name] = value
+            values[name] = tuple(value) if name == "api_keys" else value
     if "log_level" in values:
         values["log_level"] = str(values["log_level"]).upper()
     return RouterSettings(**values)  # type: ignore[arg-type]

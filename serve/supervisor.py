@@ -13,9 +13,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 
 import httpx
@@ -107,10 +109,27 @@ class Cluster:
         self.served_name = settings.served_model_name or (
             DEFAULT_SERVED_NAME if settings.model is None else settings.model)
         self._drains: set[asyncio.Task[None]] = set()
+        self._secret_dir: tempfile.TemporaryDirectory[str] | None = None
+        self.env = self._cluster_env()
+        """Environment of every child: the cluster keyring that signs kv_transfer_params."""
         self.cpu_plan: CpuPlan = plan_cpus(sorted(os.sched_getaffinity(0)),
                                            settings.prefill + settings.decode
                                            + settings.aggregated,
                                            settings.cpu_layout)
+
+    def _cluster_env(self) -> dict[str, str]:
+        """Children share one keyring: the user's (``PDSERVE_CLUSTER_SECRET[_FILE]``) or a
+        fresh random secret in a 0600 file, so only this router can make workers lease or read."""
+        env = dict(os.environ)
+        if env.get("PDSERVE_CLUSTER_SECRET") or env.get("PDSERVE_CLUSTER_SECRET_FILE"):
+            return env
+        self._secret_dir = tempfile.TemporaryDirectory(prefix="pdserve-cluster-")
+        path = os.path.join(self._secret_dir.name, "keyring")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(32) + "\n")
+        env["PDSERVE_CLUSTER_SECRET_FILE"] = path
+        return env
 
     @property
     def url(self) -> str:
@@ -138,12 +157,12 @@ class Cluster:
                "--redis", self.redis_url, "--policy", s.policy, *s.router_args]
         if s.otlp_traces_endpoint:
             cmd += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
-        self.router = subprocess.Popen(cmd, start_new_session=True)
+        self.router = subprocess.Popen(cmd, start_new_session=True, env=self.env)
         if s.autoscale:
             cmd = [sys.executable, "-m", "serve.cli", "autoscale", "--redis", self.redis_url,
                    "--router", self.url, "--max-prefill", str(s.prefill),
                    "--max-decode", str(s.decode), *s.autoscale_args]
-            self.autoscaler = subprocess.Popen(cmd, start_new_session=True)
+            self.autoscaler = subprocess.Popen(cmd, start_new_session=True, env=self.env)
 
     def spawn_worker(self, role: str) -> WorkerProc:
         """Start one worker of ``role``."""
@@ -159,7 +178,8 @@ class Cluster:
         cpus = self._free_slot()
         pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         worker = WorkerProc(role, f"http://{s.host}:{port}",
-                            subprocess.Popen(cmd, start_new_session=True, preexec_fn=pin),
+                            subprocess.Popen(cmd, start_new_session=True, preexec_fn=pin,
+                                             env=self.env),
                             cpus=cpus)
         self.workers.append(worker)
         logger.info("started %s worker at %s on %s", role, worker.url,
@@ -251,6 +271,8 @@ class Cluster:
             stop_process(w.proc, timeout_s=30)
         if self.redis is not None:
             self.redis.stop()
+        if self._secret_dir is not None:
+            self._secret_dir.cleanup()
 
 
 async def _idle(client: httpx.AsyncClient, url: str) -> bool:

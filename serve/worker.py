@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from kvtransfer.signing import ENV_SECRET, secret_from_env
 from router.state.registry import WorkerRecord, WorkerRegistry
 from serve.cpu_layout import cpu_list, worker_cpus
 from serve.redis_server import free_port
@@ -63,6 +64,11 @@ class WorkerSettings:
     """Append each request's connector timeline here as a JSON line (kvtransfer.timeline)."""
     otlp_traces_endpoint: str | None = None
     """Passed to vLLM's ``--otlp-traces-endpoint``: its request spans join the router's trace."""
+    cluster_secret: str | None = None
+    """Cluster keyring text (``PDSERVE_CLUSTER_SECRET``): only router-signed
+    ``kv_transfer_params`` may lease or pull (kvtransfer.signing); handed to vLLM in a 0600 file."""
+    cluster_secret_file: str | None = None
+    """Keyring file (``PDSERVE_CLUSTER_SECRET_FILE``), re-read on change; wins over the text."""
     cpus: str = "all"
     """Cores the worker and its engine run on: ``all``, ``role`` or a list (serve.cpu_layout)."""
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
@@ -75,9 +81,12 @@ class WorkerSettings:
 def kv_transfer_config(engine_id: str, *, lease_s: float, pull_timeout_s: float,
                        handshake_file: str | None,
                        corrupt_pulled_kv_file: str | None = None,
-                       timeline_file: str | None = None) -> dict:
+                       timeline_file: str | None = None,
+                       signing_keys_file: str | None = None) -> dict:
     """The ``--kv-transfer-config`` that loads our connector (both roles; recompute on failure)."""
     extra: dict[str, object] = {"lease_s": lease_s, "pull_timeout_s": pull_timeout_s}
+    if signing_keys_file:
+        extra["signing_keys_file"] = signing_keys_file
     if handshake_file:
         extra["handshake_file"] = handshake_file
     if timeline_file:
@@ -97,6 +106,7 @@ def kv_transfer_config(engine_id: str, *, lease_s: float, pull_timeout_s: float,
 def vllm_env(kv_cache_gib: float) -> dict[str, str]:
     """Environment for a vLLM CPU server: offline, bounded KV cache, our packages importable."""
     env = dict(os.environ)
+    env.pop(ENV_SECRET, None)  # vLLM gets the keyring as a file, never the secret itself
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -171,12 +181,28 @@ class WorkerLauncher:
         self.record: WorkerRecord | None = None
         self._stopping = asyncio.Event()
 
+    def _keyring_file(self) -> str | None:
+        """The keyring file vLLM's connector reads (the secret text is written to a private
+        file: it must not appear on a command line)."""
+        s = self.settings
+        if s.cluster_secret_file:
+            return s.cluster_secret_file
+        if not s.cluster_secret:
+            logger.warning("no cluster secret (PDSERVE_CLUSTER_SECRET[_FILE]): this worker "
+                           "accepts kv_transfer_params from anyone who reaches its port")
+            return None
+        path = os.path.join(self._tmp.name, "keyring")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(s.cluster_secret + "\n")
+        return path
+
     def start_vllm(self) -> subprocess.Popen[bytes]:
         s = self.settings
         kv = None if s.role == "aggregated" else kv_transfer_config(
             self.engine_id, lease_s=s.lease_s, pull_timeout_s=s.pull_timeout_s,
             handshake_file=self.handshake_file, corrupt_pulled_kv_file=s.corrupt_pulled_kv_file,
-            timeline_file=s.timeline_file)
+            timeline_file=s.timeline_file, signing_keys_file=self._keyring_file())
         extra = s.extra_vllm_args
         if s.otlp_traces_endpoint:
             extra = ("--otlp-traces-endpoint", s.otlp_traces_endpoint, *extra)
@@ -288,6 +314,7 @@ def settings_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerSett
         from serve.tiny_model import build_tiny_model
 
         model = str(build_tiny_model())
+    secret, secret_file = secret_from_env(os.environ)
     return WorkerSettings(role=args.role, model=model, port=args.port, host=args.host,
                           advertise_host=args.advertise_host or None,
                           redis_url=args.redis, served_model_name=args.served_model_name,
@@ -296,4 +323,5 @@ def settings_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerSett
                           corrupt_pulled_kv_file=args.corrupt_pulled_kv_file,
                           timeline_file=args.timeline_file,
                           otlp_traces_endpoint=args.otlp_traces_endpoint, cpus=args.cpus,
+                          cluster_secret=secret, cluster_secret_file=secret_file,
                           extra_vllm_args=tuple(extra))

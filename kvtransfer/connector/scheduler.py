@@ -27,6 +27,7 @@ from kvtransfer.protocol import (
     Handshake,
     RemotePrefill,
 )
+from kvtransfer.signing import KeyringFile, current
 from kvtransfer.stats import TransferStats
 
 if TYPE_CHECKING:
@@ -48,11 +49,33 @@ class SchedulerHalf:
         self._leases: dict[str, float] = {}
         self._awaiting_schedule: set[str] = set()
         self.stats = TransferStats()
+        self._keyring = (KeyringFile(config.signing_keys_file) if config.signing_keys_file
+                         else None)
+
+    def _authorized(self, request: Request, params: dict[str, Any]) -> bool:
+        """With a keyring, only router-signed params may lease or pull; others are stripped
+        (the request then runs as a plain one: no lease, no read)."""
+        keyring = current(self._keyring)
+        if keyring is None:
+            return True
+        why = keyring.verify(params, time.time(), self.config.signature_max_age_s)
+        if why is None:
+            return True
+        self.stats.record_refused()
+        logger.warning("request %s: kv_transfer_params refused (%s); served without transfer",
+                       request.request_id, why)
+        params[DO_REMOTE_PREFILL] = False
+        params[DO_REMOTE_DECODE] = False
+        return False
 
     def on_new_request(self, request: Request) -> None:
-        """Timeline: a decode request that will pull, or a prefill that will lease, arrived."""
+        """Check the params' signature; timeline: a decode request that will pull, or a
+        prefill that will lease, arrived."""
         params = request.kv_transfer_params
         if not params:
+            return
+        if (params.get(DO_REMOTE_PREFILL) or params.get(DO_REMOTE_DECODE)) and \
+                not self._authorized(request, params):
             return
         if params.get(DO_REMOTE_PREFILL):
             self.stats.record_event(request.request_id, "remote_seen")

@@ -13,7 +13,9 @@ import httpx
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
+from kvtransfer.signing import keyring_source
 from router.api import first_token
+from router.api.auth import ApiKeyMiddleware, ApiKeys
 from router.api.context import SCOPE_KEY, RequestIdMiddleware, new_request_id
 from router.api.errors import error_response, install_error_handlers
 from router.api.proxy import PDProxy, RelayResponse
@@ -72,6 +74,10 @@ class RouterService:
         self._aggregated_policy = create_prefill_policy(settings.policy, **params)
         self._decode_policy = create_decode_policy(settings.decode_policy)
         self.disagg = SelectiveDisaggregation(settings.disagg_min_prefill_tokens)
+        self.keyring = keyring_source(settings.cluster_secret, settings.cluster_secret_file)
+        if self.keyring is None:
+            logger.warning("no cluster secret (PDSERVE_CLUSTER_SECRET[_FILE]): kv_transfer_params "
+                           "are sent unsigned; workers that require signatures refuse them")
 
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=self.settings.max_upstream_connections,
@@ -86,7 +92,8 @@ class RouterService:
                              self.loads.loads if self.loads is not None else dict,
                              on_done=self._timeline_done,
                              aggregated_policy=self._aggregated_policy,
-                             decode_observers=(self.disagg.observe,))
+                             decode_observers=(self.disagg.observe,),
+                             keyring=self.keyring)
         await self.cluster.start()
         if self.loads is not None:
             self.loads.start()
@@ -167,6 +174,9 @@ class RouterService:
     async def _handle(self, endpoint: Endpoint, request: Request, incoming: dict[str, str],
                       clock: PhaseClock) -> Response:
         body = parse_json_body(await request.body())
+        if "kv_transfer_params" in body:
+            raise InvalidRequestError("kv_transfer_params is set by the router, not by clients",
+                                      code="invalid_parameter", param="kv_transfer_params")
         req = validate_request(endpoint, body)
         records = self.cluster.workers(model=req.model)
         if not records:
@@ -293,7 +303,9 @@ def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None
                   openapi_url=None)
     app.state.router = service
     install_error_handlers(app)
-    app.add_middleware(RequestIdMiddleware)
+    if settings.api_keys:
+        app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(settings.api_keys))
+    app.add_middleware(RequestIdMiddleware)  # outermost: 401s carry x-request-id too
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

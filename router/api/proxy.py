@@ -20,6 +20,7 @@ import httpx
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvtransfer.signing import Keyring, KeyringFile, current, strip_signature
 from router.api.first_token import (
     ContinuationRewriter,
     FirstToken,
@@ -180,6 +181,7 @@ class PDProxy:
         on_done: Callable[[PhaseClock, int], None] = lambda clock, status: None,
         aggregated_policy: PlacementPolicy | None = None,
         decode_observers: tuple[Callable[[PolicyEvent], None], ...] = (),
+        keyring: Keyring | KeyringFile | None = None,
     ) -> None:
         self.settings = settings
         self.cluster = cluster
@@ -197,6 +199,8 @@ class PDProxy:
         its own, so its rings hold only aggregated workers."""
         self.decode_observers = decode_observers
         """Also told of decode dispatches and membership (selective disaggregation's cache)."""
+        self.keyring = keyring
+        """Signs every ``kv_transfer_params`` sent to a worker (None: unsigned)."""
         self._prefill_timeout = httpx.Timeout(settings.prefill_timeout_s,
                                               connect=settings.connect_timeout_s)
         self._decode_timeout = httpx.Timeout(settings.decode_timeout_s,
@@ -279,7 +283,16 @@ class PDProxy:
         for name in _FORWARDED_HEADERS:
             if name in incoming:
                 headers[name] = incoming[name]
+        if self.settings.api_keys:  # the router's key stays at the router
+            headers.pop("authorization", None)
         return headers
+
+    def signed(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` signed for the workers (kvtransfer.signing), or as they are without a
+        keyring; a signature the params came with is never passed on."""
+        keyring = current(self.keyring)
+        params = strip_signature(params)
+        return params if keyring is None else keyring.sign(params, time.time())
 
     # -- prefill -----------------------------------------------------------------------------
 
@@ -291,7 +304,9 @@ class PDProxy:
         relayed 4xx response; in a mixed fleet, the aggregated worker the prefill policy chose
         instead (nothing sent yet). ``token_ids`` asks for the prompt's and the sampled token's
         ids."""
-        content = encode(prefill_body(endpoint, body, token_ids=token_ids))
+        out = prefill_body(endpoint, body, token_ids=token_ids)
+        out["kv_transfer_params"] = self.signed(out["kv_transfer_params"])
+        content = encode(out)
         headers = self._headers(route, incoming)
         tried: set[str] = set()
         retried: set[str] = set()
@@ -359,7 +374,8 @@ class PDProxy:
         """Run the decode (``kv_params`` from the prefill), or the whole request on one worker
         (``kv_params`` None: a decode worker skipping the prefill hop, or an aggregated worker,
         ``role``); ``first_choice`` is a worker already chosen for the first attempt."""
-        content = encode(decode_body(body, kv_params) if kv_params is not None else body)
+        content = encode(decode_body(body, self.signed(kv_params)) if kv_params is not None
+                         else body)
         headers = self._headers(route, incoming)
         tried: set[str] = set()
         retried: set[str] = set()
@@ -432,7 +448,7 @@ class PDProxy:
         """Stream the prefill's token now, then the decode's continuation from it (see
         ``router.api.first_token``). Decode failures before its first byte are retried on
         another decode worker; after it, they end the stream with one error event."""
-        content = encode(continuation_body(body, first, kv_params))
+        content = encode(continuation_body(body, first, self.signed(kv_params)))
         headers = self._headers(route, incoming)
         rewriter = ContinuationRewriter(endpoint, first)
         state: dict[str, Any] = {"done": False, "status": 200}

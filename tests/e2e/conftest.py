@@ -20,9 +20,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvtransfer.signing import Keyring, strip_signature
 from serve.redis_server import free_port
 from serve.tiny_model import build_tiny_model
 from serve.worker import stop_process, vllm_command, vllm_env, wait_healthy
@@ -50,6 +52,11 @@ class Cluster:
     """Receives the OTLP traces of the router and both vLLM workers."""
     keyring_file: Path = field(default_factory=Path)
     """The cluster secret every process shares: tests that play the router sign with it."""
+
+    def sign(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` signed as the router signs them (kvtransfer.signing)."""
+        keyring = Keyring.parse(self.keyring_file.read_text())
+        return keyring.sign(strip_signature(params), time.time())
 
 
 @dataclass

@@ -36,13 +36,14 @@ def test_corrupted_pull_changes_output(cluster: Cluster, plain: Plain, workers: 
         complete(plain.url, clean)["choices"][0]["text"]
 
 
-def test_unpulled_lease_expires_and_late_pull_recomputes(plain: Plain, workers: dict[str, str],
+def test_unpulled_lease_expires_and_late_pull_recomputes(cluster: Cluster, plain: Plain,
+                                                         workers: dict[str, str],
                                                          tiny_model_dir: Path) -> None:
     prompt = make_prompts(tiny_model_dir, [600], seed=4, tag="lease")[0]
     p0 = scrape(workers["prefill"])
     prefill = httpx.post(f"{workers['prefill']}/v1/completions", timeout=60, json={
         "model": SERVED_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-        "kv_transfer_params": {"do_remote_decode": True}}).json()
+        "kv_transfer_params": cluster.sign({"do_remote_decode": True})}).json()
     params = prefill["kv_transfer_params"]
     assert params["remote_block_ids"], params
     assert value(scrape(workers["prefill"]), "vllm:kv_cache_usage_perc") > 0.0
@@ -58,7 +59,7 @@ def test_unpulled_lease_expires_and_late_pull_recomputes(plain: Plain, workers: 
     d0 = scrape(workers["decode"])
     late = httpx.post(f"{workers['decode']}/v1/completions", timeout=120, json={
         "model": SERVED_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-        "kv_transfer_params": params}).json()
+        "kv_transfer_params": cluster.sign(params)}).json()
     d1 = scrape(workers["decode"])
     assert late["choices"][0]["text"] == complete(plain.url, prompt)["choices"][0]["text"]
     assert value(d1, "pdserve_kv_pull_failures_total") - \

@@ -1,0 +1,153 @@
+"""Signed ``kv_transfer_params``: only the router may make a worker lease blocks or read KV.
+
+The router signs the ``kv_transfer_params`` it sends to a prefill (``do_remote_decode``: keep
+the blocks under a lease) and to a decode (``do_remote_prefill``: read these blocks from this
+handshake). Workers verify before acting; unsigned, forged or stale params are stripped, so the
+request runs as a plain one (no lease, no read). A client that reaches a worker's port directly
+can therefore neither pin KV blocks nor make a decode read from an address it chose.
+
+Signature: HMAC-SHA256 over the canonical JSON of the params (every key but ``pdserve_sig``,
+sorted, compact) and the signing time, stored as ``{"k": key id, "t": unix time, "m": hex mac}``
+under ``pdserve_sig``. Keys come from a *keyring*: the first key signs, every key verifies, so a
+secret is rotated without downtime (add the new one second, reload everywhere, move it first,
+later drop the old). Parameters:
+
+- ``max_age_s`` (default 120 s): older (or more than this in the future: clock skew) is stale.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SIGNATURE_KEY = "pdserve_sig"
+DEFAULT_MAX_AGE_S = 120.0
+ENV_SECRET = "PDSERVE_CLUSTER_SECRET"
+ENV_SECRET_FILE = "PDSERVE_CLUSTER_SECRET_FILE"
+
+
+def _key_id(secret: bytes) -> str:
+    return hashlib.sha256(b"pdserve-key-id:" + secret).hexdigest()[:12]
+
+
+def _canonical(params: Mapping[str, Any], signed_at: float) -> bytes:
+    body = {k: v for k, v in params.items() if k != SIGNATURE_KEY}
+    blob = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      default=str)
+    return f"{signed_at:.6f}\n".encode() + blob.encode()
+
+
+@dataclass(frozen=True)
+class Keyring:
+    """Cluster secrets: ``secrets[0]`` signs, any of them verifies."""
+
+    secrets: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        if not self.secrets:
+            raise ValueError("a keyring needs at least one secret")
+        for s in self.secrets:
+            if len(s) < 16:
+                raise ValueError("cluster secrets must be at least 16 bytes")
+
+    @classmethod
+    def parse(cls, text: str) -> Keyring:
+        """One secret per line (blank lines and ``#`` comments ignored); first line signs."""
+        lines = [ln.strip() for ln in text.splitlines()]
+        return cls(tuple(ln.encode() for ln in lines if ln and not ln.startswith("#")))
+
+    @property
+    def key_ids(self) -> tuple[str, ...]:
+        """Public ids of the secrets (safe to log)."""
+        return tuple(_key_id(s) for s in self.secrets)
+
+    def sign(self, params: Mapping[str, Any], now: float) -> dict[str, Any]:
+        """A copy of ``params`` carrying a signature made at ``now`` (unix seconds)."""
+        secret = self.secrets[0]
+        signed_at = round(now, 6)
+        mac = hmac.new(secret, _canonical(params, signed_at), hashlib.sha256).hexdigest()
+        out = {k: v for k, v in params.items() if k != SIGNATURE_KEY}
+        out[SIGNATURE_KEY] = {"k": _key_id(secret), "t": signed_at, "m": mac}
+        return out
+
+    def verify(self, params: Mapping[str, Any], now: float,
+               max_age_s: float = DEFAULT_MAX_AGE_S) -> str | None:
+        """None when ``params`` carry a valid, fresh signature; else why not (for logs)."""
+        sig = params.get(SIGNATURE_KEY)
+        if not isinstance(sig, dict):
+            return "unsigned"
+        kid, signed_at, mac = sig.get("k"), sig.get("t"), sig.get("m")
+        if not isinstance(kid, str) or not isinstance(mac, str) or \
+                not isinstance(signed_at, int | float) or isinstance(signed_at, bool):
+            return "malformed signature"
+        if abs(now - float(signed_at)) > max_age_s:
+            return f"stale signature ({now - float(signed_at):.1f} s old)"
+        message = _canonical(params, float(signed_at))
+        ok = False
+        for secret in self.secrets:  # every key is tried: no timing hint of which matched
+            expected = hmac.new(secret, message, hashlib.sha256).hexdigest()
+            ok |= hmac.compare_digest(expected, mac) and _key_id(secret) == kid
+        return None if ok else "bad signature"
+
+
+class KeyringFile:
+    """A keyring read from a file and re-read when the file changes (rotation)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self._keyring: Keyring | None = None
+        self.current()
+
+    def current(self) -> Keyring:
+        """The keyring as of the file's last change; a broken rewrite keeps the previous one."""
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size)
+            if stamp != self._stamp:
+                with open(self.path) as fh:
+                    keyring = Keyring.parse(fh.read())
+                self._stamp, self._keyring = stamp, keyring
+                logger.info("cluster keyring loaded from %s (key ids %s)", self.path,
+                            ", ".join(keyring.key_ids))
+        except (OSError, ValueError) as exc:
+            if self._keyring is None:
+                raise ValueError(f"cannot read the cluster keyring {self.path}: {exc}") from exc
+            logger.warning("keeping the previous cluster keyring: %s", exc)
+        assert self._keyring is not None
+        return self._keyring
+
+
+def keyring_source(secret: str | None, secret_file: str | None) -> KeyringFile | Keyring | None:
+    """The keyring given by a secret or a file (the file wins; it can be rotated), or None."""
+    if secret_file:
+        return KeyringFile(secret_file)
+    if secret:
+        return Keyring.parse(secret)
+    return None
+
+
+def current(source: KeyringFile | Keyring | None) -> Keyring | None:
+    """The keyring a source holds now."""
+    if isinstance(source, KeyringFile):
+        return source.current()
+    return source
+
+
+def secret_from_env(env: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """(secret, secret file) from ``PDSERVE_CLUSTER_SECRET`` / ``PDSERVE_CLUSTER_SECRET_FILE``."""
+    return env.get(ENV_SECRET) or None, env.get(ENV_SECRET_FILE) or None
+
+
+def strip_signature(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` without a signature (to re-sign what a prefill returned)."""
+    return {k: v for k, v in params.items() if k != SIGNATURE_KEY}
+

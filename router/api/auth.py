@@ -1,0 +1,72 @@
+"""API keys on the router (``--api-key``, as ``vllm serve --api-key``): OpenAI-style 401.
+
+Every path needs ``Authorization: Bearer <key>`` except the probes (``/health``, ``/metrics``),
+which orchestrators and Prometheus scrape without credentials. Keys are compared in constant
+time, each one, so the answer time says nothing about which key or how much of it matched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Iterable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def _error(message: str, code: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                 "param": None, "code": code}}).encode()
+
+
+class ApiKeys:
+    """The accepted keys; ``allows`` checks one ``Authorization`` header value."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._keys = tuple(k.encode() for k in keys if k)
+        if not self._keys:
+            raise ValueError("ApiKeys needs at least one non-empty key")
+
+    def allows(self, authorization: str | None) -> bool:
+        """True for ``Bearer <one of the keys>``."""
+        if not authorization:
+            return False
+        scheme, _, token = authorization.strip().partition(" ")
+        presented = token.strip().encode()
+        ok = False
+        for key in self._keys:  # no early exit: every key costs the same
+            ok |= hmac.compare_digest(key, presented)
+        return ok and scheme.lower() == "bearer"
+
+
+class ApiKeyMiddleware:
+    """Answers 401 in OpenAI's error envelope unless the request carries a valid key."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = None
+        for key, value in scope.get("headers", []):
+            if key == b"authorization":
+                header = value.decode("latin-1")
+                break
+        if self.keys.allows(header):
+            await self.app(scope, receive, send)
+            return
+        if header is None:
+            body = _error("You didn't provide an API key. Provide it in the Authorization "
+                          "header as 'Bearer <key>'.", "missing_api_key")
+        else:
+            body = _error("Incorrect API key provided.", "invalid_api_key")
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"www-authenticate", b'Bearer realm="pdserve"'),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,80 @@
+"""The real router under uvicorn, real Redis, fake workers: API keys and signed KV params."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import httpx
+
+from kvtransfer.signing import SIGNATURE_KEY, Keyring, strip_signature
+from tests.fakes.fake_worker import FakeWorker
+from tests.support.router import calls
+
+KEY = "sk-test-0123456789"
+SECRET = "cluster-secret-0123456789abcdef"
+BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 4}
+
+
+def test_api_key_guards_the_api_and_workers_but_not_probes(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router(api_keys=(KEY, "sk-second-key-000"))
+    for headers, code in (({}, "missing_api_key"),
+                          ({"Authorization": "Bearer sk-wrong"}, "invalid_api_key"),
+                          ({"Authorization": f"Basic {KEY}"}, "invalid_api_key")):
+        for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                             ("GET", "/v1/models"), ("GET", "/workers")):
+            resp = client.request(method, url + path, headers=headers,
+                                  json=BODY if method == "POST" else None)
+            assert resp.status_code == 401, (path, resp.text)
+            assert resp.json()["error"]["code"] == code
+            assert resp.json()["error"]["type"] == "invalid_request_error"
+            assert resp.headers["x-request-id"]
+    assert calls(fakes) == {"p0": 0, "p1": 0, "d0": 0, "d1": 0}  # nothing reached a worker
+    assert client.get(url + "/health").status_code == 200
+    assert client.get(url + "/metrics").status_code == 200
+
+    ok = client.post(url + "/v1/completions", json=BODY,
+                     headers={"Authorization": "Bearer sk-second-key-000"})
+    assert ok.status_code == 200, ok.text
+    assert client.get(url + "/workers", headers={"Authorization": f"Bearer {KEY}"}
+                      ).status_code == 200
+    # The router's key is not handed on to the workers.
+    sent = [r for f in fakes.values() for r in f.requests]
+    assert sent and all("authorization" not in r.headers for r in sent)
+
+
+def test_without_api_keys_everything_is_open(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    """Negative control: the 401s above come from the keys, not from the setup."""
+    url = start_router()
+    assert client.post(url + "/v1/completions", json=BODY).status_code == 200
+    assert client.get(url + "/workers").status_code == 200
+
+
+def test_router_signs_what_it_sends_and_clients_cannot_set_kv_params(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router(cluster_secret=SECRET)
+    resp = client.post(url + "/v1/completions", json=BODY)
+    assert resp.status_code == 200, resp.text
+    ring = Keyring.parse(SECRET)
+    prefill = next(r for f in fakes.values() for r in f.requests if f.role == "prefill")
+    decode = next(r for f in fakes.values() for r in f.requests if f.role == "decode")
+    for sent in (prefill.body["kv_transfer_params"], decode.body["kv_transfer_params"]):
+        assert SIGNATURE_KEY in sent
+        assert ring.verify(sent, time.time()) is None
+    assert strip_signature(prefill.body["kv_transfer_params"]) == {"do_remote_decode": True}
+    assert decode.body["kv_transfer_params"]["do_remote_prefill"] is True
+    # Another secret does not verify them.
+    assert Keyring.parse("another-secret-0123456789").verify(
+        decode.body["kv_transfer_params"], time.time()) == "bad signature"
+
+    before = sum(len(f.requests) for f in fakes.values())
+    bad = client.post(url + "/v1/completions",
+                      json={**BODY, "kv_transfer_params": {"do_remote_decode": True}})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "kv_transfer_params"
+    assert sum(len(f.requests) for f in fakes.values()) == before
