@@ -11,6 +11,14 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+import redis
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    RedisError,
+    ResponseError,
+)
+
 logger = logging.getLogger(__name__)
 
 
@@ -22,16 +30,28 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def redis_reachable(url: str, timeout_s: float = 0.5) -> bool:
-    """True when something answers a Redis PING at ``url``."""
-    parsed = urlparse(url)
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
+    """True when a Redis answers at ``url`` (``redis://``, ``rediss://`` with TLS options in
+    the query, ``unix://``; a password in the URL is used). A server that refuses our
+    credentials counts as reachable: it is there, and starting another would hide the mistake."""
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                  socket_connect_timeout=timeout_s)
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.settimeout(timeout_s)
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
-    except OSError:
+        return bool(client.ping())
+    except (AuthenticationError, AuthenticationWrongNumberOfArgsError, ResponseError) as exc:
+        logger.warning("Redis at %s refused us: %s", redacted_url(url), exc)
+        return True
+    except (RedisError, OSError):
         return False
+    finally:
+        client.close()
+
+
+def redacted_url(url: str) -> str:
+    """``url`` without its password (for logs)."""
+    parsed = urlparse(url)
+    if not parsed.password:
+        return url
+    return parsed._replace(netloc=parsed.netloc.replace(f":{parsed.password}@", ":***@")).geturl()
 
 
 @dataclass

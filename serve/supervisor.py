@@ -25,7 +25,13 @@ import httpx
 from router.autoscale.actuators import DesiredReplicas
 from router.state.registry import WorkerRegistry
 from serve.cpu_layout import CpuPlan, cpu_list, plan_cpus
-from serve.redis_server import RedisServer, free_port, redis_reachable, start_redis
+from serve.redis_server import (
+    RedisServer,
+    free_port,
+    redacted_url,
+    redis_reachable,
+    start_redis,
+)
 from serve.worker import stop_process
 
 logger = logging.getLogger(__name__)
@@ -314,7 +320,7 @@ async def run_cluster(settings: ClusterSettings) -> int:
                 f" + {pools}" if settings.prefill else "")
         print(f"pdserve CPU layout: {cluster.cpu_plan.reason}", flush=True)
         print(f"pdserve ready: {cluster.url}/v1 (model {cluster.served_name}, {pools}, "
-              f"redis {cluster.redis_url})", flush=True)
+              f"redis {redacted_url(cluster.redis_url)})", flush=True)
         registry = WorkerRegistry(cluster.redis_url) if settings.autoscale else None
         desired = DesiredReplicas(cluster.redis_url) if settings.autoscale else None
         try:

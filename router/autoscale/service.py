@@ -1,6 +1,7 @@
 """`pdserve autoscale`: scrape, plan, act, every interval (the I/O shell around the planner).
 
-Several replicas may run; a Redis lock (``SET NX PX``) lets exactly one act at a time. Each
+Several replicas may run; a Redis lock (redis-py's ``Lock``: ``SET NX PX`` to take it, a Lua
+script that checks the owner token to extend it) lets exactly one act at a time. Each
 interval it scrapes the router and every registered worker, turns two snapshots into an
 :class:`Observation`, asks the :class:`Planner`, and makes every decision visible three ways:
 metrics (``pdserve_autoscaler_{desired,current,ready}_replicas{pool}``,
@@ -20,7 +21,6 @@ import logging
 import os
 import signal
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +28,8 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from redis.asyncio.lock import Lock
+from redis.exceptions import LockError
 
 from router.autoscale.actuators import Actuator, ComposeActuator, RedisActuator
 from router.autoscale.capacity import DecodeModel, PrefillModel, load_profile
@@ -59,6 +61,25 @@ class AutoscalerSettings:
     planner: PlannerConfig = PlannerConfig()
 
 
+def leader_lock(redis: aioredis.Redis, key: str, interval_s: float) -> Lock:
+    """The leader lock of the autoscalers sharing ``key``: held for three intervals unless
+    extended, so a dead leader is replaced within that time."""
+    return Lock(redis, key, timeout=3 * interval_s, blocking=False, thread_local=False)
+
+
+async def hold_leadership(lock: Lock) -> bool:
+    """Take or keep ``lock``; True while this process is the leader. Extending is atomic (the
+    owner token is checked in the same script that resets the TTL), so two autoscalers never
+    both believe they lead."""
+    if lock.local.token is not None:
+        try:
+            await lock.reacquire()
+            return True
+        except LockError:  # expired and maybe taken by another: try again below
+            lock.local.token = None
+    return bool(await lock.acquire())
+
+
 class Autoscaler:
     """The loop; ``run`` returns when ``stop`` is set."""
 
@@ -71,9 +92,9 @@ class Autoscaler:
         self.registry = WorkerRegistry(settings.redis_url, prefix=settings.prefix)
         self._redis = aioredis.from_url(settings.redis_url, socket_connect_timeout=1.0,
                                         socket_timeout=2.0)
-        self._lock_key = f"{settings.prefix}:autoscaler:lock"
+        self._lock = leader_lock(self._redis, f"{settings.prefix}:autoscaler:lock",
+                                 settings.interval_s)
         self._desired: dict[str, int] = {}
-        self._me = uuid.uuid4().hex
         self.stop = asyncio.Event()
         self.metrics = CollectorRegistry()
         self.desired = Gauge("pdserve_autoscaler_desired_replicas", "Replicas the planner wants.",
@@ -97,12 +118,7 @@ class Autoscaler:
         self.decision_log = DecisionLog(settings.redis_url, settings.prefix)
 
     async def _leader(self) -> bool:
-        ttl_ms = int(self.settings.interval_s * 3000)
-        holder = await self._redis.get(self._lock_key)
-        if holder in (self._me, self._me.encode()):
-            await self._redis.pexpire(self._lock_key, ttl_ms)
-            return True
-        return bool(await self._redis.set(self._lock_key, self._me, nx=True, px=ttl_ms))
+        return await hold_leadership(self._lock)
 
     async def snapshot(self, client: httpx.AsyncClient) -> Snapshot:
         """Scrape the router and every routable worker."""
