@@ -64,7 +64,7 @@ WIRES = ("same-host", "default", "tcp")
 # Per wire: (our UcxEngine keyword arguments, our environment, NIXL's environment, namespaced).
 WIRE_SETUP: dict[str, tuple[dict[str, Any], dict[str, str], dict[str, str], bool]] = {
     "same-host": ({}, {}, {}, False),
-    "default": ({}, {"PDSERVE_KV_SAME_HOST": "0"}, {}, False),
+    "default": ({"same_host": False}, {}, {}, False),
     "tcp": ({}, {"UCX_TLS": "tcp"}, {"UCX_TLS": "tcp"}, True),
 }
 EXPECTED_PATH = {"same-host": "pvm", "default": "ucx", "tcp": "ucx"}
@@ -184,13 +184,13 @@ def run_pair(backend: str, spec: dict[str, Any], env: dict[str, str],
         server.ch.send("done")
         result["placement"] = placement
         result["loadavg"] = os.getloadavg()
-        for side in (client, server):
-            side.proc.wait(60)
+        client.proc.wait(60)
+        server.proc.wait(60)
         return result
     finally:
-        for side in (client, server):
-            if side is not None:
-                side.stop()
+        for running in (client, server):
+            if running is not None:
+                running.stop()
 
 
 def memcpy_times(nbytes: int, repeats: int) -> list[float]:

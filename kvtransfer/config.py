@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -29,6 +31,20 @@ class ConnectorConfig:
     corrupt_pulled_kv_file: str | None = None
     """Test-only negative control: while this file exists, pulled blocks are overwritten with
     noise after each pull (proves that output equality tests can fail)."""
+    same_host: bool = True
+    """Read same-host peers with process_vm_readv (env PDSERVE_KV_SAME_HOST=0 turns it off)."""
+    pvm_threads: int = 0
+    """Same-host reader threads; 0: 2 when 2+ CPUs are usable, else 1 (PDSERVE_KV_PVM_THREADS)."""
+    pvm_chunk_kib: int = 4096
+    """KiB per same-host read batch (PDSERVE_KV_PVM_CHUNK_KIB)."""
+    thp: str = "collapse"
+    """Huge pages for registered host KV memory: collapse | advise | off (PDSERVE_KV_THP)."""
+    ucx_wakeup: bool = True
+    """The UCX progress thread sleeps on the worker's event fd when idle; off: short sleeps,
+    which let event-less transports (cma) carry RMA (PDSERVE_UCX_WAKEUP=0)."""
+    ucx_spin_us: float = 200.0
+    """The UCX progress thread keeps polling this long after its last event, in microseconds
+    (PDSERVE_UCX_SPIN_US)."""
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0:
@@ -37,17 +53,56 @@ class ConnectorConfig:
             raise ConfigError(f"signature_max_age_s must be > 0, got {self.signature_max_age_s}")
         if self.pull_timeout_s <= 0:
             raise ConfigError(f"pull_timeout_s must be > 0, got {self.pull_timeout_s}")
+        if self.thp not in THP_MODES:
+            raise ConfigError(f"thp must be one of {list(THP_MODES)}, got {self.thp!r}")
+        if self.pvm_threads < 0 or self.pvm_chunk_kib <= 0 or self.ucx_spin_us < 0:
+            raise ConfigError("pvm_threads must be >= 0, pvm_chunk_kib > 0, ucx_spin_us >= 0")
+
+    def ucx_options(self) -> dict[str, Any]:
+        """Keyword arguments of `kvtransfer.transport.ucx.UcxEngine` from these settings."""
+        return {"same_host": self.same_host, "pvm_threads": self.pvm_threads,
+                "pvm_chunk_kib": self.pvm_chunk_kib, "thp": self.thp,
+                "wakeup": self.ucx_wakeup, "spin_us": self.ucx_spin_us}
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
-        """Build from vLLM's ``kv_connector_extra_config`` dict, rejecting unknown keys."""
+    def from_extra_config(cls, extra: dict[str, Any] | None,
+                          environ: Mapping[str, str] | None = None) -> ConnectorConfig:
+        """Build from vLLM's ``kv_connector_extra_config`` dict, rejecting unknown keys.
+
+        Transport knobs not given there default to their ``PDSERVE_*`` variables (`ENV_KNOBS`).
+        """
         extra = dict(extra or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; "
                               f"allowed: {sorted(known)}")
+        env = os.environ if environ is None else environ
+        for name, (var, parse) in ENV_KNOBS.items():
+            if name not in extra and env.get(var, "") != "":
+                try:
+                    extra[name] = parse(env[var])
+                except ValueError as exc:
+                    raise ConfigError(f"{var}={env[var]!r}: {exc}") from exc
         try:
             return cls(**extra)
         except TypeError as exc:
             raise ConfigError(str(exc)) from exc
+
+
+THP_MODES = ("collapse", "advise", "off")
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+ENV_KNOBS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "same_host": ("PDSERVE_KV_SAME_HOST", _flag),
+    "pvm_threads": ("PDSERVE_KV_PVM_THREADS", int),
+    "pvm_chunk_kib": ("PDSERVE_KV_PVM_CHUNK_KIB", int),
+    "thp": ("PDSERVE_KV_THP", lambda v: "off" if v == "0" else v),
+    "ucx_wakeup": ("PDSERVE_UCX_WAKEUP", _flag),
+    "ucx_spin_us": ("PDSERVE_UCX_SPIN_US", float),
+}
+"""Connector fields whose default comes from an environment variable (name, parser)."""

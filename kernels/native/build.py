@@ -1,114 +1,251 @@
-"""Build the `_ucxrma` C extension against the libucx wheel: `python -m kernels.native.build`.
+"""Build the `_ucxrma` C extension against a chosen UCX: `python -m kernels.native.build`.
 
-The module is compiled with gcc into `kernels/native/_ucxrma<EXT_SUFFIX>`, linked to the wheel's
-libucp/libucs with an rpath to their directory. The build is skipped when the shared object is
-newer than the source; concurrent builders (several spawned processes) serialise on a lock file
-and publish the result with an atomic rename.
+    python -m kernels.native.build                      # the libucx wheel (default)
+    python -m kernels.native.build --ucx nixl           # the UCX bundled in the nixl-cu12 wheel
+    python -m kernels.native.build --ucx-prefix /usr    # a system UCX (include/ and lib/)
+    PDSERVE_UCX=nixl make setup                         # the same choice through `make setup`
+
+Which UCX: `--ucx wheel|nixl|prefix` (env `PDSERVE_UCX`), `--ucx-prefix DIR` (env
+`PDSERVE_UCX_PREFIX`, implies `prefix`); default `wheel`.
+  wheel   libucx-cu12's headers and libucp/libucs (tcp, cma, cuda; no verbs).
+  nixl    the libucp/libucs that nixl-cu12 bundles under `nixl_cu12.libs/` (its UCX modules,
+          verbs/mlx5/efa included, sit in `nixl_cu12.libs/ucx/`). That wheel ships no UCX headers,
+          so the module is compiled with the libucx wheel's headers and linked to NIXL's
+          libraries: this relies on UCX's backward ABI compatibility within 1.x (parameter structs
+          carry field masks; the headers' API version must not be newer than the library, which
+          the build checks).
+  prefix  a system UCX: `<prefix>/include/ucp/api/ucp.h` and libucp in `<prefix>/lib`,
+          `lib64` or `lib/<multiarch>`.
+The module is compiled with gcc from ucx_core.c, pvm.c and module.c into
+`kernels/native/_ucxrma<EXT_SUFFIX>` (or `--out DIR`), with an rpath to the chosen libraries; a
+JSON record beside it (`_ucxrma.build.json`) says what it was built against. The build is
+skipped when the module is newer than every source and was built against the same choice;
+concurrent builders serialise on a lock file and publish with an atomic rename. Nothing builds at
+import time: `make setup` runs this.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import glob
+import importlib.util
+import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import sysconfig
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "ucxrma.c"
+SOURCES = tuple(HERE / name for name in ("ucx_core.c", "pvm.c", "module.c"))
+HEADERS = (HERE / "ucxrma.h",)
 MODULE = "_ucxrma"
+CHOICES = ("wheel", "nixl", "prefix")
 
 
 class NativeBuildError(RuntimeError):
-    """gcc failed or the libucx wheel (headers, libraries) is missing."""
+    """gcc failed or the chosen UCX (headers, libraries) is missing."""
 
 
-def target_path() -> Path:
+@dataclass(frozen=True)
+class UcxInstall:
+    """Where one UCX's headers and libraries are, as the build uses them."""
+
+    source: str
+    """"wheel", "nixl" or "prefix"."""
+    include: str
+    """Directory holding ucp/api/ucp.h."""
+    libdir: str
+    """Directory holding libucp and libucs (also the rpath)."""
+    libs: tuple[str, ...]
+    """Linker arguments naming libucp and libucs."""
+    header_api: str
+    """UCP_API_MAJOR.UCP_API_MINOR of the headers."""
+    note: str = ""
+    """How headers and libraries relate when they come from different packages."""
+
+
+def target_path(out_dir: Path | None = None) -> Path:
     """Where the compiled module lives."""
-    return HERE / f"{MODULE}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    return (out_dir or HERE) / f"{MODULE}{sysconfig.get_config_var('EXT_SUFFIX')}"
 
 
-def ucx_prefix() -> Path:
-    """Root of the libucx wheel (holds include/ and lib/)."""
+def record_path(out_dir: Path | None = None) -> Path:
+    """The JSON record of what the module in `out_dir` was built against."""
+    return (out_dir or HERE) / f"{MODULE}.build.json"
+
+
+def _header_api(include: Path) -> str:
+    text = (include / "ucp" / "api" / "ucp_version.h").read_text()
+    major = re.search(r"#define\s+UCP_API_MAJOR\s+(\d+)", text)
+    minor = re.search(r"#define\s+UCP_API_MINOR\s+(\d+)", text)
+    if not major or not minor:
+        raise NativeBuildError(f"no UCP_API_MAJOR/MINOR in {include}/ucp/api/ucp_version.h")
+    return f"{major.group(1)}.{minor.group(1)}"
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise NativeBuildError(f"python package {name} is not installed")
+    return Path(spec.origin).parent
+
+
+def wheel_install() -> UcxInstall:
+    """libucx-cu12: headers and libraries from one wheel."""
     try:
-        import libucx
-    except ImportError as exc:
+        root = _package_dir("libucx")
+    except NativeBuildError as exc:
         raise NativeBuildError("libucx-cu12 is not installed (pip install libucx-cu12)") from exc
-    root = Path(os.path.dirname(libucx.__file__))
-    if not (root / "include" / "ucp" / "api" / "ucp.h").is_file():
-        raise NativeBuildError(f"no UCX headers under {root / 'include'}")
-    return root
+    include = root / "include"
+    if not (include / "ucp" / "api" / "ucp.h").is_file():
+        raise NativeBuildError(f"no UCX headers under {include}")
+    return UcxInstall("wheel", str(include), str(root / "lib"), ("-lucp", "-lucs"),
+                      _header_api(include))
 
 
-def is_stale() -> bool:
-    """True when the module is missing or older than its source."""
-    out = target_path()
-    return not out.exists() or out.stat().st_mtime < SOURCE.stat().st_mtime
+def _library_version(path: str) -> str:
+    """ucp_get_version_string() of a libucp, read by loading it in a child process."""
+    code = ("import ctypes,sys; f=ctypes.CDLL(sys.argv[1]).ucp_get_version_string; "
+            "f.restype=ctypes.c_char_p; print(f().decode())")
+    proc = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                          check=False)
+    if proc.returncode != 0:
+        raise NativeBuildError(f"cannot load {path}: {proc.stderr.strip()}")
+    return proc.stdout.strip()
 
 
-def compile_command(out: Path) -> list[str]:
+def nixl_install() -> UcxInstall:
+    """nixl-cu12's bundled UCX, compiled with the libucx wheel's (older or equal) headers."""
+    libdir = _package_dir("nixl_cu12").parent / "nixl_cu12.libs"
+    found = {}
+    for lib in ("ucp", "ucs"):
+        hits = sorted(glob.glob(str(libdir / f"lib{lib}-*.so*")))
+        if not hits:
+            raise NativeBuildError(f"no lib{lib} in {libdir} (is nixl-cu12 installed?)")
+        found[lib] = hits[0]
+    headers = wheel_install()
+    version = _library_version(found["ucp"])
+    lib_api = tuple(int(x) for x in version.split(".")[:2])
+    hdr_api = tuple(int(x) for x in headers.header_api.split("."))
+    if hdr_api[0] != lib_api[0] or hdr_api > lib_api:
+        raise NativeBuildError(f"headers UCP API {headers.header_api} are newer than NIXL's "
+                               f"libucp {version}: not ABI-compatible")
+    note = (f"nixl-cu12 ships no UCX headers: compiled with libucx's UCP API "
+            f"{headers.header_api} headers, linked to NIXL's libucp {version} (backward "
+            f"compatible within UCX 1.x)")
+    return UcxInstall("nixl", headers.include, str(libdir),
+                      tuple(f"-l:{Path(p).name}" for p in found.values()), headers.header_api,
+                      note)
+
+
+def prefix_install(prefix: str) -> UcxInstall:
+    """A system UCX under `prefix`."""
+    root = Path(prefix)
+    include = root / "include"
+    if not (include / "ucp" / "api" / "ucp.h").is_file():
+        raise NativeBuildError(f"no ucp/api/ucp.h under {include}")
+    multiarch = sysconfig.get_config_var("MULTIARCH") or ""
+    for cand in (root / "lib", root / "lib64", root / "lib" / multiarch):
+        if glob.glob(str(cand / "libucp.so*")):
+            return UcxInstall("prefix", str(include), str(cand), ("-lucp", "-lucs"),
+                              _header_api(include))
+    raise NativeBuildError(f"no libucp.so under {root}/lib, lib64 or lib/{multiarch}")
+
+
+def resolve(ucx: str | None = None, prefix: str | None = None) -> UcxInstall:
+    """The UCX install chosen by arguments, else PDSERVE_UCX / PDSERVE_UCX_PREFIX, else wheel."""
+    prefix = prefix or os.environ.get("PDSERVE_UCX_PREFIX") or None
+    ucx = ucx or os.environ.get("PDSERVE_UCX") or ("prefix" if prefix else "wheel")
+    if ucx not in CHOICES:
+        raise NativeBuildError(f"unknown UCX choice {ucx!r}; allowed: {list(CHOICES)}")
+    if ucx == "wheel":
+        return wheel_install()
+    if ucx == "nixl":
+        return nixl_install()
+    if not prefix:
+        raise NativeBuildError("--ucx prefix needs --ucx-prefix DIR (or PDSERVE_UCX_PREFIX)")
+    return prefix_install(prefix)
+
+
+def read_record(out_dir: Path | None = None) -> dict[str, object] | None:
+    """What the module in `out_dir` was built against (None when unknown)."""
+    try:
+        data: dict[str, object] = json.loads(record_path(out_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return data
+
+
+def is_stale(install: UcxInstall | None = None, out_dir: Path | None = None) -> bool:
+    """True when the module is missing, older than a source, or built against another UCX."""
+    out = target_path(out_dir)
+    if not out.exists():
+        return True
+    newest = max(p.stat().st_mtime for p in (*SOURCES, *HEADERS))
+    if out.stat().st_mtime < newest:
+        return True
+    return install is not None and read_record(out_dir) != json.loads(json.dumps(asdict(install)))
+
+
+def compile_command(install: UcxInstall, out: Path) -> list[str]:
     """The gcc invocation producing `out`."""
-    ucx = ucx_prefix()
-    lib = ucx / "lib"
     return [
-        os.environ.get("CC", "gcc"),
-        "-shared",
-        "-fPIC",
-        "-O2",
-        "-g",
-        "-Wall",
-        "-Werror",
-        "-std=gnu11",
-        f"-I{sysconfig.get_paths()['include']}",
-        f"-I{ucx / 'include'}",
-        str(SOURCE),
-        "-o",
-        str(out),
-        f"-L{lib}",
-        f"-Wl,-rpath,{lib}",
-        "-lucp",
-        "-lucs",
-        "-lpthread",
+        os.environ.get("CC", "gcc"), "-shared", "-fPIC", "-O2", "-g", "-Wall", "-Werror",
+        "-std=gnu11", f"-DPDSERVE_UCX_SOURCE=\"{install.source}\"",
+        f"-I{sysconfig.get_paths()['include']}", f"-I{install.include}",
+        *(str(s) for s in SOURCES), "-o", str(out),
+        f"-L{install.libdir}", f"-Wl,-rpath,{install.libdir}", *install.libs, "-ldl", "-lpthread",
     ]
 
 
-def build(*, force: bool = False) -> Path:
-    """Compile the module unless it is up to date; return its path."""
-    out = target_path()
-    if not force and not is_stale():
+def build(*, force: bool = False, install: UcxInstall | None = None,
+          out_dir: Path | None = None) -> Path:
+    """Compile the module unless it is up to date for `install`; return its path."""
+    install = install or resolve()
+    out = target_path(out_dir)
+    if not force and not is_stale(install, out_dir):
         return out
-    with open(HERE / f".{MODULE}.build.lock", "w") as lock:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{MODULE}.build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not force and not is_stale():  # another process built it while we waited
+        if not force and not is_stale(install, out_dir):  # built while we waited
             return out
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        cmd = compile_command(tmp)
-        logger.info("building %s", out.name)
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        logger.info("building %s against UCX %s (%s)", out, install.source, install.libdir)
+        if install.note:
+            logger.info("%s", install.note)
+        proc = subprocess.run(compile_command(install, tmp), capture_output=True, text=True,
+                              check=False)
         if proc.returncode != 0:
             tmp.unlink(missing_ok=True)
             raise NativeBuildError(f"gcc failed ({proc.returncode}):\n{proc.stderr}")
+        record = record_path(out_dir)
+        tmp_record = record.with_name(f".{record.name}.{os.getpid()}.tmp")
+        tmp_record.write_text(json.dumps(asdict(install), indent=2) + "\n")
         os.replace(tmp, out)
+        os.replace(tmp_record, record)
     return out
 
 
-def ensure_built() -> None:
-    """Build the module if it is missing or stale (called lazily on import)."""
-    build()
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ucx", choices=CHOICES, help="which UCX (default: $PDSERVE_UCX, wheel)")
+    parser.add_argument("--ucx-prefix", help="a system UCX's prefix (default: $PDSERVE_UCX_PREFIX)")
+    parser.add_argument("--out", type=Path, help="directory of the module (default: the package)")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        path = build(force=args.force)
+        path = build(force=args.force, install=resolve(args.ucx, args.ucx_prefix),
+                     out_dir=args.out)
     except NativeBuildError as exc:
         logger.error("%s", exc)
         return 1

@@ -127,7 +127,7 @@ class WorkerHalf:
         from kvtransfer.transport.ucx import UcxEngine
 
         described = describe_regions(kv_caches, self.num_blocks)
-        self._engine = UcxEngine(name=f"pdserve-{self.engine_id[:8]}")
+        self._engine = UcxEngine(name=f"pdserve-{self.engine_id[:8]}", **self.config.ucx_options())
         regions = []
         for _, tensor, block_dim, spec in described:
             reg = self._engine.register(spec.base, spec.num_blocks * spec.block_stride,

@@ -23,8 +23,8 @@ Contract for callers (the KV connector):
 Same-host path ("pvm"). When the peer's locality shows the same kernel boot and pid namespace,
 `connect` probes it with one process_vm_readv(2) of a random nonce inside the peer's engine. If
 the probe reads the right bytes, that peer's `get`s bypass UCX: native worker threads (not the
-progress thread; `PDSERVE_KV_PVM_THREADS`, default 2 when 2+ CPUs are usable) read the ops as
-iovec batches of up to IOV_MAX segments and 4 MiB (`PDSERVE_KV_PVM_CHUNK_KIB`), so one big get
+progress thread; `pvm_threads`, default 2 when 2+ CPUs are usable) read the ops as
+iovec batches of up to IOV_MAX segments and 4 MiB (`pvm_chunk_kib`), so one big get
 is split across the workers, looping over short reads, and re-read the nonce at the end, so a
 get succeeds only if every byte came from the same live peer engine
 (not from a process that reused a dead peer's pid, nor after the peer closed its engine: close
@@ -33,19 +33,23 @@ different uid, Yama ptrace_scope >= 2, a non-dumpable peer; ENOSYS; ESRCH) the p
 and a warning is logged once per reason; `Peer.path` / `Peer.path_reason` / `Transfer.path` tell
 which path is used. Requests and replies always go over UCX.
 
-Security note: every engine (unless disabled) calls prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY) at
-creation, because under Yama ptrace_scope=1 only ancestors may otherwise process_vm_readv a
-process. This lets any process of the same uid (and only those: the kernel's uid, capability and
-dumpable checks still apply) ptrace or read this process, as they could without Yama.
-`PDSERVE_KV_SAME_HOST=0` turns the path off: no prctl, an empty `locality`, and `connect` ignores
-any locality given (every get uses UCX).
+Security note: every engine (unless `same_host=False`) calls
+prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY) at creation, because under Yama ptrace_scope=1 only
+ancestors may otherwise process_vm_readv a process. This lets any process of the same uid (and
+only those: the kernel's uid, capability and dumpable checks still apply) ptrace or read this
+process, as they could without Yama.
+`same_host=False` turns the path off: no prctl, an empty `locality`, and `connect` ignores
+any locality given (every get uses UCX). The path reads host memory only: an engine that
+registered device (CUDA) memory advertises no locality and reads every peer over UCX.
 
-Configuration is UCX's own: every `UCX_*` environment variable applies (e.g. `UCX_TLS`).
+Knobs are `UcxEngine` arguments (the connector passes `ConnectorConfig.ucx_options()`); UCX's
+own configuration applies too: every `UCX_*` environment variable (e.g. `UCX_TLS`). Which UCX
+runs is chosen when the extension is built (`python -m kernels.native.build --ucx ...`);
+`kernels.native.runtime_info()` reports it.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import weakref
@@ -64,28 +68,26 @@ TransferState = Literal["pending", "done", "error"]
 PathName = Literal["pvm", "ucx"]
 _STATES: tuple[TransferState, TransferState, TransferState] = ("pending", "done", "error")
 
-_native: Any = None
-_native_lock = threading.Lock()
 _logged_fallbacks: set[str] = set()
 # Reasons for the UCX path that are configuration, not a failed same-host probe (not warned).
 _EXPECTED_UCX_REASONS = ("different host", "different pid namespace",
-                         "disabled by PDSERVE_KV_SAME_HOST=0")
+                         "same-host path off (same_host=False)",
+                         "local KV memory is not host memory")
 
 
 def _load_native() -> Any:
-    """Import the C extension, building it first if it is missing or stale."""
-    global _native
-    with _native_lock:
-        if _native is None:
-            from kernels.native import build
+    """The C extension (built by `make setup`; never compiled here)."""
+    from kernels import native
 
-            try:
-                build.ensure_built()
-                _ucxrma = importlib.import_module("kernels.native._ucxrma")
-            except (build.NativeBuildError, ImportError) as exc:
-                raise TransportError(f"native UCX module unavailable: {exc}") from exc
-            _native = _ucxrma
-    return _native
+    try:
+        return native.load()
+    except native.NativeUnavailable as exc:
+        raise TransportError(f"native UCX module unavailable: {exc}") from exc
+
+
+def _memory_type(keepalive: object) -> str | None:
+    """"cuda" for a CUDA tensor, None (let UCX detect) otherwise."""
+    return "cuda" if getattr(keepalive, "is_cuda", False) else None
 
 
 def _wrap(exc: Exception) -> TransportError:
@@ -95,10 +97,13 @@ def _wrap(exc: Exception) -> TransportError:
 class Region:
     """Memory registered with `UcxEngine.register`; stays registered until the engine closes."""
 
-    __slots__ = ("addr", "length", "rkey", "index", "_keepalive")
+    __slots__ = ("addr", "length", "rkey", "index", "memory_type", "_keepalive")
 
-    def __init__(self, addr: int, length: int, rkey: bytes, index: int, keepalive: object) -> None:
+    def __init__(self, addr: int, length: int, rkey: bytes, index: int, keepalive: object,
+                 memory_type: str = "host") -> None:
         self.addr = addr
+        self.memory_type = memory_type
+        """What UCX found the memory to be ("host", "cuda", ...)."""
         self.length = length
         self.rkey = rkey
         """Packed remote key (ucp_rkey_pack): ship it to peers that will read this region."""
@@ -290,10 +295,24 @@ def _close_quietly(c: Any) -> None:
 class UcxEngine:
     """One UCP context + one worker (UCS_THREAD_MODE_MULTI) + a native progress thread."""
 
-    def __init__(self, *, name: str = "pdserve") -> None:
+    def __init__(self, *, name: str = "pdserve", same_host: bool = True, pvm_threads: int = 0,
+                 pvm_chunk_kib: int = 4096, thp: str = "collapse", wakeup: bool = True,
+                 spin_us: float = 200.0) -> None:
+        """Create the context, worker and progress thread.
+
+        same_host: advertise a locality and read same-host peers with process_vm_readv.
+        pvm_threads: same-host reader threads (0: 2 when 2+ CPUs are usable, else 1).
+        pvm_chunk_kib: bytes per same-host read batch, in KiB.
+        thp: "collapse" | "advise" | "off": huge pages for registered host memory.
+        wakeup: the progress thread sleeps on the worker's event fd when idle (False: it backs
+            off with short sleeps, which lets event-less transports such as cma carry RMA).
+        spin_us: the progress thread keeps polling this long after the last event.
+        """
         native = _load_native()
         try:
-            self._c = native.Engine(name)
+            self._c = native.Engine(name, same_host=same_host, pvm_threads=pvm_threads,
+                                    pvm_chunk_kib=pvm_chunk_kib, thp=thp, wakeup=wakeup,
+                                    spin_us=spin_us)
         except native.NativeTransportError as exc:
             raise TransportError(f"UCX init failed: {exc}") from exc
         self._name = name
@@ -313,23 +332,29 @@ class UcxEngine:
     def locality(self) -> bytes:
         """Opaque same-host identity (boot id, pid namespace, pid, a nonce and its address):
         peers pass it to `connect` next to `address`. b"" when the same-host path is off
-        (`PDSERVE_KV_SAME_HOST=0`) or /proc is unreadable; passing b"" is like passing None."""
+        (`same_host=False`, device memory registered) or /proc is unreadable; passing b"" is
+        like passing None."""
         return bytes(self._c.locality)
 
-    def register(self, addr: int, length: int, *, keepalive: object = None) -> Region:
+    def register(self, addr: int, length: int, *, keepalive: object = None,
+                 memory_type: str | None = None) -> Region:
         """Register existing memory (ucp_mem_map, no allocation) until the engine closes.
 
         `keepalive` (e.g. the tensor or array owning the memory) is referenced by the Region.
+        `memory_type` "cuda" asks UCX to map device memory (a CUDA tensor as `keepalive` implies
+        it; untested: no GPU was available); None lets UCX detect the type. Registering device
+        memory turns this engine's same-host path off (it reads host memory only).
         Host memory is also advised into transparent huge pages (the 2 MiB-aligned interior:
         MADV_HUGEPAGE then MADV_COLLAPSE, errors ignored; about 0.5 s per GiB, once), because
         same-host readers pin it page by page and 4 KiB pages cost ~3x in throughput.
-        `PDSERVE_KV_THP=advise` skips the synchronous collapse, `PDSERVE_KV_THP=0` does neither.
+        `thp="advise"` skips the synchronous collapse, `thp="off"` does neither.
         """
+        mtype = memory_type or _memory_type(keepalive)
         try:
-            index, rkey = self._c.register(int(addr), int(length))
+            index, rkey, found = self._c.register(int(addr), int(length), mtype)
         except self._native_error() as exc:
             raise _wrap(exc) from exc
-        region = Region(int(addr), int(length), bytes(rkey), int(index), keepalive)
+        region = Region(int(addr), int(length), bytes(rkey), int(index), keepalive, str(found))
         with self._lock:
             self._regions.append(region)
         return region
@@ -391,6 +416,15 @@ class UcxEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def context_info(self) -> str:
+        """UCX's description of this context: components, domains, usable resources."""
+        return str(self._c.context_info())
+
+    @property
+    def memory_types(self) -> list[str]:
+        """Memory types this UCX context can register ("host", and "cuda" with a GPU stack)."""
+        return list(self._c.memory_types)
 
     def _native_error(self) -> type[Exception]:
         err: type[Exception] = _load_native().NativeTransportError

@@ -3,7 +3,7 @@
 Runs over UCX's default transports and over `UCX_TLS=tcp` (RMA emulated in software, so the
 server's progress thread must serve it). Gets run over both read paths: "pvm" (same host,
 process_vm_readv, chosen when `connect` gets the server's locality) and "ucx" (forced with
-`PDSERVE_KV_SAME_HOST=0`, or without a locality).
+connecting without the server's locality).
 """
 
 from __future__ import annotations
@@ -142,28 +142,23 @@ def _remote_block_ids(n: int) -> np.ndarray:
     return np.array(ids[:n], dtype=np.int64)
 
 
-def _connect(client: UcxEngine, server: Server, path: str,
-             monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Connect with the server's locality; "ucx" forces UCX through PDSERVE_KV_SAME_HOST=0."""
-    if path == "ucx":
-        monkeypatch.setenv("PDSERVE_KV_SAME_HOST", "0")
-    else:
-        monkeypatch.delenv("PDSERVE_KV_SAME_HOST", raising=False)
-    peer = client.connect(server.address, server.locality)
+def _connect(client: UcxEngine, server: Server, path: str) -> Any:
+    """Connect with the server's locality for "pvm"; without it (UCX only) for "ucx"."""
+    peer = client.connect(server.address, server.locality if path == "pvm" else None)
     assert peer.path == path, peer.path_reason
     if path == "ucx":
-        assert peer.path_reason == "disabled by PDSERVE_KV_SAME_HOST=0"
+        assert peer.path_reason == "no locality given"
     return peer
 
 
 @pytest.mark.parametrize("path", ["pvm", "ucx"])
-def test_get_pulls_scattered_runs_exactly(echo_server: Server, client: UcxEngine, path: str,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_get_pulls_scattered_runs_exactly(echo_server: Server, client: UcxEngine,
+                                          path: str) -> None:
     n = 128
     remote_ids = _remote_block_ids(n)
     dst = np.zeros(n * BLOCK, dtype=np.uint8)
     client.register(dst.ctypes.data, dst.nbytes, keepalive=dst)
-    peer = _connect(client, echo_server, path, monkeypatch)
+    peer = _connect(client, echo_server, path)
     rk = peer.unpack_rkey(echo_server.rkey, base=echo_server.base, length=echo_server.length)
     ops = _scattered_ops(dst.ctypes.data, echo_server.base, rk, remote_ids)
     assert 1 < len(ops) < n  # runs were coalesced, and there is more than one
@@ -199,9 +194,9 @@ def test_get_rejects_malformed_ops(echo_server: Server, client: UcxEngine) -> No
 
 
 @pytest.mark.parametrize("path", ["pvm", "ucx"])
-def test_get_rejects_ranges_outside_the_region(echo_server: Server, client: UcxEngine, path: str,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    peer = _connect(client, echo_server, path, monkeypatch)
+def test_get_rejects_ranges_outside_the_region(echo_server: Server, client: UcxEngine,
+                                               path: str) -> None:
+    peer = _connect(client, echo_server, path)
     rk = peer.unpack_rkey(echo_server.rkey, base=echo_server.base, length=echo_server.length)
     dst = np.zeros(2 * BLOCK, dtype=np.uint8)
     end = echo_server.base + echo_server.length
@@ -215,9 +210,7 @@ def test_get_rejects_ranges_outside_the_region(echo_server: Server, client: UcxE
         peer.unpack_rkey(echo_server.rkey, base=echo_server.base)
 
 
-def test_locality_selects_the_path(echo_server: Server, client: UcxEngine,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PDSERVE_KV_SAME_HOST", raising=False)
+def test_locality_selects_the_path(echo_server: Server, client: UcxEngine) -> None:
     loc = bytearray(echo_server.locality)
     assert len(loc) > 0 and len(client.locality) == len(loc)
     assert client.connect(echo_server.address).path == "ucx"  # no locality: UCX
@@ -240,9 +233,10 @@ def test_locality_selects_the_path(echo_server: Server, client: UcxEngine,
     peer = client.connect(echo_server.address, bytes(other_host))
     assert (peer.path, peer.path_reason) == ("ucx", "different host")
 
-    monkeypatch.setenv("PDSERVE_KV_SAME_HOST", "0")
-    with UcxEngine(name="no-same-host") as engine:
+    with UcxEngine(name="no-same-host", same_host=False) as engine:
         assert engine.locality == b""
+        peer = engine.connect(echo_server.address, echo_server.locality)
+        assert (peer.path, peer.path_reason) == ("ucx", "same-host path off (same_host=False)")
 
 
 def _big_read(peer: Any, server: Server, dst: np.ndarray, times: int) -> np.ndarray:
@@ -252,11 +246,10 @@ def _big_read(peer: Any, server: Server, dst: np.ndarray, times: int) -> np.ndar
     return np.array([row] * times, dtype=np.uint64)
 
 
-def test_pvm_peer_killed_midway_errors(tls: str, client: UcxEngine,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pvm_peer_killed_midway_errors(tls: str, client: UcxEngine) -> None:
     server = _start_server("silent")
     try:
-        peer = _connect(client, server, "pvm", monkeypatch)
+        peer = _connect(client, server, "pvm")
         dst = np.zeros(NUM_BLOCKS * BLOCK, dtype=np.uint8)
         ops = _big_read(peer, server, dst, 512)  # 4 GiB of reads: far longer than a kill takes
         transfer = peer.get(ops)
@@ -273,9 +266,8 @@ def test_pvm_peer_killed_midway_errors(tls: str, client: UcxEngine,
         server.stop()
 
 
-def test_pvm_abort_stops_writes(echo_server: Server, client: UcxEngine,
-                                monkeypatch: pytest.MonkeyPatch) -> None:
-    peer = _connect(client, echo_server, "pvm", monkeypatch)
+def test_pvm_abort_stops_writes(echo_server: Server, client: UcxEngine) -> None:
+    peer = _connect(client, echo_server, "pvm")
     dst = np.zeros(NUM_BLOCKS * BLOCK, dtype=np.uint8)
     transfer = peer.get(_big_read(peer, echo_server, dst, 512))
     with pytest.raises(TransferTimeout):
