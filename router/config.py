@@ -47,6 +47,9 @@ class RouterSettings:
     """Extra attempts on other prefill workers after a connect error, timeout or 5xx."""
     decode_retries: int = 2
     """Extra attempts on other decode workers, only while no byte was relayed to the client."""
+    no_worker_wait_s: float = 5.0
+    """An admitted request that finds its pool empty (membership changing: an evicted or
+    restarting worker) waits this long for a worker before failing with 503."""
     failure_cooldown_s: float = 5.0
     """A worker that just failed is tried last during this many seconds."""
     max_upstream_connections: int = 1000
@@ -99,7 +102,7 @@ class RouterSettings:
                      "prefill_s_per_token"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("prefill_retries", "decode_retries", "failure_cooldown_s",
+        for name in ("prefill_retries", "decode_retries", "failure_cooldown_s", "no_worker_wait_s",
                      "load_poll_interval_s", "disagg_min_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -176,6 +179,7 @@ _ENV_NAMES = {
     "prefill_retries": "PREFILL_RETRIES",
     "decode_retries": "DECODE_RETRIES",
     "failure_cooldown_s": "FAILURE_COOLDOWN_S",
+    "no_worker_wait_s": "NO_WORKER_WAIT_S",
     "max_upstream_connections": "MAX_UPSTREAM_CONNECTIONS",
     "load_poll_interval_s": "LOAD_POLL_INTERVAL_S",
     "first_token_from_prefill": "FIRST_TOKEN_FROM_PREFILL",

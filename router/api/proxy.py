@@ -10,6 +10,7 @@ and are relayed unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -242,6 +243,21 @@ class PDProxy:
         tried.add(worker.worker_id)
         return worker
 
+    async def _choose_or_wait(self, role: str, route: RouteRequest,
+                              tried: set[str]) -> WorkerRecord | None:
+        """``_choose``; when the pool is empty (a membership blip: an evicted worker, a restart)
+        wait up to ``no_worker_wait_s`` for one instead of failing an admitted request."""
+        worker = self._choose(role, route, tried)
+        if worker is not None or tried:
+            return worker
+        deadline = time.monotonic() + self.settings.no_worker_wait_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            worker = self._choose(role, route, tried)
+            if worker is not None:
+                return worker
+        return None
+
     def peek_decode(self, route: RouteRequest) -> WorkerRecord | None:
         """The decode worker the decode policy would pick now (nothing is recorded)."""
         live = self._live("decode", route.model)
@@ -276,6 +292,8 @@ class PDProxy:
     def _failed(self, worker: WorkerRecord, err: UpstreamError) -> None:
         self.metrics.upstream_errors.labels(role=err.role, kind=err.kind).inc()
         self.tracker.mark_failed(worker.worker_id)
+        if err.kind == "connect":  # nobody listens: out of the rings until it answers again
+            self.cluster.evict(worker.worker_id)
         logger.warning("%s", err.message)
 
     def _headers(self, route: RouteRequest, incoming: dict[str, str]) -> dict[str, str]:
@@ -312,7 +330,7 @@ class PDProxy:
         retried: set[str] = set()
         last: UpstreamError | None = None
         for attempt in range(self.settings.prefill_retries + 1):
-            worker = self._choose("prefill", route, tried)
+            worker = await self._choose_or_wait("prefill", route, tried)
             if worker is None:
                 break
             if worker.role == "aggregated":
@@ -385,7 +403,7 @@ class PDProxy:
                 worker: WorkerRecord | None = first_choice
                 tried.add(first_choice.worker_id)
             else:
-                worker = self._choose(role, route, tried)
+                worker = await self._choose_or_wait(role, route, tried)
             if worker is None:
                 break
             clock.mark("decode_chosen")
@@ -484,7 +502,7 @@ class PDProxy:
             retried: set[str] = set()
             last: UpstreamError | None = None
             for attempt in range(self.settings.decode_retries + 1):
-                worker = self._choose("decode", route, tried)
+                worker = await self._choose_or_wait("decode", route, tried)
                 if worker is None:
                     break
                 clock.mark("decode_chosen")

@@ -2,7 +2,10 @@
 
 Keys: ``{prefix}:worker:{worker_id}`` -> ``WorkerRecord.to_json()`` with a TTL of ``ttl_s``;
 events: ``{prefix}:events`` gets ``{"type": "join"|"leave", "worker_id", "role", "model"}``.
-A worker that stops heartbeating disappears by itself within ``ttl_s``.
+A worker that stops heartbeating disappears from the registry within ``ttl_s``; a worker that
+deregisters leaves a short-lived tombstone ``{prefix}:left:{worker_id}`` so routers can tell a
+deliberate exit from a missed heartbeat (``router.state.cluster`` keeps a worker whose key
+expired while it still answers).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from redis.exceptions import RedisError
 from router.errors import RegistryError
 
 logger = logging.getLogger(__name__)
+
+TOMBSTONE_MS = 300_000
+"""How long a deregistered worker's tombstone lives."""
 
 ROLES = ("prefill", "decode", "aggregated")
 """``aggregated``: a plain vLLM server that serves whole requests (no KV connector)."""
@@ -91,6 +97,7 @@ class WorkerRegistry:
     async def register(self, record: WorkerRecord) -> None:
         try:
             await self._redis.set(self._key(record.worker_id), record.to_json(), px=self._ttl_ms)
+            await self._redis.delete(self._left_key(record.worker_id))
             await self._publish("join", record.worker_id, record.role, record.model)
         except (RedisError, OSError) as exc:
             raise RegistryError(f"cannot register {record.worker_id}: {exc}") from exc
@@ -127,14 +134,27 @@ class WorkerRegistry:
             raise RegistryError(f"cannot read draining workers: {exc}") from exc
         return {m.decode() if isinstance(m, bytes) else str(m) for m in members}
 
+    def _left_key(self, worker_id: str) -> str:
+        return f"{self.prefix}:left:{worker_id}"
+
     async def deregister(self, worker_id: str) -> None:
         try:
+            await self._redis.set(self._left_key(worker_id), "1", px=TOMBSTONE_MS)
             await self._redis.srem(self._draining_key, worker_id)
             await self._redis.delete(self._key(worker_id))
             await self._publish("leave", worker_id)
         except (RedisError, OSError) as exc:
             raise RegistryError(f"cannot deregister {worker_id}: {exc}") from exc
         logger.info("deregistered worker %s", worker_id)
+
+    async def departed(self) -> set[str]:
+        """Ids of workers that deregistered in the last few minutes (tombstones)."""
+        prefix = self._left_key("")
+        try:
+            keys = [k async for k in self._redis.scan_iter(match=prefix + "*", count=500)]
+        except (RedisError, OSError) as exc:
+            raise RegistryError(f"cannot read departed workers: {exc}") from exc
+        return {(k.decode() if isinstance(k, bytes) else str(k))[len(prefix):] for k in keys}
 
     async def list(self) -> list[WorkerRecord]:
         try:

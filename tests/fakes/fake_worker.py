@@ -111,8 +111,9 @@ class FakeWorker:
                             engine_id=self.engine_id, ucx_address="ZmFrZQ==",
                             max_model_len=self.max_model_len, started_at=1_700_000_000.0)
 
-    def start(self) -> FakeWorker:
-        self._server = ServerThread(self.app).start()
+    def start(self, port: int | None = None) -> FakeWorker:
+        """Serve (on ``port``, e.g. the one it had before a restart; default a free one)."""
+        self._server = ServerThread(self.app, port).start()
         return self
 
     def stop(self) -> None:
@@ -157,7 +158,11 @@ class FakeWorker:
 
         app.add_api_route("/v1/completions", handle, methods=["POST"])
         app.add_api_route("/v1/chat/completions", handle, methods=["POST"])
+        async def health() -> Response:
+            return Response(status_code=200)
+
         app.add_api_route("/metrics", metrics, methods=["GET"])
+        app.add_api_route("/health", health, methods=["GET"])
         return app
 
     def _metrics_text(self) -> str:
