@@ -2,8 +2,11 @@
 
 Every child runs in its own process group so a Ctrl-C reaches only the supervisor, which then
 stops the router first (no new requests), then the workers (each deregisters itself), then the
-Redis it started. Readiness is the router's ``/health`` turning 200, which needs at least one
-registered worker of each role.
+Redis it started. A child that crashes is restarted with exponential backoff (1 s doubling to
+30 s, reset after a minute of uptime) and the reason (exit code or signal) is logged; children
+die with the supervisor (``PR_SET_PDEATHSIG``), so a killed ``pdserve up`` leaves nothing behind.
+Readiness is the router's ``/health`` turning 200, which needs at least one registered worker
+of each role.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -32,7 +36,7 @@ from serve.redis_server import (
     redis_reachable,
     start_redis,
 )
-from serve.worker import stop_process
+from serve.worker import child_setup, stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +103,39 @@ class WorkerProc:
     draining: bool = False
     cpus: tuple[int, ...] = ()
     """Cores the worker (and its vLLM engine) may run on; empty = all."""
+    started_at: float = field(default_factory=time.monotonic)
+    failures: int = 0
+    """Consecutive crashes of this pool slot (reset once a worker ran ``STABLE_S``)."""
+
+
+STABLE_S = 60.0
+"""A child that ran this long before crashing starts its backoff again from the first step."""
+
+
+def restart_delay_s(failures: int, *, base_s: float = 1.0, cap_s: float = 30.0) -> float:
+    """Backoff before restarting a child after its ``failures``-th consecutive crash."""
+    return min(cap_s, base_s * 2 ** max(0, failures - 1))
+
+
+def exit_reason(code: int | None) -> str:
+    """``exit code 3`` or ``killed by SIGKILL`` for a Popen return code."""
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclass
+class PendingRestart:
+    """A crashed child waiting for its backoff to pass."""
+
+    role: str
+    due: float
+    failures: int
 
 
 class Cluster:
@@ -115,6 +152,11 @@ class Cluster:
         self.served_name = settings.served_model_name or (
             DEFAULT_SERVED_NAME if settings.model is None else settings.model)
         self._drains: set[asyncio.Task[None]] = set()
+        self._pending: list[PendingRestart] = []
+        self._router_cmd: list[str] = []
+        self._autoscaler_cmd: list[str] = []
+        self.restarts: dict[str, int] = {}
+        """Restarts so far by role (router, autoscaler, prefill, decode, aggregated)."""
         self._secret_dir: tempfile.TemporaryDirectory[str] | None = None
         self.env = self._cluster_env()
         """Environment of every child: the cluster keyring that signs kv_transfer_params."""
@@ -163,15 +205,19 @@ class Cluster:
                "--redis", self.redis_url, "--policy", s.policy, *s.router_args]
         if s.otlp_traces_endpoint:
             cmd += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
-        self.router = subprocess.Popen(cmd, start_new_session=True, env=self.env)
+        self._router_cmd = cmd
+        self.router = subprocess.Popen(cmd, start_new_session=True, env=self.env,
+                                       preexec_fn=child_setup())
         if s.autoscale:
-            cmd = [sys.executable, "-m", "serve.cli", "autoscale", "--redis", self.redis_url,
-                   "--router", self.url, "--max-prefill", str(s.prefill),
-                   "--max-decode", str(s.decode), *s.autoscale_args]
-            self.autoscaler = subprocess.Popen(cmd, start_new_session=True, env=self.env)
+            self._autoscaler_cmd = [
+                sys.executable, "-m", "serve.cli", "autoscale", "--redis", self.redis_url,
+                "--router", self.url, "--max-prefill", str(s.prefill),
+                "--max-decode", str(s.decode), *s.autoscale_args]
+            self.autoscaler = subprocess.Popen(self._autoscaler_cmd, start_new_session=True,
+                                               env=self.env, preexec_fn=child_setup())
 
-    def spawn_worker(self, role: str) -> WorkerProc:
-        """Start one worker of ``role``."""
+    def spawn_worker(self, role: str, failures: int = 0) -> WorkerProc:
+        """Start one worker of ``role`` (``failures``: crashes of the slot it replaces)."""
         s = self.settings
         assert self.model is not None
         port = free_port(s.host)
@@ -182,11 +228,9 @@ class Cluster:
         if s.otlp_traces_endpoint:
             cmd += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
         cpus = self._free_slot()
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        worker = WorkerProc(role, f"http://{s.host}:{port}",
-                            subprocess.Popen(cmd, start_new_session=True, preexec_fn=pin,
-                                             env=self.env),
-                            cpus=cpus)
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=child_setup(cpus),
+                                env=self.env)
+        worker = WorkerProc(role, f"http://{s.host}:{port}", proc, cpus=cpus, failures=failures)
         self.workers.append(worker)
         logger.info("started %s worker at %s on %s", role, worker.url,
                     f"cores {cpu_list(cpus)}" if cpus else "all cores")
@@ -215,17 +259,37 @@ class Cluster:
                 await asyncio.sleep(0.5)
         raise TimeoutError(f"cluster not ready within {self.settings.ready_timeout_s} s")
 
-    def children_alive(self) -> bool:
-        """False when a child died that the cluster cannot do without."""
-        if any(p.poll() is not None for p in [self.router, self.autoscaler] if p is not None):
-            return False
-        dead = [w for w in self.workers if w.proc.poll() is not None and not w.draining]
-        if dead and not self.settings.autoscale:
-            return False
-        for w in dead:  # autoscaled pools: reconcile replaces a crashed worker
-            logger.error("%s worker %s exited with %s", w.role, w.url, w.proc.returncode)
+    def supervise(self) -> None:
+        """Restart crashed children with backoff (``restart_delay_s``), logging why they
+        exited. An autoscaled pool's crashed worker is only dropped: reconcile replaces it."""
+        now = time.monotonic()
+        if self.router is not None and self.router.poll() is not None:
+            logger.error("router exited (%s); restarting it", exit_reason(self.router.returncode))
+            self.router = subprocess.Popen(self._router_cmd, start_new_session=True, env=self.env,
+                                           preexec_fn=child_setup())
+            self.restarts["router"] = self.restarts.get("router", 0) + 1
+        if self.autoscaler is not None and self.autoscaler.poll() is not None:
+            logger.error("autoscaler exited (%s); restarting it",
+                         exit_reason(self.autoscaler.returncode))
+            self.autoscaler = subprocess.Popen(self._autoscaler_cmd, start_new_session=True,
+                                               env=self.env, preexec_fn=child_setup())
+            self.restarts["autoscaler"] = self.restarts.get("autoscaler", 0) + 1
+        for w in [w for w in self.workers if w.proc.poll() is not None and not w.draining]:
             self.workers.remove(w)
-        return True
+            if self.settings.autoscale and w.role != "aggregated":
+                logger.error("%s worker %s %s; the autoscaler's reconcile replaces it", w.role,
+                             w.url, exit_reason(w.proc.returncode))
+                continue
+            failures = 1 if now - w.started_at >= STABLE_S else w.failures + 1
+            delay = restart_delay_s(failures)
+            logger.error("%s worker %s %s after %.0f s; restarting in %.0f s (crash %d in a row)",
+                         w.role, w.url, exit_reason(w.proc.returncode), now - w.started_at,
+                         delay, failures)
+            self._pending.append(PendingRestart(w.role, now + delay, failures))
+        for pending in [p for p in self._pending if p.due <= now]:
+            self._pending.remove(pending)
+            self.spawn_worker(pending.role, failures=pending.failures)
+            self.restarts[pending.role] = self.restarts.get(pending.role, 0) + 1
 
     async def reconcile(self, registry: WorkerRegistry, desired: dict[str, int]) -> None:
         """Move each pool toward the autoscaler's desired size (one drain at a time per pool)."""
@@ -325,9 +389,7 @@ async def run_cluster(settings: ClusterSettings) -> int:
         desired = DesiredReplicas(cluster.redis_url) if settings.autoscale else None
         try:
             while not stopping.is_set():
-                if not cluster.children_alive():
-                    logger.error("a cluster process exited; stopping the cluster")
-                    return 1
+                cluster.supervise()
                 if registry is not None and desired is not None:
                     try:
                         await cluster.reconcile(registry, await desired.read())

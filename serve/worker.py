@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +77,24 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "aggregated"):
             raise ValueError(f"--role must be prefill, decode or aggregated, got {self.role!r}")
+
+
+def die_with_parent() -> None:
+    """In a forked child: get SIGKILL when the parent dies (Linux ``PR_SET_PDEATHSIG``), so a
+    launcher killed with -9 leaves no vLLM server holding its port and memory behind."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+def child_setup(cpus: tuple[int, ...] = ()) -> Callable[[], None]:
+    """``preexec_fn`` of a supervised child: die with the parent, run on ``cpus`` (if any)."""
+    def setup() -> None:
+        die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    return setup
 
 
 def kv_transfer_config(engine_id: str, *, lease_s: float, pull_timeout_s: float,
@@ -209,11 +228,10 @@ class WorkerLauncher:
         cmd = vllm_command(s.model, s.host, self.port, self.served_name, kv, s.max_model_len,
                            extra)
         cpus = worker_cpus(s.cpus, s.role, sorted(os.sched_getaffinity(0)))
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         logger.info("starting vLLM %s worker on %s (%s)", s.role, self.url,
                     f"cores {cpu_list(cpus)}" if cpus else "all cores")
         self.proc = subprocess.Popen(cmd, env=vllm_env(s.kv_cache_gib), start_new_session=True,
-                                     preexec_fn=pin)
+                                     preexec_fn=child_setup(cpus))
         return self.proc
 
     async def _describe(self) -> WorkerRecord:
@@ -260,13 +278,15 @@ class WorkerLauncher:
                 if proc.poll() is not None:
                     logger.error("vLLM exited with code %s", proc.returncode)
                     break
+                wait_s = period
                 if registry is not None:
                     try:
                         await registry.heartbeat(self.record)
-                    except Exception as exc:  # Redis down: keep serving, retry next beat
+                    except Exception as exc:  # Redis slow or down: keep serving, retry soon
                         logger.warning("heartbeat failed: %s", exc)
+                        wait_s = min(period, 1.0)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), timeout=period)
+                    await asyncio.wait_for(self._stopping.wait(), timeout=wait_s)
         finally:
             if registry is not None:
                 with contextlib.suppress(Exception):
