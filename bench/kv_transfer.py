@@ -28,7 +28,8 @@ percentiles.
 
 Parameters (defaults): --wire same-host,default,tcp, --mib 256, --block-kib 32, --layers 16,
 --repeats 7, --small-blocks 16, --small-repeats 200, --ours-env/--nixl-env K=V (extra
-environment of that backend's processes, for tuning), --no-nixl, --pin (server on core 0,
+environment of that backend's processes, for tuning), --ours-opt K=V (UcxEngine arguments),
+--ours-build DIR (another UCX build of ours), --no-nixl, --pin (server on core 0,
 client on core 1).
 """
 
@@ -229,6 +230,21 @@ def _kv(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+def _opts(pairs: list[str]) -> dict[str, Any]:
+    """`K=V` engine options with ints, floats and 0/1 flags parsed."""
+    out: dict[str, Any] = {}
+    for key, value in _kv(pairs).items():
+        for parse in (int, float):
+            try:
+                out[key] = parse(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = value
+    return out
+
+
 @contextlib.contextmanager
 def _hosts(namespaced: bool) -> Iterator[tuple[Host, Host] | None]:
     if not namespaced:
@@ -252,7 +268,9 @@ def run_wire(wire: str, args: argparse.Namespace, layout: Layout, runs: list[Any
     spec = {"layers": layout.layers, "region_bytes": layout.region_bytes,
             "local_region_bytes": layout.local_region_bytes, "runs": runs,
             "small_runs": small_runs, "repeats": args.repeats,
-            "small_repeats": args.small_repeats, "engine_kwargs": kwargs}
+            "small_repeats": args.small_repeats,
+            "engine_kwargs": {**kwargs, **_opts(args.ours_opt)},
+            "native_build": str(args.ours_build) if args.ours_build else None}
     small_bytes = sum(n for *_, n in small_runs)
     rec: dict[str, Any] = {
         "wire": wire, "message_bytes": nbytes, "memcpy_gbps": round(mem, 3),
@@ -311,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small-repeats", type=int, default=200)
     parser.add_argument("--ours-env", action="append", default=[], metavar="K=V")
     parser.add_argument("--nixl-env", action="append", default=[], metavar="K=V")
+    parser.add_argument("--ours-opt", action="append", default=[], metavar="K=V",
+                        help="UcxEngine keyword argument (e.g. wakeup=0, spin_us=1000)")
+    parser.add_argument("--ours-build", type=Path,
+                        help="directory of a _ucxrma build to use (python -m kernels.native.build "
+                             "--ucx nixl --out DIR); default: the package's")
     parser.add_argument("--no-nixl", action="store_true")
     parser.add_argument("--pin", action="store_true", help="server on core 0, client on core 1")
     parser.add_argument("--json", type=Path, help="write the per-wire records here")

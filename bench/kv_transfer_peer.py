@@ -122,7 +122,7 @@ def _ours_client(ch: Channel, spec: dict[str, Any]) -> None:
     small_ok = (checksum(dsts, spec["small_runs"])
                 == expected_checksum(spec["region_bytes"], spec["small_runs"]))
     small_times = _timed(lambda: peer.get(small).wait(120), spec["small_repeats"])
-    info = native.runtime_info() if hasattr(native, "runtime_info") else {}
+    info = native.runtime_info()
     ch.send({"ok": ok and small_ok, "times": times, "small_times": small_times,
              "ops": len(big), "path": warm.path, "path_reason": peer.path_reason,
              "ucx": info})
@@ -205,6 +205,10 @@ def main() -> int:
     os.dup2(2, 1)  # anything printed by libraries goes to stderr
     ch = Channel(sys.stdin, ctl)
     spec = ch.recv()
+    if spec.get("native_build"):
+        from kernels import native
+
+        native.select(spec["native_build"])
     ROLES[(spec["backend"], spec["role"])](ch, spec)
     return 0
 

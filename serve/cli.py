@@ -24,6 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="load-test harness: replay/synth/sweep/compare/profile "
                    "(see `pdserve bench -h`)", add_help=False)
     sub.add_parser("sim", help="cluster simulator (see `pdserve sim -h`)", add_help=False)
+    sub.add_parser("doctor", help="what the KV transport can use here (UCX, RDMA, CUDA, "
+                   "same-host reads)", add_help=False)
     from router.autoscale.service import add_autoscale_args
 
     scale = sub.add_parser("autoscale", help="size the prefill and decode pools to the SLOs "
@@ -52,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.sim.cli import main as sim_main
 
         return sim_main(argv[1:])
+    if argv[:1] == ["doctor"]:
+        from serve.doctor import main as doctor_main
+
+        return doctor_main(argv[1:])
     if argv[:2] == ["autoscale", "status"]:
         from router.autoscale.decisions import status_main
 

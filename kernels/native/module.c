@@ -546,7 +546,7 @@ static PyObject *peer_unpack_rkey(PeerObject *self, PyObject *args, PyObject *kw
             p->caprkeys = cap;
         }
         ucp_rkey_h rkey;
-        ucs_status_t st = ucp_ep_rkey_unpack(p->ep, view.buf, &rkey);
+        ucs_status_t st = ucp_ep_rkey_unpack(p->dep, view.buf, &rkey);
         if (st != UCS_OK) {
             raise_status("ucp_ep_rkey_unpack", st);
             goto out;

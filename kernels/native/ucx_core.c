@@ -185,9 +185,16 @@ static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
     pthread_mutex_lock(&e->lock);
     p->failed = 1;
     p->fail_status = status;
-    /* Requests wait for a reply UCX knows nothing about: fail them here. Gets fail through
-     * their flush request, which UCX completes with an error. */
-    fail_peer_xfers(p, status, "peer failed", 1 << XK_REQUEST);
+    /* Requests wait for a reply UCX knows nothing about, and gets run on the data ep, which
+     * has no error handling: fail both here.  abort() force-closes the data ep, after which
+     * no byte of those gets can land. */
+    xfer_t *x = e->pending, *nx;
+    for (; x != NULL; x = nx) {
+        nx = x->next;
+        /* Same-host gets report the peer's death themselves (ESRCH, nonce check). */
+        if (x->peer == p && (x->kind == XK_REQUEST || (x->kind == XK_GET && x->path == PATH_UCX)))
+            xfer_finish(x, status, "peer failed");
+    }
     pthread_cond_broadcast(&e->cond);
     pthread_mutex_unlock(&e->lock);
 }
@@ -500,6 +507,9 @@ ucp_mem_h find_region(EngineObject *e, uintptr_t addr, size_t len, size_t *hint,
 
 /* ------------------------------------------------------------------- ops */
 
+static void close_now(EngineObject *e, ucp_ep_h ep);
+
+/* The control ep (peer error handling) and the data ep (none: every lane may carry GETs). */
 ucs_status_t ucx_ep_create(EngineObject *e, peer_t *p, const void *address)
 {
     ucp_ep_params_t ep = {
@@ -509,7 +519,16 @@ ucs_status_t ucx_ep_create(EngineObject *e, peer_t *p, const void *address)
         .err_mode = UCP_ERR_HANDLING_MODE_PEER,
         .err_handler = {.cb = ep_err_cb, .arg = p},
     };
-    return ucp_ep_create(e->worker, &ep, &p->ep);
+    ucs_status_t st = ucp_ep_create(e->worker, &ep, &p->ep);
+    if (st != UCS_OK) return st;
+    ucp_ep_params_t dep = {
+        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+        .address = address,
+        .err_mode = UCP_ERR_HANDLING_MODE_NONE,
+    };
+    st = ucp_ep_create(e->worker, &dep, &p->dep);
+    if (st != UCS_OK) close_now(e, p->ep);
+    return st;
 }
 
 /* Post one GET per op and one ep flush completing x (oplock held, GIL released).  x holds a
@@ -526,7 +545,7 @@ ucs_status_t ucx_post_gets(EngineObject *e, peer_t *p, const uint64_t *ops, size
             prm.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
             prm.memh = memhs[i];
         }
-        ucs_status_ptr_t r = ucp_get_nbx(p->ep, (void *)(uintptr_t)op[0], (size_t)op[2], op[1],
+        ucs_status_ptr_t r = ucp_get_nbx(p->dep, (void *)(uintptr_t)op[0], (size_t)op[2], op[1],
                                          p->rkeys[op[3]], &prm);
         if (UCS_PTR_IS_ERR(r)) {
             first_err = UCS_PTR_STATUS(r);
@@ -539,7 +558,7 @@ ucs_status_t ucx_post_gets(EngineObject *e, peer_t *p, const uint64_t *ops, size
         .cb.send = flush_cb,
         .user_data = x,
     };
-    ucs_status_ptr_t fr = ucp_ep_flush_nbx(p->ep, &fp);
+    ucs_status_ptr_t fr = ucp_ep_flush_nbx(p->dep, &fp);
     if (!UCS_PTR_IS_PTR(fr)) {
         ucs_status_t st = UCS_PTR_STATUS(fr);
         pthread_mutex_lock(&e->lock);
@@ -592,7 +611,50 @@ void peer_unref(peer_t *p)
     free(p);
 }
 
-/* Force-close the ep (GIL released by caller).  Returns 0 when the close completed, -1 when it
+/* Force-close one ep and wait for the close to complete (GIL released by caller, p->oplock
+ * held).  0, or -1 when it did not complete before the deadline. */
+static int close_ep(EngineObject *e, peer_t *p, ucp_ep_h ep, double timeout_s)
+{
+    int rc = 0;
+    pthread_mutex_lock(&e->lock);
+    xfer_t *cx = xfer_new(e, XK_CLOSE, p, 2);
+    pthread_mutex_unlock(&e->lock);
+    if (cx == NULL) return -1;
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                        UCP_OP_ATTR_FIELD_USER_DATA,
+        .flags = UCP_EP_CLOSE_FLAG_FORCE,
+        .cb.send = close_cb,
+        .user_data = cx,
+    };
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &prm);
+    if (!UCS_PTR_IS_PTR(r)) {
+        pthread_mutex_lock(&e->lock);
+        xfer_finish(cx, UCS_OK, "close");
+        cx->refs--; /* no callback will come */
+        pthread_mutex_unlock(&e->lock);
+    } else {
+        wake(e);
+        if (wait_xfer(cx, timeout_s) == XS_PENDING) rc = -1;
+    }
+    pthread_mutex_lock(&e->lock);
+    if (rc == 0) xfer_finish(cx, UCS_OK, "close");
+    xfer_unref(cx);
+    pthread_mutex_unlock(&e->lock);
+    return rc;
+}
+
+/* Force-close an ep nobody used yet, without waiting (its close completes in progress). */
+static void close_now(EngineObject *e, ucp_ep_h ep)
+{
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                               .flags = UCP_EP_CLOSE_FLAG_FORCE};
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &prm);
+    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
+    wake(e);
+}
+
+/* Force-close both eps (GIL released by caller).  Returns 0 when the close completed, -1 when it
  * timed out (then the peer_t must be leaked, because UCX may still call its error callback). */
 int peer_close(peer_t *p, double timeout_s)
 {
@@ -603,30 +665,11 @@ int peer_close(peer_t *p, double timeout_s)
         p->ep_closed = 1;
         /* No new get can start (oplock, ep_closed); cancel and wait out same-host reads. */
         if (p->path == PATH_PVM && pvm_drain_peer(p, timeout_s) != 0) rc = -1;
-        pthread_mutex_lock(&e->lock);
-        xfer_t *cx = xfer_new(e, XK_CLOSE, p, 2);
-        pthread_mutex_unlock(&e->lock);
-        ucp_request_param_t prm = {
-            .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
-                            UCP_OP_ATTR_FIELD_USER_DATA,
-            .flags = UCP_EP_CLOSE_FLAG_FORCE,
-            .cb.send = close_cb,
-            .user_data = cx,
-        };
-        ucs_status_ptr_t r = ucp_ep_close_nbx(p->ep, &prm);
-        if (!UCS_PTR_IS_PTR(r)) {
-            pthread_mutex_lock(&e->lock);
-            xfer_finish(cx, UCS_OK, "close");
-            cx->refs--; /* no callback will come */
-            pthread_mutex_unlock(&e->lock);
-        } else {
-            wake(e);
-            if (wait_xfer(cx, timeout_s) == XS_PENDING) rc = -1;
-        }
+        /* Data ep first: once its forced close completed no GET can land any more. */
+        if (close_ep(e, p, p->dep, timeout_s) != 0) rc = -1;
+        if (close_ep(e, p, p->ep, timeout_s) != 0) rc = -1;
         pthread_mutex_lock(&e->lock);
         fail_peer_xfers(p, UCS_ERR_CANCELED, "aborted", (1 << XK_GET) | (1 << XK_REQUEST));
-        if (rc == 0) xfer_finish(cx, UCS_OK, "close");
-        xfer_unref(cx);
         pthread_mutex_unlock(&e->lock);
         if (rc == 0) {
             for (size_t i = 0; i < p->nrkeys; i++)

@@ -20,8 +20,13 @@
  *   Engine  owns context, worker, memory handles, the progress thread, the incoming-request queue
  *           and the list of pending transfers.  All C state lives inside the Python object, so
  *           anything holding a strong reference to the Engine may use its lock after close().
- *   Peer    (Python object) owns a refcounted peer_t: the ep and its unpacked rkeys.  The ep error
- *           callback's argument is the peer_t, which is freed only after the ep is closed.
+ *   Peer    (Python object) owns a refcounted peer_t: two eps to the same remote worker and the
+ *           rkeys unpacked on the data ep.  The control ep (UCP_ERR_HANDLING_MODE_PEER) carries
+ *           requests and replies and detects the peer's failure; its error callback's argument
+ *           is the peer_t, which is freed only after the eps are closed.  The data ep carries
+ *           GETs without UCX error handling, because peer error handling keeps UCX off lanes
+ *           that cannot report a peer's failure (cma, for one: GETs then fall back to software
+ *           emulation over tcp, ~3x slower here); a control-ep failure fails the peer's GETs.
  *   Xfer    (Python object) owns a reference to a refcounted xfer_t; UCX callbacks hold another.
  *
  * Threads and locks (nothing relies on the GIL to guard C state)
@@ -138,7 +143,8 @@ struct peer {
     EngineObject *eng;
     int refs;                  /* guarded by eng->lock: Peer object + engine list */
     pthread_mutex_t oplock;
-    ucp_ep_h ep;
+    ucp_ep_h ep;               /* control: requests/replies, peer-failure detection */
+    ucp_ep_h dep;              /* data: GETs (no UCX error handling, see ucx_ep_create) */
     int ep_closed;             /* guarded by oplock */
     int failed;                /* set by the error callback (eng->lock) */
     ucs_status_t fail_status;
