@@ -14,6 +14,10 @@ from kvtransfer.errors import ConfigError
 class ConnectorConfig:
     """Settings of one connector instance; every field has a laptop-friendly default."""
 
+    transport: str = "ucx"
+    """KV wire: ``ucx`` (our UCX RMA engine with the same-host path) or ``nixl`` (NIXL READs
+    and notifications, see :mod:`kvtransfer.transport.nixl`); the lease protocol is the same
+    (PDSERVE_KV_TRANSPORT)."""
     lease_s: float = 30.0
     """How long a prefill worker keeps a finished request's blocks for a decode pull."""
     pull_timeout_s: float = 20.0
@@ -47,6 +51,9 @@ class ConnectorConfig:
     (PDSERVE_UCX_SPIN_US)."""
 
     def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"transport must be one of {list(TRANSPORTS)}, "
+                              f"got {self.transport!r}")
         if self.lease_s <= 0:
             raise ConfigError(f"lease_s must be > 0, got {self.lease_s}")
         if self.signature_max_age_s <= 0:
@@ -91,6 +98,7 @@ class ConnectorConfig:
 
 
 THP_MODES = ("collapse", "advise", "off")
+TRANSPORTS = ("ucx", "nixl")
 
 
 def _flag(value: str) -> bool:
@@ -98,6 +106,7 @@ def _flag(value: str) -> bool:
 
 
 ENV_KNOBS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "transport": ("PDSERVE_KV_TRANSPORT", str.strip),
     "same_host": ("PDSERVE_KV_SAME_HOST", _flag),
     "pvm_threads": ("PDSERVE_KV_PVM_THREADS", int),
     "pvm_chunk_kib": ("PDSERVE_KV_PVM_CHUNK_KIB", int),
