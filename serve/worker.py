@@ -55,6 +55,8 @@ class WorkerSettings:
     served_model_name: str | None = None
     lease_s: float = 30.0
     pull_timeout_s: float = 20.0
+    kv_transport: str = "ucx"
+    """KV wire of the connector: ``ucx`` or ``nixl`` (kvtransfer.transport.base)."""
     kv_cache_gib: float = 1.0
     max_model_len: int | None = None
     heartbeat_ttl_s: float = 10.0
@@ -101,9 +103,11 @@ def kv_transfer_config(engine_id: str, *, lease_s: float, pull_timeout_s: float,
                        handshake_file: str | None,
                        corrupt_pulled_kv_file: str | None = None,
                        timeline_file: str | None = None,
-                       signing_keys_file: str | None = None) -> dict:
+                       signing_keys_file: str | None = None,
+                       transport: str = "ucx") -> dict:
     """The ``--kv-transfer-config`` that loads our connector (both roles; recompute on failure)."""
-    extra: dict[str, object] = {"lease_s": lease_s, "pull_timeout_s": pull_timeout_s}
+    extra: dict[str, object] = {"lease_s": lease_s, "pull_timeout_s": pull_timeout_s,
+                                "transport": transport}
     if signing_keys_file:
         extra["signing_keys_file"] = signing_keys_file
     if handshake_file:
@@ -221,7 +225,8 @@ class WorkerLauncher:
         kv = None if s.role == "aggregated" else kv_transfer_config(
             self.engine_id, lease_s=s.lease_s, pull_timeout_s=s.pull_timeout_s,
             handshake_file=self.handshake_file, corrupt_pulled_kv_file=s.corrupt_pulled_kv_file,
-            timeline_file=s.timeline_file, signing_keys_file=self._keyring_file())
+            timeline_file=s.timeline_file, signing_keys_file=self._keyring_file(),
+            transport=s.kv_transport)
         extra = s.extra_vllm_args
         if s.otlp_traces_endpoint:
             extra = ("--otlp-traces-endpoint", s.otlp_traces_endpoint, *extra)
@@ -314,6 +319,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-s", type=float, default=float(env("PDSERVE_KV_LEASE_S", "30")))
     parser.add_argument("--pull-timeout-s", type=float,
                         default=float(env("PDSERVE_KV_PULL_TIMEOUT_S", "20")))
+    parser.add_argument("--kv-transport", choices=["ucx", "nixl"],
+                        default=env("PDSERVE_KV_TRANSPORT", "ucx"),
+                        help="KV wire: ucx (default; same-host reads, UCX RMA) or nixl (NIXL "
+                             "READs, e.g. its InfiniBand/EFA UCX on GPU nodes); same leases")
     parser.add_argument("--kv-cache-gib", type=float,
                         default=float(env("PDSERVE_WORKER_KV_CACHE_GIB", "1")))
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -339,7 +348,8 @@ def settings_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerSett
                           advertise_host=args.advertise_host or None,
                           redis_url=args.redis, served_model_name=args.served_model_name,
                           lease_s=args.lease_s, pull_timeout_s=args.pull_timeout_s,
-                          kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
+                          kv_transport=args.kv_transport, kv_cache_gib=args.kv_cache_gib,
+                          max_model_len=args.max_model_len,
                           corrupt_pulled_kv_file=args.corrupt_pulled_kv_file,
                           timeline_file=args.timeline_file,
                           otlp_traces_endpoint=args.otlp_traces_endpoint, cpus=args.cpus,

@@ -1,9 +1,11 @@
-"""Worker half of the pdserve connector: registers the paged KV cache with UCX and pulls.
+"""Worker half of the pdserve connector: registers the paged KV cache and pulls blocks.
 
 Runs in each vLLM worker process. On a prefill engine it serves leases: a responder thread
 answers decode release messages while the engine keeps stepping. On a decode engine it reads
-remote blocks with one-sided UCX GETs straight into the local paged KV cache, then releases the
-lease; a read counts only if the release is answered "ok" (see ``kvtransfer.leases``).
+remote blocks with one-sided reads straight into the local paged KV cache, then releases the
+lease; a read counts only if the release is answered "ok" (see ``kvtransfer.leases``). The
+transport (``ConnectorConfig.transport``: UCX or NIXL, ``kvtransfer.transport.base``) only
+moves bytes and messages; leases, expiry and the recompute fallback are the same on both.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from kvtransfer.protocol import (
 from kvtransfer.stats import TransferStats
 
 if TYPE_CHECKING:
-    from kvtransfer.transport.ucx import Peer, Transfer, UcxEngine
+    from kvtransfer.transport.base import Link, Pending, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +53,8 @@ class _Phase(enum.Enum):
 @dataclass
 class _Pull:
     spec: PullSpec
-    peer: Peer
-    transfer: Transfer
+    peer: Link
+    transfer: Pending
     phase: _Phase
     deadline: float
     started: float
@@ -61,7 +63,7 @@ class _Pull:
 
 @dataclass
 class _PeerState:
-    peer: Peer
+    peer: Link
     handshake: Handshake
     rkeys: list[int]
 
@@ -95,7 +97,7 @@ def describe_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> lis
 
 
 class WorkerHalf:
-    """Worker-side state of one engine: UCX engine, regions, leases and pulls in flight."""
+    """Worker-side state of one engine: transport, regions, leases and pulls in flight."""
 
     def __init__(self, engine_id: str, config: ConnectorConfig, compat_facts: dict[str, object],
                  num_blocks: int) -> None:
@@ -106,13 +108,13 @@ class WorkerHalf:
         self._compat_facts = compat_facts
         self.leases = LeaseTable(memory_s=max(600.0, 10 * config.lease_s))
         self.stats = TransferStats()
-        self._engine: UcxEngine | None = None
+        self._engine: Transport | None = None
         self._regions: list[RegionSpec] = []
         self._tensors: list[tuple[torch.Tensor, int]] = []
         self._handshake: Handshake | None = None
         self._peers: dict[str, _PeerState] = {}
         self._pulls: dict[str, _Pull] = {}
-        self._releases: list[tuple[Transfer, float]] = []
+        self._releases: list[tuple[Pending, float]] = []
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._stop = threading.Event()
@@ -124,10 +126,13 @@ class WorkerHalf:
     # ---------------------------------------------------------------- setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register every KV tensor once and start answering release messages."""
-        from kvtransfer.transport.ucx import UcxEngine
+        from kvtransfer.transport.base import open_transport
 
         described = describe_regions(kv_caches, self.num_blocks)
-        self._engine = UcxEngine(name=f"pdserve-{self.engine_id[:8]}", **self.config.ucx_options())
+        # A transport without its own progress thread (nixl) serves remote reads promptly
+        # only while a lease is active: no lease, no reader.
+        self._engine = open_transport(self.config, label=f"pdserve-{self.engine_id[:8]}",
+                                      reads_expected=lambda: self.leases.num_active > 0)
         regions = []
         for _, tensor, block_dim, spec in described:
             reg = self._engine.register(spec.base, spec.num_blocks * spec.block_stride,
@@ -136,15 +141,17 @@ class WorkerHalf:
                                       spec.num_blocks, reg.rkey))
             self._tensors.append((tensor, block_dim))
         self._regions = regions
-        compat = compat_hash(**self._compat_facts,
+        # The transport is part of compatibility: a UCX decode cannot read a NIXL prefill.
+        compat = compat_hash(**self._compat_facts, transport=self.config.transport,
                              regions=[(r.name, r.block_bytes) for r in regions])
         self._handshake = Handshake(self.engine_id, self._engine.address, tuple(regions), compat,
                                     self._engine.locality)
         self._responder = threading.Thread(target=self._serve_releases, daemon=True,
                                            name="pdserve-kv-releases")
         self._responder.start()
-        logger.info("registered %d KV regions (%d blocks of %d bytes) with UCX", len(regions),
-                    self.num_blocks, regions[0].block_bytes if regions else 0)
+        logger.info("registered %d KV regions (%d blocks of %d bytes) with %s", len(regions),
+                    self.num_blocks, regions[0].block_bytes if regions else 0,
+                    self.config.transport)
 
     @property
     def handshake(self) -> Handshake | None:
@@ -328,7 +335,7 @@ class WorkerHalf:
         return stats
 
     def shutdown(self) -> None:
-        """Stop the responder and release UCX resources."""
+        """Stop the responder and release the transport's resources."""
         self._stop.set()
         if self._responder is not None:
             self._responder.join(timeout=2)

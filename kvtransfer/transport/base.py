@@ -1,0 +1,167 @@
+"""The transport contract the KV connector codes against, and the choice between transports.
+
+A transport moves KV bytes one-sidedly (the decode reads the prefill's registered blocks; the
+prefill's CPU is not on the data path) and carries the small request/reply messages of the
+lease protocol (decode -> prefill "done <request id>", prefill -> decode "ok" / "expired").
+Leases, releases, expiry and recompute live above it, in ``kvtransfer.connector.worker`` and
+``kvtransfer.leases``, so every transport gets them unchanged.
+
+Implementations (``ConnectorConfig.transport``): ``ucx`` (``kvtransfer.transport.ucx.UcxEngine``:
+our native UCX RMA engine, with a same-host process_vm_readv path) and ``nixl``
+(``kvtransfer.transport.nixl.NixlEngine``: NIXL agents, READ transfers, NIXL notifications).
+``UcxEngine`` satisfies these protocols as it is; they were written from its API.
+
+Who calls what, on which thread (the connector's worker half):
+  - engine thread, once: ``open_transport(config)``, ``register`` every KV region, then read
+    ``address`` and ``locality`` into the handshake.
+  - engine thread, per step: ``connect`` (once per remote engine, cached by the caller),
+    ``Link.unpack_rkey`` (once per remote region), ``Link.get``, ``Link.request``,
+    ``Pending.poll``, ``Link.abort`` after a missed deadline.
+  - responder thread (prefill side): ``wait_requests`` / ``poll_requests`` and
+    ``Incoming.reply``. Both threads may use one engine at once: engines must be thread-safe.
+  - teardown: ``close``.
+Failures surface as ``Pending.poll() == "error"`` or as ``kvtransfer.errors.TransportError``
+subclasses; the connector turns either into a load error (vLLM recomputes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from kvtransfer.config import TRANSPORTS, ConnectorConfig
+from kvtransfer.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
+TransferState = Literal["pending", "done", "error"]
+
+
+class RegisteredRegion(Protocol):
+    """Memory registered with a transport for remote reads."""
+
+    @property
+    def rkey(self) -> bytes:
+        """What a peer needs besides the address to read this region (may be empty when the
+        engine ``address`` already carries it, as NIXL's agent metadata does)."""
+        ...
+
+
+class Pending(Protocol):
+    """Completion handle of a ``get`` or a ``request``."""
+
+    def poll(self) -> TransferState:
+        """Non-blocking state; may drive the transport's progress."""
+        ...
+
+    def result(self) -> bytes:
+        """The reply of a ``request`` (b"" for a ``get``); raises unless done."""
+        ...
+
+    @property
+    def error(self) -> str | None:
+        """The transport's error text once failed, else None."""
+        ...
+
+
+class Incoming(Protocol):
+    """A request received from a peer; answered once."""
+
+    payload: bytes
+
+    def reply(self, payload: bytes) -> None:
+        """Send the answer; a requester that is gone is logged, not raised."""
+        ...
+
+
+class Link(Protocol):
+    """A connection to one remote engine (``Transport.connect``)."""
+
+    def unpack_rkey(self, packed: bytes, *, base: int | None = None,
+                    length: int | None = None) -> int:
+        """Make a remote region readable; returns the index for column 3 of ``get`` ops. With
+        ``base``/``length`` every op is checked to stay inside the region."""
+        ...
+
+    def get(self, ops: NDArray[np.int64] | NDArray[np.uint64]) -> Pending:
+        """Read remote bytes: (n, 4) rows (local addr, remote addr, nbytes, region index).
+        Completes when every row landed; never a partial success."""
+        ...
+
+    def request(self, payload: bytes) -> Pending:
+        """Send a request; ``Pending.result()`` is the peer's reply."""
+        ...
+
+    def abort(self) -> None:
+        """Give the peer up: outstanding gets end in error and must not write afterwards."""
+        ...
+
+    @property
+    def failed(self) -> bool:
+        """True once the transport saw the peer fail (the caller reconnects)."""
+        ...
+
+    @property
+    def path(self) -> str:
+        """How ``get`` reads ("pvm" for the same-host path, "ucx", "nixl")."""
+        ...
+
+    @property
+    def path_reason(self) -> str | None:
+        """Why the same-host path is not used, if that is interesting, else None."""
+        ...
+
+
+class Transport(Protocol):
+    """One engine's transport endpoint: registered memory, links and a request inbox."""
+
+    @property
+    def address(self) -> bytes:
+        """Blob peers pass to ``connect``; read it after the last ``register``."""
+        ...
+
+    @property
+    def locality(self) -> bytes:
+        """Same-host identity shipped next to ``address`` (b"" if the transport has none)."""
+        ...
+
+    def register(self, addr: int, length: int, *, keepalive: object = None) -> RegisteredRegion:
+        """Register existing memory until ``close``; ``keepalive`` is referenced meanwhile."""
+        ...
+
+    def connect(self, peer_address: bytes, locality: bytes | None = None) -> Link:
+        """Open a link to the engine whose ``address`` is given; raises PeerUnreachable."""
+        ...
+
+    def poll_requests(self) -> Sequence[Incoming]:
+        """Requests received so far (non-blocking)."""
+        ...
+
+    def wait_requests(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` for a request; True if one is queued."""
+        ...
+
+    def close(self) -> None:
+        """Release everything; idempotent. Pending handles turn to errors."""
+        ...
+
+
+def open_transport(config: ConnectorConfig, *, label: str,
+                   reads_expected: Callable[[], bool] | None = None) -> Transport:
+    """Create the transport ``config.transport`` (one of ``TRANSPORTS``) for one engine.
+
+    ``label`` names the engine in logs and peer tables (unique per process). ``reads_expected``
+    tells a transport without its own progress thread (nixl) when remote reads of our memory
+    may be in flight (a lease is active), so it can serve them promptly and idle otherwise.
+    """
+    if config.transport == "ucx":
+        from kvtransfer.transport.ucx import UcxEngine
+
+        return UcxEngine(name=label, **config.ucx_options())
+    if config.transport == "nixl":
+        from kvtransfer.transport.nixl import NixlEngine
+
+        return NixlEngine(name=label, reads_expected=reads_expected)
+    raise ConfigError(f"unknown KV transport {config.transport!r}; allowed: {list(TRANSPORTS)}")

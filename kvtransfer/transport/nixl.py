@@ -1,0 +1,542 @@
+"""NIXL transport: READ transfers for the KV bytes, NIXL notifications for the lease messages.
+
+Implements ``kvtransfer.transport.base.Transport`` with one NIXL agent (UCX backend) per engine,
+so a deployment can use NIXL's wire (its bundled UCX with verbs/EFA, or its other plugins)
+under pdserve's lease protocol.
+
+Control channel. Lease releases travel as NIXL notifications on the same agents, not on a
+second transport: one UCX stack per process (NIXL's bundled UCX and the libucx wheel's would
+otherwise both run in every worker), one wire to configure, and no dependency on our native
+extension where NIXL is chosen (e.g. GPU nodes). A request is ``Q | id | requester address |
+payload``; the requester's address is its NIXL agent metadata (~0.5 KiB), so the answering
+engine can load it once and reply ``R | id | payload`` with ``send_notif``. The prefill keeps
+the decision: it answers "ok" or "expired" from its lease table exactly as over UCX.
+
+Progress. NIXL's own progress thread is off. Its Python API hard-codes the thread's poll
+delay to 0 (``nixl_agent.__init__`` sets ``pthrDelay = 0``), and in NIXL 1.4-1.5 the UCX
+plugin's thread then calls ``poll(fds, 0)`` in a loop: an idle agent keeps a whole core busy
+(measured here: 99.7 % of a core with the thread, ~0 % without). That is what made vLLM's
+NixlConnector crawl on a 2-core machine. Instead NIXL is progressed by our own calls:
+``Pending.poll`` on the reading side (``check_xfer_state`` progresses the worker), and
+``wait_requests`` on the serving side, which polls notifications every ``HOT_POLL_S`` while
+``reads_expected()`` says a lease is active (a peer may be reading: over tcp UCX emulates
+the read with messages the target must progress) and every ``COLD_POLL_S`` otherwise. An
+engine with no pull, no lease and no release in flight makes no NIXL call per decode step.
+
+Memory. Host memory registers as ``DRAM``; a CUDA tensor passed as ``keepalive`` registers as
+``VRAM`` on its device (untested here: no GPU). The memory type travels in the region's
+``rkey`` field of our handshake.
+
+Aborts. ``Link.abort`` releases the link's posted READs (NIXL cancels what UCX can cancel)
+and removes the remote agent (its endpoints close). That is NIXL's strongest guarantee and is
+weaker than ``UcxEngine``'s, which waits for the forced endpoint close to complete.
+
+Parameters: ``HOT_POLL_S`` = 0.001, ``COLD_POLL_S`` = 0.05 (seconds between notification
+polls of ``wait_requests``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import struct
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtransfer.errors import PeerUnreachable, TransportError
+from kvtransfer.transport.base import TransferState
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+logger = logging.getLogger(__name__)
+
+HOT_POLL_S = 0.001
+COLD_POLL_S = 0.05
+_ADDRESS_MAGIC = b"pdnixl1"
+_REQUEST, _REPLY = b"Q", b"R"
+_REQ_HEAD = struct.Struct("!QI")  # request id, length of the requester's address
+_REP_HEAD = struct.Struct("!Q")  # request id
+
+
+def _nixl_api() -> Any:
+    try:
+        from nixl import _api
+    except ImportError as exc:
+        raise TransportError(f"NIXL is not installed ({exc}); `make setup` installs it "
+                             "(pip install --no-deps nixl nixl-cu12)") from exc
+    return _api
+
+
+def encode_address(agent_name: str, metadata: bytes) -> bytes:
+    """Our address blob: NIXL agent name + full agent metadata."""
+    name = agent_name.encode()
+    return _ADDRESS_MAGIC + struct.pack("!H", len(name)) + name + metadata
+
+
+def decode_address(address: bytes) -> tuple[str, bytes]:
+    """Inverse of ``encode_address``; raises TransportError when it is not one."""
+    head = len(_ADDRESS_MAGIC)
+    if not address.startswith(_ADDRESS_MAGIC) or len(address) < head + 2:
+        raise TransportError("not a NIXL engine address (is the peer on another transport?)")
+    (n,) = struct.unpack_from("!H", address, head)
+    name = address[head + 2:head + 2 + n].decode()
+    return name, address[head + 2 + n:]
+
+
+def _mem_kind(keepalive: object) -> tuple[str, int]:
+    """("VRAM", device) for a CUDA tensor, else ("DRAM", 0)."""
+    device = getattr(keepalive, "device", None)
+    if getattr(device, "type", None) == "cuda":
+        return "VRAM", int(device.index or 0)  # type: ignore[union-attr]
+    return "DRAM", 0
+
+
+class NixlRegion:
+    """Memory registered with a ``NixlEngine``."""
+
+    __slots__ = ("addr", "length", "mem_type", "device", "rkey", "_descs", "_keepalive")
+
+    def __init__(self, addr: int, length: int, mem_type: str, device: int, descs: Any,
+                 keepalive: object) -> None:
+        self.addr = addr
+        self.length = length
+        self.mem_type = mem_type
+        self.device = device
+        self.rkey = f"{mem_type}:{device}".encode()
+        """Memory type and device: peers need it to describe this region to NIXL."""
+        self._descs = descs
+        self._keepalive = keepalive
+
+    def contains(self, addr: int, nbytes: int) -> bool:
+        """True when [addr, addr + nbytes) lies inside the region."""
+        return self.addr <= addr and addr + nbytes <= self.addr + self.length
+
+
+class _Done:
+    """A pending operation that completed at once (an empty read)."""
+
+    error: str | None = None
+
+    def poll(self) -> TransferState:
+        return "done"
+
+    def result(self) -> bytes:
+        return b""
+
+
+class NixlGet:
+    """A posted NIXL READ; ``poll`` drives the agent's progress."""
+
+    def __init__(self, link: NixlLink, handle: Any, state: str) -> None:
+        self._link = link
+        self._handle: Any = handle
+        self._state: TransferState = "pending"
+        self.error: str | None = None
+        self._settle(state)
+
+    def _settle(self, nixl_state: str) -> None:
+        if nixl_state == "DONE":
+            self._state = "done"
+        elif nixl_state == "ERR":
+            self._state = "error"
+            self.error = "NIXL reported an error for the READ"
+            self._link._mark_failed(self.error)
+        if self._state != "pending":
+            self._release()
+
+    def _release(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return
+        try:
+            self._link._engine._agent_call("release_xfer_handle", handle)
+        except Exception as exc:  # NIXL refused to cancel: log, the link is given up anyway
+            logger.warning("releasing a NIXL READ failed: %s", exc)
+
+    def poll(self) -> TransferState:
+        """Non-blocking: "pending", "done" or "error"."""
+        if self._state == "pending" and self._handle is not None:
+            try:
+                self._settle(self._link._engine._agent_call("check_xfer_state", self._handle))
+            except TransportError as exc:
+                self._state, self.error = "error", str(exc)
+                self._release()
+        return self._state
+
+    def result(self) -> bytes:
+        """b"" once done; raises otherwise."""
+        if self.poll() != "done":
+            raise TransportError(f"get is {self._state}: {self.error}")
+        return b""
+
+    def cancel(self, reason: str) -> None:
+        """End a pending READ in error (used by ``NixlLink.abort``)."""
+        if self._state == "pending":
+            self._state, self.error = "error", reason
+        self._release()
+
+
+class NixlReply:
+    """The answer to a ``NixlLink.request``, filled in by the engine's notification pump."""
+
+    def __init__(self, engine: NixlEngine, req_id: int) -> None:
+        self._engine = engine
+        self._req_id = req_id
+        self._reply: bytes | None = None
+        self.error: str | None = None
+
+    def poll(self) -> TransferState:
+        """Non-blocking: pumps notifications, then "pending", "done" or "error"."""
+        if self._reply is None and self.error is None:
+            self._engine._pump()
+            self._reply = self._engine._take_reply(self._req_id)
+        if self.error is not None:
+            return "error"
+        return "pending" if self._reply is None else "done"
+
+    def result(self) -> bytes:
+        """The peer's reply; raises unless it arrived."""
+        if self.poll() != "done" or self._reply is None:
+            raise TransportError(f"request is not answered: {self.error or 'pending'}")
+        return self._reply
+
+
+class NixlIncoming:
+    """A request received as a notification; ``reply`` answers with one."""
+
+    __slots__ = ("payload", "_engine", "_sender", "_req_id", "_replied")
+
+    def __init__(self, payload: bytes, engine: NixlEngine, sender: bytes, req_id: int) -> None:
+        self.payload = payload
+        self._engine = engine
+        self._sender = sender
+        self._req_id = req_id
+        self._replied = False
+
+    def reply(self, payload: bytes) -> None:
+        """Send the reply (once); logged and dropped when the requester cannot be reached."""
+        if self._replied:
+            raise TransportError("request already answered")
+        self._replied = True
+        self._engine._reply(self._sender, self._req_id, payload)
+
+
+class NixlLink:
+    """A loaded remote NIXL agent (``NixlEngine.connect``)."""
+
+    path = "nixl"
+    path_reason: str | None = None
+
+    def __init__(self, engine: NixlEngine, name: str) -> None:
+        self._engine = engine
+        self.name = name
+        self._regions: list[tuple[str, int, int | None, int | None]] = []
+        self._gets: weakref.WeakSet[NixlGet] = weakref.WeakSet()
+        self._failed: str | None = None
+
+    def unpack_rkey(self, packed: bytes, *, base: int | None = None,
+                    length: int | None = None) -> int:
+        """Record a remote region (its ``NixlRegion.rkey``); returns its index for ``get``."""
+        if (base is None) != (length is None):
+            raise ValueError("give both base and length, or neither")
+        try:
+            mem_type, device = bytes(packed).decode().split(":")
+            self._regions.append((mem_type, int(device), base, length))
+        except ValueError as exc:
+            raise TransportError(f"bad NIXL region key {packed!r}") from exc
+        return len(self._regions) - 1
+
+    def get(self, ops: NDArray[np.int64] | NDArray[np.uint64]) -> NixlGet | _Done:
+        """READ every (local, remote, nbytes, region index) row as one NIXL transfer."""
+        arr = np.asarray(ops)
+        if arr.ndim != 2 or arr.shape[1] != 4:
+            raise ValueError(f"ops must have shape (n, 4), got {arr.shape}")
+        if self._failed is not None:
+            raise PeerUnreachable(f"peer {self.name} failed: {self._failed}")
+        if len(arr) == 0:
+            return _Done()
+        rows = arr.astype(np.uint64)
+        remote_kinds = set()
+        for _, remote, nbytes, index in rows.tolist():
+            if index >= len(self._regions):
+                raise IndexError(f"unknown region index {index}")
+            mem_type, device, base, length = self._regions[index]
+            if base is not None and length is not None and not (
+                    base <= remote and remote + nbytes <= base + length):
+                raise ValueError(f"read of {nbytes} B at {remote:#x} outside remote region")
+            remote_kinds.add((mem_type, device))
+        if len(remote_kinds) != 1:
+            raise TransportError(f"one READ spans remote memory kinds {sorted(remote_kinds)}")
+        (remote_type, remote_device), = remote_kinds
+        local_type, local_device = self._engine._local_kind(rows)
+        local = np.stack([rows[:, 0], rows[:, 2], np.full(len(rows), local_device, np.uint64)],
+                         axis=1)
+        remote_descs = np.stack([rows[:, 1], rows[:, 2],
+                                 np.full(len(rows), remote_device, np.uint64)], axis=1)
+        handle, state = self._engine._post_read(local, local_type, remote_descs, remote_type,
+                                                self.name)
+        if state == "ERR":
+            self._mark_failed("posting the READ failed")
+        pending = NixlGet(self, handle, state)
+        self._gets.add(pending)
+        return pending
+
+    def request(self, payload: bytes) -> NixlReply:
+        """Send ``payload`` as a request notification; the reply arrives by notification."""
+        if self._failed is not None:
+            raise PeerUnreachable(f"peer {self.name} failed: {self._failed}")
+        return self._engine._request(self, payload)
+
+    def abort(self) -> None:
+        """Cancel this link's READs and unload the peer (its endpoints close); idempotent."""
+        for pending in list(self._gets):
+            pending.cancel("aborted")
+        self._mark_failed("aborted")
+
+    def _mark_failed(self, reason: str) -> None:
+        if self._failed is None:
+            self._failed = reason
+            self._engine._forget(self.name)
+
+    @property
+    def failed(self) -> bool:
+        """True once a READ or a send failed, or after ``abort``."""
+        return self._failed is not None
+
+
+class NixlEngine:
+    """One NIXL agent (UCX backend, no progress thread, NIXL-level locking) per engine."""
+
+    def __init__(self, *, name: str = "pdserve",
+                 reads_expected: Callable[[], bool] | None = None) -> None:
+        api = _nixl_api()
+        self.agent_name = f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            config = api.nixl_agent_config(
+                enable_prog_thread=False, backends=["UCX"],
+                sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+            self._agent: Any = api.nixl_agent(self.agent_name, config)
+        except Exception as exc:  # nixl raises RuntimeError / its bindings' errors
+            raise TransportError(f"NIXL init failed: {exc}") from exc
+        if "UCX" not in self._agent.backends:
+            raise TransportError("NIXL's UCX plugin is unavailable")
+        self._reads_expected = reads_expected or (lambda: False)
+        self._lock = threading.Lock()
+        self._pump_lock = threading.Lock()
+        self._regions: list[NixlRegion] = []
+        self._loaded: set[str] = set()
+        self._requests: collections.deque[NixlIncoming] = collections.deque()
+        self._replies: dict[int, bytes | None] = {}
+        self._next_id = 1
+        self._address: bytes | None = None
+        self.dropped_messages = 0
+        """Malformed notifications and replies nobody waits for."""
+        self.failed_replies = 0
+        """Replies that could not be sent (requester unreachable)."""
+
+    # ------------------------------------------------------------ Transport
+    @property
+    def address(self) -> bytes:
+        """Agent name + metadata (connection info and every registered region)."""
+        address = self._address
+        if address is None:
+            address = encode_address(self.agent_name, self._agent_call("get_agent_metadata"))
+            self._address = address
+        return address
+
+    @property
+    def locality(self) -> bytes:
+        """Always b"": NIXL picks same-host transports (cma, shm) inside UCX itself."""
+        return b""
+
+    def register(self, addr: int, length: int, *, keepalive: object = None) -> NixlRegion:
+        """Register memory with the UCX backend (DRAM, or VRAM for a CUDA ``keepalive``)."""
+        mem_type, device = _mem_kind(keepalive)
+        descs = self._agent_call("register_memory", [(int(addr), int(length), device, "")],
+                                 mem_type)
+        region = NixlRegion(int(addr), int(length), mem_type, device, descs, keepalive)
+        with self._lock:
+            self._regions.append(region)
+            self._address = None  # the metadata now lists this region too
+        return region
+
+    def connect(self, peer_address: bytes, locality: bytes | None = None) -> NixlLink:
+        """Load the peer's agent metadata (once per agent name); ``locality`` is ignored."""
+        try:
+            name = self._ensure_loaded(peer_address)
+        except TransportError as exc:
+            raise PeerUnreachable(f"cannot connect: {exc}") from exc
+        return NixlLink(self, name)
+
+    def poll_requests(self) -> list[NixlIncoming]:
+        """Requests received so far (pumps notifications)."""
+        self._pump()
+        out = []
+        with self._lock:
+            while self._requests:
+                out.append(self._requests.popleft())
+        return out
+
+    def wait_requests(self, timeout_s: float) -> bool:
+        """Poll notifications until a request is queued or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._pump()
+            with self._lock:
+                if self._requests:
+                    return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(left, HOT_POLL_S if self._reads_expected() else COLD_POLL_S))
+
+    def close(self) -> None:
+        """Deregister memory and drop the agent; idempotent. Later calls raise."""
+        with self._lock:
+            agent, self._agent = self._agent, None
+            regions, self._regions = self._regions, []
+        if agent is None:
+            return
+        for region in regions:
+            try:
+                agent.deregister_memory(region._descs)
+            except Exception as exc:  # closing anyway
+                logger.debug("NIXL deregister failed: %s", exc)
+        del agent
+
+    def __enter__(self) -> NixlEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ internals
+    def _agent_call(self, method: str, *args: Any) -> Any:
+        agent = self._agent
+        if agent is None:
+            raise TransportError("NIXL engine is closed")
+        try:
+            return getattr(agent, method)(*args)
+        except TransportError:
+            raise
+        except Exception as exc:  # nixl's bindings raise their own exception types
+            raise TransportError(f"NIXL {method} failed: {exc}") from exc
+
+    def _ensure_loaded(self, address: bytes) -> str:
+        name, metadata = decode_address(address)
+        with self._lock:
+            if name in self._loaded:
+                return name
+        loaded = self._agent_call("add_remote_agent", metadata)
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != name:
+            raise TransportError(f"address names agent {name} but its metadata {loaded}")
+        with self._lock:
+            self._loaded.add(name)
+        return name
+
+    def _forget(self, name: str) -> None:
+        """Unload a failed or aborted peer so a later ``connect`` loads it afresh."""
+        with self._lock:
+            if name not in self._loaded:
+                return
+            self._loaded.discard(name)
+        try:
+            self._agent_call("remove_remote_agent", name)
+        except TransportError as exc:
+            logger.debug("unloading NIXL agent %s: %s", name, exc)
+
+    def _local_kind(self, rows: NDArray[np.uint64]) -> tuple[str, int]:
+        with self._lock:
+            regions = list(self._regions)
+        kinds = set()
+        for local, _, nbytes, _ in rows.tolist():
+            region = next((r for r in regions if r.contains(local, nbytes)), None)
+            if region is None:
+                raise ValueError(f"local range {local:#x}+{nbytes} is not registered")
+            kinds.add((region.mem_type, region.device))
+        if len(kinds) != 1:
+            raise TransportError(f"one READ spans local memory kinds {sorted(kinds)}")
+        return kinds.pop()
+
+    def _post_read(self, local: NDArray[np.uint64], local_type: str,
+                   remote: NDArray[np.uint64], remote_type: str, peer: str) -> tuple[Any, str]:
+        local_descs = self._agent_call("get_xfer_descs", local, local_type)
+        remote_descs = self._agent_call("get_xfer_descs", remote, remote_type)
+        handle = self._agent_call("initialize_xfer", "READ", local_descs, remote_descs, peer)
+        return handle, self._agent_call("transfer", handle)
+
+    def _request(self, link: NixlLink, payload: bytes) -> NixlReply:
+        with self._lock:
+            req_id, self._next_id = self._next_id, self._next_id + 1
+            self._replies[req_id] = None
+        me = self.address
+        message = _REQUEST + _REQ_HEAD.pack(req_id, len(me)) + me + payload
+        reply = NixlReply(self, req_id)
+        try:
+            self._agent_call("send_notif", link.name, message)
+        except TransportError as exc:
+            with self._lock:
+                self._replies.pop(req_id, None)
+            link._mark_failed(str(exc))
+            raise PeerUnreachable(str(exc)) from exc
+        return reply
+
+    def _take_reply(self, req_id: int) -> bytes | None:
+        with self._lock:
+            reply = self._replies.get(req_id)
+            if reply is not None:
+                del self._replies[req_id]
+            return reply
+
+    def _reply(self, sender: bytes, req_id: int, payload: bytes) -> None:
+        try:
+            name = self._ensure_loaded(sender)
+            self._agent_call("send_notif", name, _REPLY + _REP_HEAD.pack(req_id) + payload)
+        except TransportError as exc:
+            self.failed_replies += 1
+            logger.warning("reply dropped: requester unreachable: %s", exc)
+
+    def _pump(self) -> None:
+        """Progress the agent and sort new notifications into requests and replies."""
+        if not self._pump_lock.acquire(blocking=False):
+            return  # another thread is pumping right now
+        try:
+            try:
+                notifs = self._agent_call("get_new_notifs")
+            except TransportError as exc:
+                logger.debug("notification poll failed: %s", exc)
+                return
+            for messages in notifs.values():
+                for message in messages:
+                    self._sort(bytes(message))
+        finally:
+            self._pump_lock.release()
+
+    def _sort(self, message: bytes) -> None:
+        kind, body = message[:1], message[1:]
+        try:
+            if kind == _REQUEST:
+                req_id, n = _REQ_HEAD.unpack_from(body)
+                start = _REQ_HEAD.size
+                incoming = NixlIncoming(body[start + n:], self, body[start:start + n], req_id)
+                with self._lock:
+                    self._requests.append(incoming)
+                return
+            if kind == _REPLY:
+                (req_id,) = _REP_HEAD.unpack_from(body)
+                with self._lock:
+                    if req_id in self._replies:
+                        self._replies[req_id] = body[_REP_HEAD.size:]
+                        return
+        except struct.error:
+            pass
+        self.dropped_messages += 1
