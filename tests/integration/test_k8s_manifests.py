@@ -149,7 +149,10 @@ def test_workers_probe_health_drain_and_advertise_pod_ip(
             assert c["resources"]["requests"]["nvidia.com/gpu"] == "1"
             assert c["image"] == "pdserve:cuda"
             assert "VLLM_CPU_KVCACHE_SPACE" not in env
+            # GPU pods move KV with NIXL (its UCX has cuda/verbs/efa); see the overlay's note
+            assert env["PDSERVE_KV_TRANSPORT"]["value"] == "nixl"
         else:
+            assert "PDSERVE_KV_TRANSPORT" not in env  # the default: our UCX engine
             assert "nvidia.com/gpu" not in limits
             assert c["image"] == "pdserve:cpu"
             assert env["VLLM_CPU_KVCACHE_SPACE"]["value"] == "1"
