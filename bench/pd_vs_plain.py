@@ -2,6 +2,7 @@
 
     python -m bench.pd_vs_plain [--requests 12] [--prompt-tokens 1000] [--max-tokens 64]
                                 [--isolate-cores] [--float] [--breakdown] [--nixl]
+                                [--kv-transport ucx,nixl]
 
 The same distinct prompts (exactly ``--prompt-tokens`` tokens, so no prefix-cache hits; greedy,
 ``ignore_eos``) are streamed one at a time through each setup, started and stopped in turn on
@@ -11,6 +12,8 @@ this machine, in one run:
   pdserve   ``pdserve up``: router + 1 prefill + 1 decode, KV pulled over UCX, the prefill's
             token streamed at once (``router.api.first_token``);
   pdserve-classic (``--classic``) the same with ``--no-first-token-from-prefill``;
+  pdserve-nixl (``--kv-transport ucx,nixl``) pdserve with the NIXL transport under the same
+            lease protocol (``pdserve worker --kv-transport nixl``);
   nixl      (``--nixl``) two vLLM servers with ``NixlConnector`` behind the same router.
 
 Layouts (each one a column group): ``--isolate-cores`` gives every engine its own core(s), the
@@ -43,6 +46,7 @@ import numpy as np
 
 from bench.placement import placement_of
 from bench.prompts import PromptSynthesizer, load_tokenizer
+from kvtransfer.config import TRANSPORTS
 from serve.cpu_layout import plan_cpus
 from serve.redis_server import free_port, start_redis
 from serve.tiny_model import build_tiny_model
@@ -177,10 +181,11 @@ def bench_plain(model: Path, prompts: list[str], max_tokens: int, layout: str,
 
 
 def bench_pdserve(model: Path, prompts: list[str], max_tokens: int, layout: str,
-                  tmp: Path, first_token: bool = True) -> SetupResult:
+                  tmp: Path, first_token: bool = True, transport: str = "ucx") -> SetupResult:
     from serve.supervisor import Cluster, ClusterSettings
 
-    name = "pdserve" if first_token else "pdserve-classic"
+    name = ("pdserve" + ("" if transport == "ucx" else f"-{transport}")
+            + ("" if first_token else "-classic"))
     router_tl, kv_tl = tmp / f"router-{name}-{layout}.jsonl", tmp / f"kv-{name}-{layout}.jsonl"
     router_args = [f"--timeline-file={router_tl}"]
     if not first_token:
@@ -189,7 +194,7 @@ def bench_pdserve(model: Path, prompts: list[str], max_tokens: int, layout: str,
         model=str(model), served_model_name=SERVED, port=free_port(),
         redis_url=f"redis://127.0.0.1:{free_port()}/0",
         cpu_layout="auto" if layout == "isolated" else "float",
-        worker_args=(f"--timeline-file={kv_tl}",),
+        worker_args=(f"--timeline-file={kv_tl}", f"--kv-transport={transport}"),
         router_args=tuple(router_args))
     cluster = Cluster(settings)
     cluster.start()
@@ -332,8 +337,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--classic", action="store_true",
                         help="also run classic P/D (--no-first-token-from-prefill: the decode "
                              "samples the first token again), the behaviour before it")
+    parser.add_argument("--kv-transport", default="ucx",
+                        help="comma-separated pdserve KV transports to run (ucx, nixl), each a "
+                             "setup of its own (pdserve, pdserve-nixl)")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
+    transports = [t for t in args.kv_transport.split(",") if t]
+    unknown = set(transports) - set(TRANSPORTS)
+    if unknown or not transports:
+        parser.error(f"--kv-transport: choose from {list(TRANSPORTS)}, got {args.kv_transport}")
     layouts = [name for name, on in (("isolated", args.isolate_cores), ("float", args.floating))
                if on] or ["isolated", "float"]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
@@ -348,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         for layout in layouts:
             cpus = plan.slots[0] if layout == "isolated" and plan.isolated else ()
             results.append(bench_plain(model, prompts, args.max_tokens, layout, cpus))
-            results.append(bench_pdserve(model, prompts, args.max_tokens, layout, Path(tmp)))
+            for transport in transports:
+                results.append(bench_pdserve(model, prompts, args.max_tokens, layout, Path(tmp),
+                                             transport=transport))
             if args.classic:
                 results.append(bench_pdserve(model, prompts, args.max_tokens, layout, Path(tmp),
                                              first_token=False))
