@@ -1,8 +1,10 @@
 """Session fixtures: a real `pdserve up` cluster and a plain vLLM server on the tiny model.
 
 Both start once per session (each vLLM start costs ~1 minute of a 2-core machine) and in
-parallel. `pdserve up` is pointed at a Redis URL where nothing listens, so it starts its own
-Redis, as a user's first `make run` does.
+parallel. A second cluster on the NIXL transport starts only for the tests parametrized over
+`pd_cluster` (equivalence, negative control, lease expiry and late pull), which run last.
+`pdserve up` is pointed at a Redis URL where nothing listens, so it starts its own Redis, as a
+user's first `make run` does.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tests.support.otlp import OtlpReceiver
 
 SERVED_NAME = "tiny-llama"
 LEASE_S = 8.0
+TRANSPORTS = ("ucx", "nixl")
 START_TIMEOUT_S = 600.0
 
 
@@ -52,6 +55,9 @@ class Cluster:
     """Receives the OTLP traces of the router and both vLLM workers."""
     keyring_file: Path = field(default_factory=Path)
     """The cluster secret every process shares: tests that play the router sign with it."""
+    transport: str = "ucx"
+    """The workers' KV transport (`pdserve worker --kv-transport`)."""
+    ready: threading.Event = field(default_factory=threading.Event)
 
     def sign(self, params: dict[str, Any]) -> dict[str, Any]:
         """``params`` signed as the router signs them (kvtransfer.signing)."""
@@ -79,23 +85,16 @@ def _port_open(url: str) -> bool:
         return sock.connect_ex((host, int(port))) == 0
 
 
-@pytest.fixture(scope="session")
-def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[tuple[Cluster, Plain]]:
-    tmp = tmp_path_factory.mktemp("cluster")
-    plain_port = free_port()
-    plain_proc = subprocess.Popen(
-        vllm_command(str(tiny_model_dir), "127.0.0.1", plain_port, SERVED_NAME, None, None),
-        env=vllm_env(1), start_new_session=True)
-    plain = Plain(plain_proc, f"http://127.0.0.1:{plain_port}")
-
+def _launch_cluster(model_dir: Path, tmp: Path, transport: str) -> Cluster:
+    """Start `pdserve up` with workers on ``transport``; returns before it is ready."""
     port = free_port()
     flag = tmp / "corrupt-pulled-kv"
     traces = OtlpReceiver()
     router_timeline, kv_timeline = tmp / "router-timeline.jsonl", tmp / "kv-timeline.jsonl"
-    cmd = [sys.executable, "-m", "serve.cli", "up", "--model", str(tiny_model_dir),
+    cmd = [sys.executable, "-m", "serve.cli", "up", "--model", str(model_dir),
            "--served-model-name", SERVED_NAME, "--port", str(port),
            "--redis", f"redis://127.0.0.1:{free_port()}/0", "--lease-s", str(LEASE_S),
+           f"--worker-arg=--kv-transport={transport}",
            f"--worker-arg=--corrupt-pulled-kv-file={flag}",
            f"--worker-arg=--timeline-file={kv_timeline}",
            f"--router-arg=--timeline-file={router_timeline}",
@@ -109,8 +108,7 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                             start_new_session=True, env=env)
     cluster = Cluster(proc, f"http://127.0.0.1:{port}", corrupt_flag=flag,
                       router_timeline=router_timeline, kv_timeline=kv_timeline, traces=traces,
-                      keyring_file=keyring_file)
-    ready = threading.Event()
+                      keyring_file=keyring_file, transport=transport)
 
     def pump() -> None:
         assert proc.stdout is not None
@@ -120,34 +118,93 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             match = re.search(r"pdserve ready: .* redis (\S+)\)", line)
             if match:
                 cluster.redis_url = match.group(1)
-                ready.set()
+                cluster.ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
+    return cluster
+
+
+def _await_cluster(cluster: Cluster) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not cluster.ready.wait(1.0):
+        if cluster.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("pdserve up failed to start:\n" + "".join(cluster.output[-50:]))
+
+
+def _stop_cluster(cluster: Cluster) -> None:
+    """Ctrl-C, then check that every child stopped cleanly: exit code 0, each worker
+    deregistered itself (a leave event before `up` stopped its Redis), nothing left listening."""
+    proc = cluster.proc
+    worker_urls = re.findall(r'"url": "(http://[^"]+)"', "".join(cluster.output))
+    leaves = _LeaveListener(cluster.redis_url) if cluster.redis_url else None
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
     try:
-        asyncio.run(wait_healthy(plain.url, plain_proc, START_TIMEOUT_S))
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready.wait(1.0):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("pdserve up failed to start:\n" + "".join(cluster.output[-50:]))
-        yield cluster, plain
-    finally:
-        stop_process(plain_proc)
-        worker_urls = re.findall(r'"url": "(http://[^"]+)"', "".join(cluster.output))
-        leaves = _LeaveListener(cluster.redis_url) if cluster.redis_url else None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise AssertionError("pdserve up did not stop within 120 s of Ctrl-C") from None
-    # Ctrl-C stops every child cleanly: exit code 0, each worker deregistered itself (a leave
-    # event before `up` stopped its Redis), no worker or router left listening.
+        code = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError("pdserve up did not stop within 120 s of Ctrl-C") from None
     assert code == 0, "".join(cluster.output[-30:])
     assert leaves is not None and len(leaves.stop()) == len(worker_urls) == 2
     assert not any(_port_open(u) for u in [*worker_urls, cluster.url])
-    traces.close()
+    if cluster.traces is not None:
+        cluster.traces.close()
+
+
+@pytest.fixture(scope="session")
+def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[Cluster, Plain]]:
+    plain_port = free_port()
+    plain_proc = subprocess.Popen(
+        vllm_command(str(tiny_model_dir), "127.0.0.1", plain_port, SERVED_NAME, None, None),
+        env=vllm_env(1), start_new_session=True)
+    plain = Plain(plain_proc, f"http://127.0.0.1:{plain_port}")
+    cluster = _launch_cluster(tiny_model_dir, tmp_path_factory.mktemp("cluster"), "ucx")
+    try:
+        asyncio.run(wait_healthy(plain.url, plain_proc, START_TIMEOUT_S))
+        _await_cluster(cluster)
+        yield cluster, plain
+    finally:
+        stop_process(plain_proc)
+        _stop_cluster(cluster)
+
+
+@pytest.fixture(scope="session")
+def nixl_cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[Cluster]:
+    """A second `pdserve up` whose workers use the NIXL transport (`--kv-transport nixl`).
+
+    Started on first use; `pytest_collection_modifyitems` runs its tests last, so it idles
+    beside the UCX cluster only for them."""
+    cluster = _launch_cluster(tiny_model_dir, tmp_path_factory.mktemp("nixl-cluster"), "nixl")
+    try:
+        _await_cluster(cluster)
+        yield cluster
+    finally:
+        _stop_cluster(cluster)
+
+
+@pytest.fixture(params=TRANSPORTS)
+def pd_cluster(request: pytest.FixtureRequest) -> Cluster:
+    """The P/D cluster of each KV transport, for the tests that must hold on both wires."""
+    return request.getfixturevalue("cluster" if request.param == "ucx" else "nixl_cluster")
+
+
+@pytest.fixture
+def pd_workers(pd_cluster: Cluster) -> dict[str, str]:
+    """role -> HTTP URL of ``pd_cluster``'s workers (from its Redis registry)."""
+    return registered_workers(pd_cluster)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the NIXL cluster's tests last (stable order otherwise): its two workers then share
+    the cores with the other clusters only while those tests run."""
+    def on_nixl(item: pytest.Item) -> bool:
+        callspec = getattr(item, "callspec", None)
+        return callspec is not None and callspec.params.get("pd_cluster") == "nixl"
+
+    items.sort(key=on_nixl)
 
 
 class _LeaveListener:
@@ -191,8 +248,7 @@ def plain(servers: tuple[Cluster, Plain]) -> Plain:
     return servers[1]
 
 
-@pytest.fixture(scope="session")
-def workers(cluster: Cluster) -> dict[str, str]:
+def registered_workers(cluster: Cluster) -> dict[str, str]:
     """role -> HTTP URL of the cluster's workers, read from the real Redis registry."""
     from router.state.registry import WorkerRegistry
 
@@ -206,3 +262,9 @@ def workers(cluster: Cluster) -> dict[str, str]:
     found = asyncio.run(read())
     assert set(found) == {"prefill", "decode"}, found
     return found
+
+
+@pytest.fixture(scope="session")
+def workers(cluster: Cluster) -> dict[str, str]:
+    """role -> HTTP URL of the UCX cluster's workers."""
+    return registered_workers(cluster)

@@ -16,10 +16,12 @@ from tests.support.waiting import eventually
 pytestmark = pytest.mark.vllm
 
 
-def test_corrupted_pull_changes_output(cluster: Cluster, plain: Plain, workers: dict[str, str],
-                                       tiny_model_dir: Path) -> None:
+def test_corrupted_pull_changes_output(pd_cluster: Cluster, plain: Plain,
+                                       pd_workers: dict[str, str], tiny_model_dir: Path) -> None:
     """Negative control: the equality tests would catch KV that did not arrive intact."""
-    prompts = make_prompts(tiny_model_dir, [150, 400, 900], seed=3, tag="corrupt")
+    cluster, workers = pd_cluster, pd_workers
+    prompts = make_prompts(tiny_model_dir, [150, 400, 900], seed=3,
+                           tag=f"corrupt-{cluster.transport}")
     before = scrape(workers["decode"])
     cluster.corrupt_flag.touch()
     try:
@@ -31,15 +33,16 @@ def test_corrupted_pull_changes_output(cluster: Cluster, plain: Plain, workers: 
     assert value(after, "pdserve_kv_pulls_total") - value(before, "pdserve_kv_pulls_total") == 3
     assert ours != ref
     # With the switch off again, the same kind of request is exact.
-    clean = make_prompts(tiny_model_dir, [400], seed=3, tag="clean")[0]
+    clean = make_prompts(tiny_model_dir, [400], seed=3, tag=f"clean-{cluster.transport}")[0]
     assert complete(cluster.url, clean)["choices"][0]["text"] == \
         complete(plain.url, clean)["choices"][0]["text"]
 
 
-def test_unpulled_lease_expires_and_late_pull_recomputes(cluster: Cluster, plain: Plain,
-                                                         workers: dict[str, str],
+def test_unpulled_lease_expires_and_late_pull_recomputes(pd_cluster: Cluster, plain: Plain,
+                                                         pd_workers: dict[str, str],
                                                          tiny_model_dir: Path) -> None:
-    prompt = make_prompts(tiny_model_dir, [600], seed=4, tag="lease")[0]
+    cluster, workers = pd_cluster, pd_workers
+    prompt = make_prompts(tiny_model_dir, [600], seed=4, tag=f"lease-{cluster.transport}")[0]
     p0 = scrape(workers["prefill"])
     prefill = httpx.post(f"{workers['prefill']}/v1/completions", timeout=60, json={
         "model": SERVED_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
