@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,6 +14,22 @@ from router.config import RouterSettings
 from serve.redis_server import RedisServer, start_redis
 from tests.fakes.fake_worker import FakeWorker, ServerThread, build_tiny_tokenizer
 from tests.support.router import MAX_MODEL_LEN, PREFIX, register, wait_healthy
+
+
+@pytest.fixture(scope="module", params=["default", "tcp"])
+def ucx_tls(request: pytest.FixtureRequest) -> Iterator[str]:
+    """UCX_TLS for the test process and the servers it spawns ("tcp": UCX's tcp transport
+    only, RMA emulated in software), set before a module creates any UCX context."""
+    old = os.environ.get("UCX_TLS")
+    if request.param == "tcp":
+        os.environ["UCX_TLS"] = "tcp"
+    else:
+        os.environ.pop("UCX_TLS", None)
+    yield request.param
+    if old is None:
+        os.environ.pop("UCX_TLS", None)
+    else:
+        os.environ["UCX_TLS"] = old
 
 
 @pytest.fixture(scope="session")

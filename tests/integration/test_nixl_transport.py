@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -66,19 +65,10 @@ class Server:
             self.proc.join(5)
 
 
-@pytest.fixture(scope="module", params=["default", "tcp"])
-def tls(request: pytest.FixtureRequest) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def tls(ucx_tls: str) -> str:
     """UCX_TLS for both processes (set before either creates its NIXL agent)."""
-    old = os.environ.get("UCX_TLS")
-    if request.param == "tcp":
-        os.environ["UCX_TLS"] = "tcp"
-    else:
-        os.environ.pop("UCX_TLS", None)
-    yield request.param
-    if old is None:
-        os.environ.pop("UCX_TLS", None)
-    else:
-        os.environ["UCX_TLS"] = old
+    return ucx_tls
 
 
 @pytest.fixture(scope="module")

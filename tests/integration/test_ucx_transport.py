@@ -90,19 +90,10 @@ def _start_server(mode: str) -> Server:
     return Server(proc, parent, address, locality, base, length, rkey)
 
 
-@pytest.fixture(scope="module", params=["default", "tcp"])
-def tls(request: pytest.FixtureRequest) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def tls(ucx_tls: str) -> str:
     """UCX_TLS for both processes (set before any UCX context exists in either)."""
-    old = os.environ.get("UCX_TLS")
-    if request.param == "tcp":
-        os.environ["UCX_TLS"] = "tcp"
-    else:
-        os.environ.pop("UCX_TLS", None)
-    yield request.param
-    if old is None:
-        os.environ.pop("UCX_TLS", None)
-    else:
-        os.environ["UCX_TLS"] = old
+    return ucx_tls
 
 
 @pytest.fixture(scope="module")
