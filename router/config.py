@@ -70,6 +70,21 @@ class RouterSettings:
     (wall-clock events and phase durations; see ``router.api.timeline``)."""
     otlp_traces_endpoint: str | None = None
     """OTLP endpoint for request traces (the flag vLLM uses); None = tracing off."""
+    max_in_flight_per_worker: int = 0
+    """Admission: a pool whose every worker runs this many requests answers 429 with
+    ``Retry-After`` (0 = unbounded; see ``router.policy.admission``)."""
+    admission_queue_slo_factor: float = 2.0
+    """Admission: refuse (429) while even the least-loaded prefill worker's queue is predicted
+    to take more than this many TTFT SLOs (0 = off)."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Largest request body accepted (413 above)."""
+    max_prompt_tokens: int = 0
+    """Longest prompt accepted in tokens (400 above; 0 = the model's context only)."""
+    max_output_tokens: int = 0
+    """Largest ``max_tokens`` accepted (400 above; 0 = the model's context only)."""
+    request_timeout_s: float = 0.0
+    """Deadline of a request until its answer starts (prefill, pull and the decode's first
+    byte; a whole non-streamed answer): 504 past it (0 = only the per-call timeouts)."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """Accepted ``Authorization: Bearer`` keys (``--api-key``, repeatable; ``PDSERVE_API_KEY``,
     comma-separated); empty = no authentication. ``/health`` and ``/metrics`` stay open."""
@@ -103,6 +118,8 @@ class RouterSettings:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("prefill_retries", "decode_retries", "failure_cooldown_s", "no_worker_wait_s",
+                     "max_in_flight_per_worker", "admission_queue_slo_factor", "max_body_bytes",
+                     "max_prompt_tokens", "max_output_tokens", "request_timeout_s",
                      "load_poll_interval_s", "disagg_min_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -153,6 +170,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--otlp-traces-endpoint", dest="otlp_traces_endpoint",
                    help="export OpenTelemetry request traces to this OTLP endpoint "
                    "(PDSERVE_ROUTER_OTLP_TRACES_ENDPOINT)")
+    p.add_argument("--max-in-flight-per-worker", dest="max_in_flight_per_worker", type=int,
+                   help="429 when every worker of the pool runs this many requests "
+                   "(PDSERVE_ROUTER_MAX_IN_FLIGHT_PER_WORKER, default 0 = unbounded)")
+    p.add_argument("--admission-queue-slo-factor", dest="admission_queue_slo_factor",
+                   type=float, help="429 while the shortest prefill queue exceeds this many TTFT "
+                   "SLOs (PDSERVE_ROUTER_ADMISSION_QUEUE_SLO_FACTOR, default 2; 0 = off)")
+    p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int,
+                   help="413 above this body size (PDSERVE_ROUTER_MAX_BODY_BYTES, default 8 MiB)")
+    p.add_argument("--max-prompt-tokens", dest="max_prompt_tokens", type=int,
+                   help="400 above this prompt length (PDSERVE_ROUTER_MAX_PROMPT_TOKENS, "
+                   "default 0 = the model's context)")
+    p.add_argument("--max-output-tokens", dest="max_output_tokens", type=int,
+                   help="400 when max_tokens exceeds this (PDSERVE_ROUTER_MAX_OUTPUT_TOKENS, "
+                   "default 0 = the model's context)")
+    p.add_argument("--request-timeout-s", dest="request_timeout_s", type=float,
+                   help="504 when the answer has not started within this (prefill, pull, first "
+                   "decode byte) (PDSERVE_ROUTER_REQUEST_TIMEOUT_S, default 0 = off)")
     p.add_argument("--api-key", dest="api_keys", action="append",
                    help="require 'Authorization: Bearer <key>' on the API and /workers "
                    "(repeatable; PDSERVE_API_KEY, comma-separated)")
@@ -180,6 +214,12 @@ _ENV_NAMES = {
     "decode_retries": "DECODE_RETRIES",
     "failure_cooldown_s": "FAILURE_COOLDOWN_S",
     "no_worker_wait_s": "NO_WORKER_WAIT_S",
+    "max_in_flight_per_worker": "MAX_IN_FLIGHT_PER_WORKER",
+    "admission_queue_slo_factor": "ADMISSION_QUEUE_SLO_FACTOR",
+    "max_body_bytes": "MAX_BODY_BYTES",
+    "max_prompt_tokens": "MAX_PROMPT_TOKENS",
+    "max_output_tokens": "MAX_OUTPUT_TOKENS",
+    "request_timeout_s": "REQUEST_TIMEOUT_S",
     "max_upstream_connections": "MAX_UPSTREAM_CONNECTIONS",
     "load_poll_interval_s": "LOAD_POLL_INTERVAL_S",
     "first_token_from_prefill": "FIRST_TOKEN_FROM_PREFILL",

@@ -41,6 +41,7 @@ class APIError(RouterError):
         code: str,
         type: str = "invalid_request_error",
         param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -48,6 +49,8 @@ class APIError(RouterError):
         self.code = code
         self.type = type
         self.param = param
+        self.headers = headers or {}
+        """Extra response headers (``Retry-After`` of a 429)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {

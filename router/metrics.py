@@ -80,6 +80,10 @@ class RouterMetrics:
             "Placement decisions by worker role and reason (dualmap: cache_affinity, "
             "slo_switch, load, single_candidate; other policies: the policy's name).",
             ["role", "reason"], registry=r)
+        self.rejected = Counter(
+            "pdserve_router_rejected_requests_total",
+            "Requests refused with 429 by admission control, by the pool that was full.",
+            ["pool"], registry=r)
         self.workers = Gauge(
             "pdserve_router_workers",
             "Live workers in the router's membership view, by role.",
@@ -93,6 +97,7 @@ class RouterMetrics:
             self.in_flight.labels(role=role).set(0)
             self.upstream_retries.labels(role=role)
             self.load_scrape_failures.labels(role=role)
+            self.rejected.labels(pool=role)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

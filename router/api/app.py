@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -36,6 +37,7 @@ from router.api.tracing import RequestTracer
 from router.config import RouterSettings
 from router.errors import APIError, InvalidRequestError
 from router.metrics import RouterMetrics
+from router.policy.admission import AdmissionLimits, admit
 from router.policy.base import RouteRequest
 from router.policy.disagg import SelectiveDisaggregation
 from router.policy.hashing import block_hashes
@@ -74,6 +76,9 @@ class RouterService:
         self._aggregated_policy = create_prefill_policy(settings.policy, **params)
         self._decode_policy = create_decode_policy(settings.decode_policy)
         self.disagg = SelectiveDisaggregation(settings.disagg_min_prefill_tokens)
+        self.limits = AdmissionLimits(settings.max_in_flight_per_worker,
+                                      settings.admission_queue_slo_factor, settings.ttft_slo_s,
+                                      settings.prefill_s_per_token)
         self.keyring = keyring_source(settings.cluster_secret, settings.cluster_secret_file)
         if self.keyring is None:
             logger.warning("no cluster secret (PDSERVE_CLUSTER_SECRET[_FILE]): kv_transfer_params "
@@ -119,6 +124,19 @@ class RouterService:
             except OSError as exc:
                 logger.warning("cannot append to timeline file %s: %s", path, exc)
 
+    def _admit(self, model: str, pd_ok: bool) -> None:
+        """429 with ``Retry-After`` when a pool the request needs is full (policy.admission)."""
+        assert self.proxy is not None
+        pools = (("prefill", True), ("decode", False)) if pd_ok else (("aggregated", True),)
+        for role, prefill in pools:
+            verdict = admit(self.proxy.pool(role, model), self.limits, prefill=prefill)
+            if not verdict.admit:
+                self.metrics.rejected.labels(pool=role).inc()
+                raise APIError(f"the {role} pool is overloaded ({verdict.reason}); retry after "
+                               f"{verdict.retry_after_s} s", status=429, code="server_overloaded",
+                               type="rate_limit_error",
+                               headers={"Retry-After": str(verdict.retry_after_s)})
+
     async def _check_context(self, req: Any, records: list[WorkerRecord],
                              body: dict[str, Any]) -> tuple[int, ...]:
         """Prompt token ids (empty when not computable); 400 when prompt + output > context."""
@@ -133,6 +151,16 @@ class RouterService:
         if ids is None:
             return ()
         max_tokens = requested_max_tokens(req)
+        limit = self.settings.max_output_tokens
+        if limit and max_tokens is not None and max_tokens > limit:
+            raise InvalidRequestError(f"max_tokens {max_tokens} exceeds this server's limit of "
+                                      f"{limit}", code="max_tokens_too_large", param="max_tokens")
+        limit = self.settings.max_prompt_tokens
+        if limit and len(ids) > limit:
+            raise InvalidRequestError(f"the prompt has {len(ids)} tokens, more than this "
+                                      f"server's limit of {limit}", code="prompt_too_long",
+                                      param="messages" if isinstance(req, ChatCompletionRequest)
+                                      else "prompt")
         # The prefill itself generates one token, so even without max_tokens one must fit.
         needed = len(ids) + (max_tokens if max_tokens is not None else 1)
         if needed > max_model_len:
@@ -151,7 +179,17 @@ class RouterService:
         incoming = {k.lower(): v for k, v in request.headers.items()}
         clock.span = self.tracer.begin(clock, endpoint.name, incoming)
         try:
-            response = await self._handle(endpoint, request, incoming, clock)
+            if self.settings.request_timeout_s > 0:
+                try:
+                    async with asyncio.timeout(self.settings.request_timeout_s):
+                        response = await self._handle(endpoint, request, incoming, clock)
+                except TimeoutError:
+                    raise APIError(f"the answer did not start within the router's "
+                                   f"{self.settings.request_timeout_s:g} s deadline",
+                                   status=504, code="deadline_exceeded",
+                                   type="timeout_error") from None
+            else:
+                response = await self._handle(endpoint, request, incoming, clock)
         except APIError as err:
             if err.status >= 500:
                 logger.warning("request failed: %s", err.message)
@@ -173,7 +211,12 @@ class RouterService:
 
     async def _handle(self, endpoint: Endpoint, request: Request, incoming: dict[str, str],
                       clock: PhaseClock) -> Response:
-        body = parse_json_body(await request.body())
+        raw = await request.body()
+        if len(raw) > self.settings.max_body_bytes:
+            raise InvalidRequestError(f"request body of {len(raw)} bytes exceeds the limit of "
+                                      f"{self.settings.max_body_bytes}",
+                                      code="request_too_large", status=413)
+        body = parse_json_body(raw)
         if "kv_transfer_params" in body:
             raise InvalidRequestError("kv_transfer_params is set by the router, not by clients",
                                       code="invalid_parameter", param="kv_transfer_params")
@@ -189,6 +232,7 @@ class RouterService:
             raise APIError(f"no live {missing} worker for model '{req.model}'", status=503,
                            code="no_workers_available", type="service_unavailable")
         token_ids = await self._check_context(req, records, body)
+        self._admit(req.model, pd_ok)
         # hashed once here; prefix-aware policies and the load accounting reuse the blocks
         route = RouteRequest(request_id=clock.request_id, model=req.model,
                              prompt_token_ids=token_ids, block_hashes=block_hashes(token_ids))

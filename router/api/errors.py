@@ -17,7 +17,7 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_la
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.to_dict(), status_code=err.status)
+    return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers or None)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -258,6 +258,10 @@ class PDProxy:
                 return worker
         return None
 
+    def pool(self, role: str, model: str) -> list[Candidate]:
+        """Load snapshots of the workers ``role``'s policy places among (admission control)."""
+        return self.tracker.candidates(self._live(role, model), self.reported_loads())
+
     def peek_decode(self, route: RouteRequest) -> WorkerRecord | None:
         """The decode worker the decode policy would pick now (nothing is recorded)."""
         live = self._live("decode", route.model)

@@ -30,6 +30,7 @@ Mode = Literal[
     "die_mid_stream",  # stream two chunks, then drop the connection
     "stall_mid_stream",  # stream two chunks, then go silent
     "bad_request",     # answer 400 with an OpenAI error
+    "stall",           # never answer (until the client gives up)
 ]
 
 DECODE_PIECES = ("Hello", " from", " the", " fake", " decoder", ".")
@@ -137,6 +138,8 @@ class FakeWorker:
             self.requests.append(Recorded(request.url.path, dict(request.headers), body))
             rid = request.headers.get("x-request-id", "none")
             chat = request.url.path.endswith("/chat/completions")
+            if self.mode == "stall":
+                await asyncio.sleep(3600)
             if self.mode == "error_500":
                 return JSONResponse({"error": {"message": "injected failure", "type": "server",
                                                "param": None, "code": 500}}, status_code=500)

@@ -1,0 +1,74 @@
+"""Admission control and request limits: real router under uvicorn, real Redis, fake workers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from tests.fakes.fake_worker import FakeWorker
+from tests.support.router import calls
+from tests.support.waiting import eventually
+
+BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 4}
+
+
+def _error(resp: httpx.Response) -> dict[str, Any]:
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_full_pool_answers_429_with_retry_after_and_sends_nothing(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router(max_in_flight_per_worker=2, load_poll_interval_s=0.05)
+    assert client.post(url + "/v1/completions", json=BODY).status_code == 200  # room: admitted
+    for wid in ("d0", "d1"):
+        fakes[wid].gauges["running"] = 2  # busy with requests from elsewhere
+    eventually(lambda: client.get(url + "/workers").json()["data"],
+               lambda data: all((w["reported"] or {}).get("running") == 2
+                                for w in data if w["role"] == "decode"), timeout_s=10)
+    before = dict(calls(fakes))
+    resp = client.post(url + "/v1/completions", json=BODY)
+    assert resp.status_code == 429
+    assert resp.headers["retry-after"] == "1"
+    assert _error(resp)["code"] == "server_overloaded"
+    assert calls(fakes) == before  # refused before any worker was asked
+    assert 'pdserve_router_rejected_requests_total{pool="decode"} 1.0' in \
+        client.get(url + "/metrics").text
+    fakes["d1"].gauges["running"] = 1  # one decode has room again
+    eventually(lambda: client.post(url + "/v1/completions", json=BODY).status_code,
+               lambda status: status == 200, timeout_s=10)
+
+
+def test_limits_on_body_prompt_and_max_tokens(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router(max_body_bytes=2000, max_prompt_tokens=20, max_output_tokens=8)
+    cases = [({**BODY, "prompt": "x" * 3000}, 413, "request_too_large", None),
+             ({**BODY, "prompt": "river " * 30}, 400, "prompt_too_long", "prompt"),
+             ({**BODY, "max_tokens": 9}, 400, "max_tokens_too_large", "max_tokens")]
+    for body, status, code, param in cases:
+        resp = client.post(url + "/v1/completions", json=body)
+        assert resp.status_code == status, resp.text
+        assert _error(resp)["code"] == code and _error(resp)["param"] == param
+    assert calls(fakes) == {"p0": 0, "p1": 0, "d0": 0, "d1": 0}
+    # Negative control: at the limits, the same requests pass.
+    assert client.post(url + "/v1/completions",
+                       json={**BODY, "prompt": "river " * 5, "max_tokens": 8}).status_code == 200
+
+
+def test_request_deadline_bounds_a_stalled_answer(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router(request_timeout_s=1.0)
+    fakes["d0"].mode = fakes["d1"].mode = "stall"
+    for stream in (False, True):
+        resp = client.post(url + "/v1/completions", json={**BODY, "stream": stream})
+        assert resp.status_code == 504
+        assert _error(resp)["code"] == "deadline_exceeded"
+    # The router is not wedged: with the decoders back, the next request is served.
+    fakes["d0"].mode = fakes["d1"].mode = "ok"
+    assert client.post(url + "/v1/completions", json=BODY).status_code == 200
