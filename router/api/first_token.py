@@ -88,7 +88,11 @@ def parse_prefill(data: Any) -> FirstToken | None:
         text = choice["message"].get("content")
     token_ids = choice.get("token_ids")
     prompt_ids = data.get("prompt_token_ids") or choice.get("prompt_token_ids")
-    if (choice.get("finish_reason") != "length" or not isinstance(text, str) or "\ufffd" in text
+    # A token that decodes to nothing yet (part of a UTF-8 character the detokenizer holds back)
+    # cannot be streamed on its own, and a continuation whose prompt ends inside a character
+    # makes vLLM's incremental detokenizer emit the whole prompt text: classic P/D then.
+    if (choice.get("finish_reason") != "length" or not isinstance(text, str) or not text
+            or "\ufffd" in text
             or not isinstance(token_ids, list) or len(token_ids) != 1
             or not isinstance(prompt_ids, list) or not prompt_ids):
         return None

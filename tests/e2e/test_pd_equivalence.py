@@ -102,6 +102,23 @@ def test_completions_stream_match_plain(cluster: Cluster, plain: Plain,
     assert after["pd"] == before["pd"]
 
 
+def test_first_token_inside_a_utf8_character_streams_classic(cluster: Cluster,
+                                                             plain: Plain) -> None:
+    """Regression found by `pdserve chaos`: this prompt's first sampled token is part of a
+    UTF-8 character (the prefill answers text ""). Continuing from it made the decode stream
+    the whole prompt text; the router must take classic P/D and match plain."""
+    from serve.chaos.load import prompt_pool
+
+    prompt = prompt_pool(24, 120, 7)[0]
+    before = _paths(cluster.url)
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    ours, _ = stream(cluster.url, "/v1/completions", body)
+    assert ours == complete(plain.url, prompt)["choices"][0]["text"]
+    after = _paths(cluster.url)
+    assert after["pd"] - before["pd"] == 1
+    assert after["pd_first_token"] == before["pd_first_token"]
+
+
 def test_classic_pd_stream_for_requests_that_cannot_continue(cluster: Cluster, plain: Plain,
                                                              prompts: list[str]) -> None:
     """A stop string could span the first two tokens: such a stream takes classic P/D

@@ -63,6 +63,7 @@ def test_parse_prefill_and_the_cases_that_fall_back() -> None:
     assert first == FirstToken("cmpl-r1", 7, "m", " world", 42, (1, 2, 3))
     assert parse_prefill(_prefill(finish_reason="stop")) is None  # EOS: classic P/D
     assert parse_prefill(_prefill(text="\ufffd")) is None  # half a UTF-8 character
+    assert parse_prefill(_prefill(text="")) is None  # the detokenizer holds a partial character
     assert parse_prefill(_prefill(token_ids=None)) is None  # worker without token ids
     chat = {"id": "chatcmpl-r1", "created": 7, "model": "m", "prompt_token_ids": [5, 6],
             "choices": [{"message": {"role": "assistant", "content": "x"}, "token_ids": [9],
