@@ -24,6 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="load-test harness: replay/synth/sweep/compare/profile "
                    "(see `pdserve bench -h`)", add_help=False)
     sub.add_parser("sim", help="cluster simulator (see `pdserve sim -h`)", add_help=False)
+    sub.add_parser("chaos", help="inject faults into a real local cluster under load and prove "
+                   "nothing is lost (see `pdserve chaos -h`)", add_help=False)
     sub.add_parser("doctor", help="what the KV transport can use here (UCX, RDMA, CUDA, "
                    "same-host reads)", add_help=False)
     from router.autoscale.service import add_autoscale_args
@@ -58,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         from serve.doctor import main as doctor_main
 
         return doctor_main(argv[1:])
+    if argv[:1] == ["chaos"]:
+        from serve.chaos.runner import main as chaos_main
+
+        return chaos_main(argv[1:])
     if argv[:2] == ["autoscale", "status"]:
         from router.autoscale.decisions import status_main
 

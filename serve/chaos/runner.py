@@ -1,0 +1,296 @@
+"""`pdserve chaos`: faults against a real local cluster under load; proves nothing is lost.
+
+It starts its own `pdserve up` cluster (so it owns every process it kills: real vLLM workers,
+real Redis, real UCX), runs an open-loop streaming load (:mod:`serve.chaos.load`), injects
+``--faults`` faults cycling through the kinds of :mod:`serve.chaos.faults` with seeded random
+timing, and waits for the cluster to be whole again after each (its recovery time). Then it
+stops the load and checks that every worker's KV cache and queues drain to 0 within the lease
+(no stranded blocks), stops the cluster, and replays every completed prompt on a plain vLLM
+server: a completed greedy output that differs is **wrong**.
+
+``--out DIR`` gets ``summary.json`` (faults by kind, requests by outcome, wrong, stranded,
+recovery seconds per kind and pool) and ``requests.jsonl``. The exit code is 1 when anything was
+lost, hung, wrong or stranded, or the cluster did not recover.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import statistics
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from router.samples import parse_samples, total
+from router.state.registry import WorkerRegistry
+from serve.chaos.faults import KINDS, POOL_OF, FaultInjector, Injected
+from serve.chaos.load import OUTCOMES, ChaosLoad, LoadConfig, Outcome, prompt_pool
+from serve.redis_server import free_port
+from serve.supervisor import Cluster, ClusterSettings
+from serve.worker import stop_process, vllm_command, vllm_env, wait_healthy
+
+logger = logging.getLogger(__name__)
+
+SERVED_NAME = "tiny-llama"
+
+
+def add_chaos_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve chaos`."""
+    p.add_argument("--faults", type=int, default=100, help="faults to inject (default 100)")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"comma-separated fault kinds (default all: {','.join(KINDS)})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--model", default=None, help="model dir (default: the tiny offline model)")
+    p.add_argument("--rate", type=float, default=2.0, help="requests per second (open loop)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=24, help="distinct prompts in the load")
+    p.add_argument("--prompt-words", type=int, default=120)
+    p.add_argument("--lease-s", type=float, default=10.0)
+    p.add_argument("--deadline-s", type=float, default=120.0,
+                   help="a request with no end by then is lost (no head) or hung")
+    p.add_argument("--redis-outage-s", type=float, default=10.0)
+    p.add_argument("--recover-timeout-s", type=float, default=180.0)
+    p.add_argument("--gap-s", type=float, default=2.0,
+                   help="mean random pause before each fault (uniform 0.5x..1.5x)")
+    p.add_argument("--cpu-layout", choices=["auto", "float"], default="auto")
+    p.add_argument("--out", default="chaos-out", help="directory for summary.json")
+
+
+def schedule(kinds: list[str], faults: int, rng: random.Random) -> list[str]:
+    """``faults`` kinds: every kind once per round, each round in a seeded random order."""
+    out: list[str] = []
+    while len(out) < faults:
+        round_ = list(kinds)
+        rng.shuffle(round_)
+        out += round_
+    return out[:faults]
+
+
+async def _health(client: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
+    try:
+        resp = await client.get(url + "/health", timeout=2.0)
+        return resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def wait_whole(cluster: Cluster, prefill: int, decode: int, timeout_s: float) -> bool:
+    """Until the router is up, sees both pools at full size and Redis, and no worker restart
+    is pending."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(trust_env=False) as client:
+        while time.monotonic() < deadline:
+            health = await _health(client, cluster.url)
+            running = [w for w in cluster.workers if w.proc.poll() is None]
+            if health and health.get("redis") == "ok" and \
+                    health.get("prefill_workers") == prefill and \
+                    health.get("decode_workers") == decode and \
+                    len(running) == prefill + decode:
+                return True
+            await asyncio.sleep(0.5)
+    return False
+
+
+def _wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=timeout_s)
+
+
+async def stranded_workers(redis_url: str, timeout_s: float) -> dict[str, dict[str, float]]:
+    """Workers whose KV usage or queues are not back to 0 within ``timeout_s`` (a leased or
+    leaked block keeps ``vllm:kv_cache_usage_perc`` above 0)."""
+    registry = WorkerRegistry(redis_url)
+    try:
+        records = await registry.list()
+    finally:
+        await registry.close()
+    deadline = time.monotonic() + timeout_s
+    left: dict[str, dict[str, float]] = {}
+    async with httpx.AsyncClient(trust_env=False, timeout=5.0) as client:
+        while True:
+            left = {}
+            for r in records:
+                try:
+                    samples = parse_samples((await client.get(r.http_url + "/metrics")).text)
+                except httpx.HTTPError as exc:
+                    left[r.worker_id] = {"unreachable": 1.0}
+                    logger.warning("cannot scrape %s: %s", r.worker_id, exc)
+                    continue
+                state = {name: total(samples, f"vllm:{name}") for name in
+                         ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")}
+                if any(state.values()):
+                    left[r.worker_id] = state
+            if not left or time.monotonic() > deadline:
+                return left
+            await asyncio.sleep(1.0)
+
+
+async def references(model: str, prompts: dict[int, str], max_tokens: int) -> dict[int, str]:
+    """Greedy outputs of a plain vLLM server (no connector) for ``prompts``."""
+    port = free_port()
+    proc = subprocess.Popen(vllm_command(model, "127.0.0.1", port, SERVED_NAME, None, None),
+                            env=vllm_env(1), start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_healthy(url, proc, 600.0)
+        out: dict[int, str] = {}
+        async with httpx.AsyncClient(trust_env=False, timeout=120.0) as client:
+            for index, prompt in sorted(prompts.items()):
+                resp = await client.post(url + "/v1/completions", json={
+                    "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True})
+                resp.raise_for_status()
+                out[index] = resp.json()["choices"][0]["text"]
+        return out
+    finally:
+        await asyncio.to_thread(stop_process, proc)
+
+
+def summarize(faults: list[Injected], outcomes: list[Outcome], wrong: list[Outcome],
+              stranded: dict[str, dict[str, float]], restarts: dict[str, int],
+              duration_s: float, args: argparse.Namespace) -> dict[str, Any]:
+    """The ``summary.json`` document."""
+    by_outcome = Counter(o.outcome for o in outcomes)
+    recovery: dict[str, list[float]] = {}
+    pools: dict[str, list[float]] = {}
+    unrecovered = 0
+    for f in faults:
+        if f.recovered_s is None:
+            unrecovered += 1
+            continue
+        recovery.setdefault(f.kind, []).append(round(f.recovered_s, 2))
+        if f.kind in POOL_OF:
+            pools.setdefault(POOL_OF[f.kind], []).append(f.recovered_s)
+    return {
+        "faults": len(faults),
+        "faults_by_kind": dict(Counter(f.kind for f in faults)),
+        "requests": {"sent": len(outcomes), **{k: by_outcome.get(k, 0) for k in OUTCOMES}},
+        "requests_by_behaviour": {b: dict(Counter(o.outcome for o in outcomes
+                                                  if o.behaviour == b))
+                                  for b in sorted({o.behaviour for o in outcomes})},
+        "lost": by_outcome.get("lost", 0),
+        "hung": by_outcome.get("hung", 0),
+        "wrong": len(wrong),
+        "checked_outputs": sum(1 for o in outcomes if o.outcome == "completed"),
+        "stranded_kv": len(stranded),
+        "stranded_workers": stranded,
+        "unrecovered_faults": unrecovered,
+        "recovery_s_by_kind": {k: {"median": round(statistics.median(v), 2), "max": max(v)}
+                               for k, v in sorted(recovery.items())},
+        "recovery_s_by_pool": {k: {"median": round(statistics.median(v), 2),
+                                   "max": round(max(v), 2)} for k, v in sorted(pools.items())},
+        "restarts": restarts,
+        "fault_log": [{"kind": f.kind, "at": round(f.at, 3), "victim": f.victim,
+                       "recovered_s": None if f.recovered_s is None else round(f.recovered_s, 2)}
+                      for f in faults],
+        "duration_s": round(duration_s, 1),
+        "config": {k: getattr(args, k) for k in ("faults", "kinds", "seed", "prefill", "decode",
+                                                  "rate", "max_tokens", "lease_s", "deadline_s")},
+    }
+
+
+async def run_chaos(args: argparse.Namespace) -> int:
+    """Run the whole experiment; returns the exit code."""
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise SystemExit(f"unknown fault kinds {unknown}; allowed: {', '.join(KINDS)}")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    plan = schedule(kinds, args.faults, rng)
+    settings = ClusterSettings(model=args.model, served_model_name=SERVED_NAME,
+                               prefill=args.prefill, decode=args.decode, port=free_port(),
+                               redis_url=f"redis://127.0.0.1:{free_port()}/0",
+                               lease_s=args.lease_s, cpu_layout=args.cpu_layout,
+                               ready_timeout_s=900.0)
+    cluster = Cluster(settings)
+    started = time.monotonic()
+    await asyncio.to_thread(cluster.start)
+    stop_supervising = asyncio.Event()
+
+    async def supervise() -> None:
+        while not stop_supervising.is_set():
+            cluster.supervise()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop_supervising.wait(), timeout=0.5)
+
+    supervisor: asyncio.Task[None] | None = None
+    faults: list[Injected] = []
+    outcomes: list[Outcome] = []
+    stranded: dict[str, dict[str, float]] = {}
+    prompts = prompt_pool(args.prompts, args.prompt_words, args.seed)
+    try:
+        await cluster.wait_ready()
+        assert cluster.model is not None
+        supervisor = asyncio.create_task(supervise())
+        if not await wait_whole(cluster, args.prefill, args.decode, args.recover_timeout_s):
+            raise RuntimeError("the cluster did not come up whole")
+        load = ChaosLoad(LoadConfig(cluster.url, SERVED_NAME, prompts, rate_per_s=args.rate,
+                                    max_tokens=args.max_tokens, deadline_s=args.deadline_s),
+                         random.Random(args.seed + 1))
+        stop_load = asyncio.Event()
+        load_task = asyncio.create_task(load.run(stop_load))
+        injector = FaultInjector(cluster, load, rng, lease_s=args.lease_s,
+                                 redis_outage_s=args.redis_outage_s)
+        await asyncio.sleep(3.0)  # load in flight before the first fault
+        for i, kind in enumerate(plan):
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * args.gap_s)
+            fault = await injector.inject(kind)
+            if fault.process is not None:  # the cluster must notice before it can recover
+                await asyncio.to_thread(_wait_exit, fault.process.proc, args.recover_timeout_s)
+            whole = await wait_whole(cluster, args.prefill, args.decode, args.recover_timeout_s)
+            fault.recovered_s = time.time() - fault.at if whole else None
+            faults.append(fault)
+            logger.info("fault %d/%d %s: %s", i + 1, len(plan), kind,
+                        f"whole again after {fault.recovered_s:.1f} s" if whole
+                        else "the cluster did NOT recover")
+        await asyncio.sleep(3.0)  # requests sent after the last fault complete too
+        stop_load.set()
+        await load_task
+        outcomes = load.outcomes
+        stranded = await stranded_workers(cluster.redis_url, args.lease_s + 20.0)
+    finally:
+        stop_supervising.set()
+        if supervisor is not None:
+            await supervisor  # no restart may race the shutdown below
+        await asyncio.to_thread(cluster.stop)
+    completed = [o for o in outcomes if o.outcome == "completed"]
+    model = cluster.model
+    assert model is not None
+    refs = await references(model, {o.prompt_index: prompts[o.prompt_index] for o in completed},
+                            args.max_tokens)
+    wrong = [o for o in completed if o.text != refs[o.prompt_index]]
+    wrong_ids = {o.index for o in wrong}
+    summary = summarize(faults, outcomes, wrong, stranded, dict(cluster.restarts),
+                        time.monotonic() - started, args)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with open(out_dir / "requests.jsonl", "w") as fh:
+        for o in outcomes:
+            fh.write(json.dumps({**o.__dict__, "wrong": o.index in wrong_ids}) + "\n")
+    print(json.dumps(summary, indent=2), flush=True)
+    bad = summary["lost"] + summary["hung"] + summary["wrong"] + summary["stranded_kv"] + \
+        summary["unrecovered_faults"]
+    return 1 if bad else 0
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of `pdserve chaos`."""
+    parser = argparse.ArgumentParser(prog="pdserve chaos", description=__doc__.split("\n")[0])
+    add_chaos_args(parser)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(run_chaos(args))
