@@ -62,7 +62,10 @@ logger = logging.getLogger("bench.kv_transfer")
 ROOT = Path(__file__).resolve().parent.parent
 WIRES = ("same-host", "default", "tcp")
 
-# Per wire: (our UcxEngine keyword arguments, our environment, NIXL's environment, namespaced).
+# Per wire: (our client's UcxEngine keyword arguments, our environment, NIXL's environment,
+# namespaced). On `default` only the client turns its same-host path off: the server still
+# advertises its locality, from which the client learns that the peer shares its kernel (so its
+# data endpoint may use cma, see kernels/native/ucxrma.h).
 WIRE_SETUP: dict[str, tuple[dict[str, Any], dict[str, str], dict[str, str], bool]] = {
     "same-host": ({}, {}, {}, False),
     "default": ({"same_host": False}, {}, {}, False),
@@ -270,6 +273,7 @@ def run_wire(wire: str, args: argparse.Namespace, layout: Layout, runs: list[Any
             "small_runs": small_runs, "repeats": args.repeats,
             "small_repeats": args.small_repeats,
             "engine_kwargs": {**kwargs, **_opts(args.ours_opt)},
+            "server_engine_kwargs": _opts(args.ours_opt),
             "native_build": str(args.ours_build) if args.ours_build else None}
     small_bytes = sum(n for *_, n in small_runs)
     rec: dict[str, Any] = {

@@ -84,7 +84,7 @@ def _timed(once: Any, repeats: int) -> list[float]:
 def _ours_server(ch: Channel, spec: dict[str, Any]) -> None:
     from kvtransfer.transport import UcxEngine
 
-    engine = UcxEngine(name="bench-prefill", **spec["engine_kwargs"])
+    engine = UcxEngine(name="bench-prefill", **spec["server_engine_kwargs"])
     bufs, meta = [], []
     for layer in range(spec["layers"]):
         buf = np.empty(spec["region_bytes"], np.uint8)

@@ -396,7 +396,8 @@ void pvm_wipe_nonce(EngineObject *e)
 
 #define REASON(...) snprintf(p->path_reason, sizeof(p->path_reason), __VA_ARGS__)
 
-/* Choose p's get path from the peer's locality blob (GIL released: plain C only). */
+/* Choose p's get path from the peer's locality blob and note whether it runs on this kernel
+ * boot (GIL released: plain C only). */
 void pvm_choose_path(EngineObject *e, peer_t *p, const char *loc, size_t len)
 {
     locality_t peer;
@@ -404,6 +405,11 @@ void pvm_choose_path(EngineObject *e, peer_t *p, const char *loc, size_t len)
     if (loc == NULL || len == 0) {
         REASON("no locality given");
         return;
+    }
+    if (len == sizeof(peer) && memcmp(loc, LOC_MAGIC, sizeof(LOC_MAGIC)) == 0 && e->loc_known) {
+        memcpy(&peer, loc, sizeof(peer));
+        peer.boot_id[sizeof(peer.boot_id) - 1] = '\0';
+        p->same_boot = strcmp(peer.boot_id, e->self_loc.boot_id) == 0;
     }
     if (!e->opt.same_host) {
         REASON("same-host path off (same_host=False)");

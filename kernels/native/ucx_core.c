@@ -509,7 +509,8 @@ ucp_mem_h find_region(EngineObject *e, uintptr_t addr, size_t len, size_t *hint,
 
 static void close_now(EngineObject *e, ucp_ep_h ep);
 
-/* The control ep (peer error handling) and the data ep (none: every lane may carry GETs). */
+/* The control ep (peer error handling) and the data ep (none toward this kernel boot, so that
+ * cma may carry GETs; peer error handling elsewhere).  p->same_boot is set by then. */
 ucs_status_t ucx_ep_create(EngineObject *e, peer_t *p, const void *address)
 {
     ucp_ep_params_t ep = {
@@ -521,11 +522,11 @@ ucs_status_t ucx_ep_create(EngineObject *e, peer_t *p, const void *address)
     };
     ucs_status_t st = ucp_ep_create(e->worker, &ep, &p->ep);
     if (st != UCS_OK) return st;
-    ucp_ep_params_t dep = {
-        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
-        .address = address,
-        .err_mode = UCP_ERR_HANDLING_MODE_NONE,
-    };
+    ucp_ep_params_t dep = ep;
+    if (p->same_boot) {
+        dep.field_mask &= ~(uint64_t)UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        dep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    }
     st = ucp_ep_create(e->worker, &dep, &p->dep);
     if (st != UCS_OK) close_now(e, p->ep);
     return st;

@@ -24,9 +24,12 @@
  *           rkeys unpacked on the data ep.  The control ep (UCP_ERR_HANDLING_MODE_PEER) carries
  *           requests and replies and detects the peer's failure; its error callback's argument
  *           is the peer_t, which is freed only after the eps are closed.  The data ep carries
- *           GETs without UCX error handling, because peer error handling keeps UCX off lanes
- *           that cannot report a peer's failure (cma, for one: GETs then fall back to software
- *           emulation over tcp, ~3x slower here); a control-ep failure fails the peer's GETs.
+ *           GETs.  Toward a peer on this kernel boot it has no UCX error handling, because
+ *           peer error handling keeps UCX off cma (GETs then fall back to software emulation
+ *           over tcp, ~3x slower here), and a dead cma peer only fails the read (ESRCH); a
+ *           control-ep failure fails the peer's GETs.  Toward other hosts (or an unknown
+ *           locality) the data ep keeps peer error handling: there it costs no lane, and a
+ *           network transport's error without it may abort the process (seen on IB).
  *   Xfer    (Python object) owns a reference to a refcounted xfer_t; UCX callbacks hold another.
  *
  * Threads and locks (nothing relies on the GIL to guard C state)
@@ -144,7 +147,8 @@ struct peer {
     int refs;                  /* guarded by eng->lock: Peer object + engine list */
     pthread_mutex_t oplock;
     ucp_ep_h ep;               /* control: requests/replies, peer-failure detection */
-    ucp_ep_h dep;              /* data: GETs (no UCX error handling, see ucx_ep_create) */
+    ucp_ep_h dep;              /* data: GETs (see ucx_ep_create for its error handling) */
+    int same_boot;             /* the peer's locality shows this kernel boot (fixed at connect) */
     int ep_closed;             /* guarded by oplock */
     int failed;                /* set by the error callback (eng->lock) */
     ucs_status_t fail_status;

@@ -123,12 +123,15 @@ def test_pull_across_namespaces_uses_ucx_over_tcp() -> None:
         ["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines())
 
 
-@pytest.mark.parametrize("tls,when", [("default", "before"), ("tcp", "before"),
-                                      ("tcp", "during")])
-def test_ucx_get_fails_cleanly_when_the_server_dies(tls: str, when: str) -> None:
-    """GETs run on an endpoint without UCX error handling: a dead server must still fail them
-    (an error, neither a hang nor a crash). With cma (default) a GET runs inside the posting
-    call, so only "before" can be staged there; over tcp the server serves it, so "during"."""
+@pytest.mark.parametrize("tls,when,locality", [
+    ("default", "before", True), ("tcp", "before", True), ("tcp", "during", True),
+    ("tcp", "during", False)])
+def test_ucx_get_fails_cleanly_when_the_server_dies(tls: str, when: str, locality: bool) -> None:
+    """A dead server fails UCX gets: an error, neither a hang nor a crash. With the server's
+    locality (same kernel boot) the data endpoint has no UCX error handling and the control
+    endpoint must fail the gets; without it both have peer error handling. With cma (default) a
+    GET runs inside the posting call, so only "before" can be staged there; over tcp the server
+    serves it, so "during" too."""
     from kvtransfer.transport import PeerUnreachable, TransportError, UcxEngine
 
     env = {"UCX_TLS": "tcp"} if tls == "tcp" else {}
@@ -136,11 +139,12 @@ def test_ucx_get_fails_cleanly_when_the_server_dies(tls: str, when: str) -> None
     os.environ.update(env)
     server = _start(None, {"role": "serve"})
     try:
-        address, _loc, base, length, rkey, _info = server.ch.recv()
-        with UcxEngine(name="test-dying-server") as engine:
+        address, loc, base, length, rkey, _info = server.ch.recv()
+        with UcxEngine(name="test-dying-server", same_host=False) as engine:
             dst = np.zeros(length, dtype=np.uint8)
             engine.register(dst.ctypes.data, dst.nbytes, keepalive=dst)
-            peer = engine.connect(address)
+            peer = engine.connect(address, loc if locality else None)
+            assert peer.path == "ucx"
             rk = peer.unpack_rkey(rkey, base=base, length=length)
             one = np.array([[dst.ctypes.data, base, length, rk]], dtype=np.uint64)
             peer.get(one).wait(30)  # connected, and the bytes arrive while it lives
