@@ -7,6 +7,10 @@ release arrived, and since a decode releases only after every read completed, no
 can have been overwritten. ``False`` means the lease had expired first and the read must be
 discarded (vLLM then recomputes).
 
+While the decode's scheduler still queues the request (overload: no KV blocks or run slots
+free), it renews the lease every third of its length, so a slow decode does not turn into a
+recompute storm; a decode that gives up releases at once.
+
 A release may arrive before the grant (the scheduler tells the worker about new leases one
 engine step after the request finished). The blocks cannot have been freed before the grant,
 so such an early release is answered ``True`` and finishes the lease as soon as it is granted.
@@ -32,6 +36,7 @@ class LeaseTable:
         self._finished: set[str] = set()         # blocks may be freed now
         self.num_released = 0
         self.num_expired = 0
+        self.num_renewed = 0
 
     def grant(self, request_id: str, expires_at: float) -> None:
         """Start holding ``request_id``'s blocks until ``expires_at``."""
@@ -54,6 +59,16 @@ class LeaseTable:
                 return False
             self._early.setdefault(request_id, now)
             return True
+
+    def renew(self, request_id: str, expires_at: float) -> bool:
+        """A decode still queues ``request_id``: hold its blocks until ``expires_at`` (never
+        shortened). False when the lease is gone (expired or released): its read would fail."""
+        with self._lock:
+            if request_id in self._active:
+                self._active[request_id] = max(self._active[request_id], expires_at)
+                self.num_renewed += 1
+                return True
+            return False
 
     def expire(self, now: float) -> list[str]:
         """End every lease past its expiry; returns their ids (their blocks become free)."""

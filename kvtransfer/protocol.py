@@ -31,7 +31,10 @@ router appends the token the prefill sampled, see ``router.api.first_token``); o
 tokens are pulled, the rest are computed locally."""
 
 # Release round trip: decode -> prefill "done <request id>", prefill answers one of these.
+# Renewal: decode -> prefill "renew <request id>" while the request waits in the decode's
+# queue (the lease is extended by its length; "expired" when it is gone already).
 RELEASE_PREFIX = b"done "
+RENEW_PREFIX = b"renew "
 RELEASE_OK = b"ok"
 RELEASE_EXPIRED = b"expired"
 
@@ -136,3 +139,15 @@ def parse_release(payload: bytes) -> str | None:
     if not payload.startswith(RELEASE_PREFIX):
         return None
     return payload[len(RELEASE_PREFIX):].decode(errors="replace")
+
+
+def renew_message(request_id: str) -> bytes:
+    """The decode -> prefill message that extends a lease while the request is queued."""
+    return RENEW_PREFIX + request_id.encode()
+
+
+def parse_renew(payload: bytes) -> str | None:
+    """Request id of a renewal message, or None for anything else."""
+    if not payload.startswith(RENEW_PREFIX):
+        return None
+    return payload[len(RENEW_PREFIX):].decode(errors="replace")

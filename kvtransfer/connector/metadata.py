@@ -31,6 +31,8 @@ class PdserveMetadata(KVConnectorMetadata):
     """Decode: leases to end without reading (full local prefix hit, or aborted before pull)."""
     leases: dict[str, float] = field(default_factory=dict)
     """Prefill: new leases, request id -> expiry on the monotonic clock."""
+    renewals: list[RemotePrefill] = field(default_factory=list)
+    """Decode: leases to extend because their requests still wait in this engine's queue."""
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,9 @@ class SchedulerHalf:
         self._releases: list[RemotePrefill] = []
         self._leases: dict[str, float] = {}
         self._awaiting_schedule: set[str] = set()
+        # decode: requests that will pull but wait in the queue -> (remote, next renewal)
+        self._queued: dict[str, tuple[RemotePrefill, float]] = {}
+        self._renewals: list[RemotePrefill] = []
         self.stats = TransferStats()
         self._keyring = (KeyringFile(config.signing_keys_file) if config.signing_keys_file
                          else None)
@@ -79,6 +82,9 @@ class SchedulerHalf:
             return
         if params.get(DO_REMOTE_PREFILL):
             self.stats.record_event(request.request_id, "remote_seen")
+            remote = RemotePrefill.from_params(params)
+            if remote is not None:
+                self._queued[request.request_id] = (remote, self._next_renewal(params))
         elif params.get(DO_REMOTE_DECODE):
             self.stats.record_event(request.request_id, "admitted")
         else:
@@ -87,6 +93,14 @@ class SchedulerHalf:
                  if k.lower() in ("traceparent", "tracestate")}
         if trace:
             self.stats.record_trace(request.request_id, trace)
+
+    def _next_renewal(self, params: dict[str, Any]) -> float:
+        """When a queued request's lease is renewed next: a third of the prefill's lease."""
+        try:
+            lease_s = float(params.get("lease_s") or self.config.lease_s)
+        except (TypeError, ValueError):
+            lease_s = self.config.lease_s
+        return time.monotonic() + max(lease_s, 0.3) / 3
 
     def on_connector_output(self, finished_recving: set[str] | None) -> None:
         """Timeline: vLLM learned that these pulls finished (success or load error)."""
@@ -129,6 +143,7 @@ class SchedulerHalf:
         params = request.kv_transfer_params
         if not params or not params.get(DO_REMOTE_PREFILL):
             return
+        self._queued.pop(request.request_id, None)  # allocated: it pulls (or releases) now
         remote = RemotePrefill.from_params(params)
         if remote is None:
             logger.warning("request %s: incomplete kv_transfer_params, prompt is recomputed",
@@ -150,8 +165,16 @@ class SchedulerHalf:
                 if request_id in self._awaiting_schedule:
                     self._awaiting_schedule.discard(request_id)
                     self.stats.record_event(request_id, "first_scheduled")
-        meta = PdserveMetadata(pulls=self._pulls, releases=self._releases, leases=self._leases)
-        self._pulls, self._releases, self._leases = [], [], {}
+        if self._queued:
+            now = time.monotonic()
+            for request_id, (remote, due) in list(self._queued.items()):
+                if due <= now:
+                    self._renewals.append(remote)
+                    interval = max(self.config.lease_s, 0.3) / 3
+                    self._queued[request_id] = (remote, now + interval)
+        meta = PdserveMetadata(pulls=self._pulls, releases=self._releases, leases=self._leases,
+                               renewals=self._renewals)
+        self._pulls, self._releases, self._leases, self._renewals = [], [], {}, []
         return meta
 
     def request_finished(self, request: Request,
@@ -163,6 +186,7 @@ class SchedulerHalf:
         if not params:
             return False, None
         self._awaiting_schedule.discard(request.request_id)
+        self._queued.pop(request.request_id, None)
         if params.get(DO_REMOTE_PREFILL):
             # Aborted before a pull was scheduled: the prefill's blocks must not be stranded.
             remote = RemotePrefill.from_params(params)

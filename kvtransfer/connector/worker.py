@@ -35,7 +35,9 @@ from kvtransfer.protocol import (
     RemotePrefill,
     compat_hash,
     parse_release,
+    parse_renew,
     release_message,
+    renew_message,
 )
 from kvtransfer.stats import TransferStats
 
@@ -119,7 +121,7 @@ class WorkerHalf:
         self._load_errors: set[int] = set()
         self._stop = threading.Event()
         self._responder: threading.Thread | None = None
-        self._reported_leases = (0, 0)
+        self._reported_leases = (0, 0, 0)
         # lease_released stamps from the responder thread (deque: thread-safe append/pop)
         self._release_events: collections.deque[tuple[str, float]] = collections.deque()
 
@@ -171,6 +173,11 @@ class WorkerHalf:
                 self._engine.wait_requests(0.05)  # blocks in C with the GIL released
                 continue
             for msg in incoming:
+                renewed = parse_renew(msg.payload)
+                if renewed is not None:
+                    held = self.leases.renew(renewed, time.monotonic() + self.config.lease_s)
+                    msg.reply(RELEASE_OK if held else RELEASE_EXPIRED)
+                    continue
                 request_id = parse_release(msg.payload)
                 if request_id is None:
                     logger.warning("unknown message of %d bytes ignored", len(msg.payload))
@@ -190,6 +197,8 @@ class WorkerHalf:
             self.stats.record_event(request_id, "lease_granted")
         for remote in meta.releases:
             self._send_release_only(remote)
+        for remote in meta.renewals:
+            self._send_renewal(remote)
         for spec in meta.pulls:
             self._start_pull(spec)
 
@@ -243,6 +252,16 @@ class WorkerHalf:
         except Exception as exc:
             logger.warning("could not release lease %s: %s (it will expire)",
                            remote.request_id, exc)
+            return
+        self._releases.append((transfer, time.monotonic() + self.config.pull_timeout_s))
+
+    def _send_renewal(self, remote: RemotePrefill) -> None:
+        """Extend a lease whose request still waits in our queue (answer not needed: if it
+        expired anyway, the pull fails and vLLM recomputes)."""
+        try:
+            transfer = self._peer(remote).peer.request(renew_message(remote.request_id))
+        except Exception as exc:
+            logger.warning("could not renew lease %s: %s", remote.request_id, exc)
             return
         self._releases.append((transfer, time.monotonic() + self.config.pull_timeout_s))
 
@@ -323,9 +342,11 @@ class WorkerHalf:
     def take_stats(self) -> TransferStats | None:
         """Telemetry since the last call, or None when nothing happened."""
         released, expired = self.leases.num_released, self.leases.num_expired
-        last_released, last_expired = self._reported_leases
-        self.stats.record_leases(released - last_released, expired - last_expired)
-        self._reported_leases = (released, expired)
+        renewed = self.leases.num_renewed
+        last_released, last_expired, last_renewed = self._reported_leases
+        self.stats.record_leases(released - last_released, expired - last_expired,
+                                 renewed - last_renewed)
+        self._reported_leases = (released, expired, renewed)
         while self._release_events:
             request_id, at = self._release_events.popleft()
             self.stats.record_event(request_id, "lease_released", at)

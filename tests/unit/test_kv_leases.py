@@ -50,3 +50,15 @@ def test_memory_of_expired_ids_is_bounded() -> None:
     t.expire(2.0)
     t.expire(500.0)  # forgets "old"
     assert t.release("old", 501.0) is True  # unknown again: treated as an early release
+
+
+def test_renewal_extends_only_a_held_lease() -> None:
+    t = LeaseTable()
+    t.grant("r1", expires_at=10.0)
+    assert t.renew("r1", expires_at=25.0) is True
+    assert t.renew("r1", expires_at=12.0) is True  # never shortened
+    assert t.expire(now=20.0) == []  # without the renewal it would have expired at 10
+    assert t.expire(now=25.0) == ["r1"]
+    assert t.renew("r1", expires_at=40.0) is False  # gone: its pull will fail and recompute
+    assert t.renew("never-granted", expires_at=40.0) is False
+    assert t.num_renewed == 2

@@ -1,0 +1,70 @@
+"""Lease renewal against the real UCX cluster: a renewed lease outlives its length and the
+decode's late pull succeeds; the same pull without renewal fails (the lease expired)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvtransfer.protocol import RELEASE_OK, Handshake, renew_message
+from kvtransfer.transport.ucx import UcxEngine
+from tests.e2e.conftest import LEASE_S, SERVED_NAME, Cluster, Plain
+from tests.e2e.test_pd_equivalence import complete
+from tests.support.metrics import scrape, value
+from tests.support.prompts import make_prompts
+
+pytestmark = pytest.mark.vllm
+
+
+def _prefill(cluster: Cluster, url: str, prompt: str) -> dict[str, Any]:
+    resp = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": cluster.sign({"do_remote_decode": True})})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["kv_transfer_params"]
+
+
+def _decode(cluster: Cluster, url: str, prompt: str, params: dict[str, Any]) -> str:
+    resp = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+        "kv_transfer_params": cluster.sign(params)})
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["choices"][0]["text"])
+
+
+def test_renewed_lease_outlives_its_length(cluster: Cluster, plain: Plain,
+                                           workers: dict[str, str],
+                                           tiny_model_dir: Path) -> None:
+    renewed, lapsed = make_prompts(tiny_model_dir, [500, 500], seed=31, tag="renew")
+    keep = _prefill(cluster, workers["prefill"], renewed)
+    drop = _prefill(cluster, workers["prefill"], lapsed)
+    hs = Handshake.from_wire(keep["remote_handshake"])
+    p0 = scrape(workers["prefill"])
+    with UcxEngine(name="test-renewer", same_host=False) as engine:
+        peer = engine.connect(hs.ucx_address)
+        deadline = time.monotonic() + LEASE_S + 4.0  # past the lease of both requests
+        while time.monotonic() < deadline:  # what a decode does while the request queues
+            reply = peer.request(renew_message(keep["remote_request_id"]))
+            reply.wait(10.0)
+            assert reply.result() == RELEASE_OK
+            time.sleep(LEASE_S / 3)
+    d0 = scrape(workers["decode"])
+    assert _decode(cluster, workers["decode"], renewed, keep) == \
+        complete(plain.url, renewed)["choices"][0]["text"]
+    d1 = scrape(workers["decode"])
+    assert value(d1, "pdserve_kv_pulls_total") == value(d0, "pdserve_kv_pulls_total") + 1
+    assert value(d1, "pdserve_kv_pull_failures_total") == \
+        value(d0, "pdserve_kv_pull_failures_total")
+    # Negative control: the request nobody renewed lapsed; its pull fails and is recomputed.
+    assert _decode(cluster, workers["decode"], lapsed, drop) == \
+        complete(plain.url, lapsed)["choices"][0]["text"]
+    d2 = scrape(workers["decode"])
+    assert value(d2, "pdserve_kv_pull_failures_total") == \
+        value(d1, "pdserve_kv_pull_failures_total") + 1
+    p1 = scrape(workers["prefill"])
+    assert value(p1, "pdserve_kv_leases_renewed_total") - \
+        value(p0, "pdserve_kv_leases_renewed_total") >= 3
