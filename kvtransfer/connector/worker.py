@@ -11,6 +11,7 @@ moves bytes and messages; leases, expiry and the recompute fallback are the same
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import logging
 import math
@@ -68,6 +69,12 @@ class _PeerState:
     peer: Link
     handshake: Handshake
     rkeys: list[int]
+    last_used: float = 0.0
+
+
+PEER_IDLE_S = 120.0
+"""A prefill engine not pulled from for this long (a restarted prefill has a new engine id, so
+its old endpoint is never used again) is disconnected; a later pull reconnects."""
 
 
 def describe_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[
@@ -122,6 +129,7 @@ class WorkerHalf:
         self._stop = threading.Event()
         self._responder: threading.Thread | None = None
         self._reported_leases = (0, 0, 0)
+        self._next_prune = 0.0
         # lease_released stamps from the responder thread (deque: thread-safe append/pop)
         self._release_events: collections.deque[tuple[str, float]] = collections.deque()
 
@@ -205,6 +213,7 @@ class WorkerHalf:
     def _peer(self, remote: RemotePrefill) -> _PeerState:
         state = self._peers.get(remote.engine_id)
         if state is not None and not state.peer.failed:
+            state.last_used = time.monotonic()
             return state
         assert self._engine is not None and self._handshake is not None
         hs = Handshake.from_wire(remote.handshake_wire)
@@ -214,7 +223,7 @@ class WorkerHalf:
         peer = self._engine.connect(hs.ucx_address, hs.locality or None)
         rkeys = [peer.unpack_rkey(r.rkey, base=r.base, length=r.num_blocks * r.block_stride)
                  for r in hs.regions]
-        state = _PeerState(peer, hs, rkeys)
+        state = _PeerState(peer, hs, rkeys, time.monotonic())
         logger.info("connected to engine %s over %s%s", hs.engine_id, peer.path,
                     f" ({peer.path_reason})" if peer.path_reason else "")
         self._peers[remote.engine_id] = state
@@ -330,9 +339,25 @@ class WorkerHalf:
         self._releases = [(t, d) for t, d in self._releases
                           if t.poll() == "pending" and now <= d]
         self.leases.expire(now)
+        if now >= self._next_prune:
+            self._prune_peers(now)
         finished_sending = self.leases.take_finished()
         finished_recving, self._finished_recving = self._finished_recving, set()
         return finished_sending, finished_recving
+
+    def _prune_peers(self, now: float) -> None:
+        """Disconnect peers idle past ``PEER_IDLE_S`` (gone or restarted prefill engines) or
+        failed, unless a pull still uses them."""
+        self._next_prune = now + 10.0
+        busy = {id(p.peer) for p in self._pulls.values()}
+        for engine_id, state in list(self._peers.items()):
+            idle = now - state.last_used > max(PEER_IDLE_S, 2 * self.config.lease_s)
+            if (idle or state.peer.failed) and id(state.peer) not in busy:
+                del self._peers[engine_id]
+                with contextlib.suppress(Exception):
+                    state.peer.abort()
+                logger.info("disconnected from engine %s (%s)", engine_id,
+                            "failed" if state.peer.failed else "idle")
 
     def take_load_errors(self) -> set[int]:
         """Local blocks whose pull failed since the last call (vLLM recomputes them)."""
