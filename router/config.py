@@ -131,6 +131,16 @@ class RouterSettings:
             )
 
 
+def package_version() -> str:
+    """The installed pdserve version (``0+unknown`` when run from a tree not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdserve-router",
@@ -190,6 +200,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", dest="api_keys", action="append",
                    help="require 'Authorization: Bearer <key>' on the API and /workers "
                    "(repeatable; PDSERVE_API_KEY, comma-separated)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     p.add_argument("--log-level", dest="log_level",
                    help="log level (PDSERVE_ROUTER_LOG_LEVEL, default INFO)")
     return p

@@ -8,6 +8,7 @@ import sys
 from router.api.context import RequestContextFilter
 from router.config import load
 from router.errors import ConfigError
+from router.state.registry import redacted_url
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,14 @@ def configure_logging(level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    quiet_http_clients()
+
+
+def quiet_http_clients() -> None:
+    """httpx logs every request at INFO: the load and health polls would bury the lines that
+    matter (two a second per worker). Their failures still surface through our own logs."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     app = create_app(settings)
     logger.info("router listening on http://%s:%d (redis %s)", settings.host, settings.port,
-                settings.redis_url)
+                redacted_url(settings.redis_url))
     uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
                 log_level=settings.log_level.lower(), access_log=False)
     return 0

@@ -84,6 +84,10 @@ class RouterMetrics:
             "pdserve_router_rejected_requests_total",
             "Requests refused with 429 by admission control, by the pool that was full.",
             ["pool"], registry=r)
+        self.tokenizer_fallbacks = Counter(
+            "pdserve_router_tokenizer_fallbacks_total",
+            "Requests placed by their text because the router could not tokenize them (no "
+            "tokenizer on the router host): context checks left to vLLM.", registry=r)
         self.workers = Gauge(
             "pdserve_router_workers",
             "Live workers in the router's membership view, by role.",

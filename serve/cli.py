@@ -9,11 +9,13 @@ import sys
 
 
 def _parser() -> argparse.ArgumentParser:
+    from router.config import package_version
     from serve import supervisor, worker
 
     parser = argparse.ArgumentParser(prog="pdserve",
                                      description="Disaggregated prefill/decode serving on vLLM.")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--version", action="version", version=f"pdserve {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start the local cluster (Redis, workers, router)")
     supervisor.add_up_args(up)
@@ -74,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from router.main import quiet_http_clients
+
+    quiet_http_clients()
     if args.command == "model":
         from serve.tiny_model import build_tiny_model
 

@@ -9,7 +9,6 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
-from urllib.parse import urlparse
 
 import redis
 from redis.exceptions import (
@@ -18,6 +17,8 @@ from redis.exceptions import (
     RedisError,
     ResponseError,
 )
+
+from router.state.registry import redacted_url
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +45,6 @@ def redis_reachable(url: str, timeout_s: float = 0.5) -> bool:
         return False
     finally:
         client.close()
-
-
-def redacted_url(url: str) -> str:
-    """``url`` without its password (for logs)."""
-    parsed = urlparse(url)
-    if not parsed.password:
-        return url
-    return parsed._replace(netloc=parsed.netloc.replace(f":{parsed.password}@", ":***@")).geturl()
 
 
 @dataclass

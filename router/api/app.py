@@ -32,7 +32,7 @@ from router.api.schemas import (
     validate_request,
 )
 from router.api.timeline import PhaseClock
-from router.api.tokenization import TokenizerCache
+from router.api.tokenization import TokenizerCache, approximate_ids
 from router.api.tracing import RequestTracer
 from router.config import RouterSettings
 from router.errors import APIError, InvalidRequestError
@@ -232,6 +232,9 @@ class RouterService:
             raise APIError(f"no live {missing} worker for model '{req.model}'", status=503,
                            code="no_workers_available", type="service_unavailable")
         token_ids = await self._check_context(req, records, body)
+        if not token_ids:  # no tokenizer on this host: place by the text itself
+            self.metrics.tokenizer_fallbacks.inc()
+            token_ids = approximate_ids(_prompt_text(req))
         self._admit(req.model, pd_ok)
         # hashed once here; prefix-aware policies and the load accounting reuse the blocks
         route = RouteRequest(request_id=clock.request_id, model=req.model,
@@ -310,6 +313,39 @@ class RouterService:
             })
         return {"object": "list", "data": data}
 
+    async def forward(self, path: str, request: Request) -> Response:
+        """``/tokenize`` and ``/detokenize``: answered by the least busy worker serving the
+        body's ``model`` (vLLM's own endpoints, so ids match what the engine computes)."""
+        raw = await request.body()
+        if len(raw) > self.settings.max_body_bytes:
+            return error_response(InvalidRequestError(
+                "request body too large", code="request_too_large", status=413))
+        try:
+            body = parse_json_body(raw)
+        except APIError as err:
+            return error_response(err)
+        model = body.get("model")
+        records = self.cluster.workers(model=model) if isinstance(model, str) else []
+        if not records:
+            return error_response(InvalidRequestError(
+                f"The model '{model}' does not exist.", code="model_not_found", param="model",
+                status=404))
+        worker = min(records, key=lambda r: self.tracker.in_flight(r.worker_id))
+        assert self.client is not None
+        try:
+            resp = await self.client.post(worker.http_url + path, content=raw, timeout=30.0,
+                                          headers={"content-type": "application/json"})
+        except httpx.HTTPError as exc:
+            return error_response(APIError(f"worker {worker.worker_id} failed: {exc!r}",
+                                           status=502, code="upstream_error",
+                                           type="upstream_error"))
+        if resp.status_code >= 500:
+            return error_response(APIError(f"worker {worker.worker_id} answered "
+                                           f"{resp.status_code}", status=502,
+                                           code="upstream_error", type="upstream_error"))
+        return Response(resp.content, status_code=resp.status_code,
+                        media_type=resp.headers.get("content-type", "application/json"))
+
     def models(self) -> dict[str, Any]:
         data = []
         for model in self.cluster.models():
@@ -323,6 +359,14 @@ class RouterService:
                 "max_model_len": min(r.max_model_len for r in records),
             })
         return {"object": "list", "data": data}
+
+
+def _prompt_text(req: Any) -> str:
+    """The prompt as text, for placement when it cannot be tokenized here."""
+    if isinstance(req, ChatCompletionRequest):
+        return json.dumps([m.model_dump() for m in req.messages], sort_keys=True, default=str)
+    prompt = single_prompt(req)
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
 def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None) -> FastAPI:
@@ -362,6 +406,23 @@ def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return service.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        for entry in service.models()["data"]:
+            if entry["id"] == model_id:
+                return JSONResponse(entry)
+        return error_response(InvalidRequestError(f"The model '{model_id}' does not exist.",
+                                                  code="model_not_found", param="model",
+                                                  status=404))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await service.forward("/tokenize", request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await service.forward("/detokenize", request)
 
     @app.get("/workers")
     async def workers() -> dict[str, Any]:

@@ -37,8 +37,10 @@ class TokenizerCache:
             try:
                 tok = await asyncio.to_thread(_load, model_path)
             except Exception as exc:  # any loader failure: missing dir, bad files, ...
-                logger.warning("cannot load tokenizer from %s, skipping context-length checks: "
-                               "%s", model_path, exc)
+                logger.error("cannot load the tokenizer from %s (%s): context-length checks "
+                             "are left to vLLM, and prefix-aware placement hashes 4-byte "
+                             "chunks of the prompt text instead of tokens (mount the model's "
+                             "tokenizer files on the router to fix)", model_path, exc)
                 self._failed.add(model_path)
                 return None
             self._tokenizers[model_path] = tok
@@ -65,6 +67,18 @@ class TokenizerCache:
         except Exception as exc:  # a template the router cannot render: let vLLM decide
             logger.debug("chat template rendering failed, skipping context check: %s", exc)
             return None
+
+
+APPROX_BYTES_PER_TOKEN = 4
+
+
+def approximate_ids(text: str) -> tuple[int, ...]:
+    """Stand-in token ids when the tokenizer is missing: each 4 bytes of the UTF-8 text is one
+    id, so equal prefixes still hash to equal blocks and different prompts spread out (without
+    it, every prompt would hash to the same empty key and land on the same workers)."""
+    raw = text.encode()
+    step = APPROX_BYTES_PER_TOKEN
+    return tuple(int.from_bytes(raw[i:i + step], "little") for i in range(0, len(raw), step))
 
 
 def _load(model_path: str) -> Any:

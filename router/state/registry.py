@@ -67,6 +67,17 @@ class WorkerRecord:
         return cls(**kwargs)
 
 
+def redacted_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for logs)."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    if not parsed.password:
+        return url
+    netloc = parsed.netloc.replace(f":{parsed.password}@", ":***@")
+    return parsed._replace(netloc=netloc).geturl()
+
+
 class WorkerRegistry:
     """Async client of the registry; every Redis failure is raised as :class:`RegistryError`."""
 

@@ -293,4 +293,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from router.main import quiet_http_clients
+
+    quiet_http_clients()
     return asyncio.run(run_chaos(args))
