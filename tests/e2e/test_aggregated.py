@@ -9,6 +9,7 @@ selective disaggregation. Every output must equal the plain server's own.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -40,12 +41,16 @@ def _plain_record(plain: Plain, tiny_model_dir: Path) -> WorkerRecord:
 
 
 @contextmanager
-def _router(redis_url: str, *extra: str) -> Iterator[str]:
-    """A second router process on ``redis_url``; yields its URL."""
+def _router(redis_url: str, *extra: str, keyring: Path | None = None) -> Iterator[str]:
+    """A second router process on ``redis_url`` (signing with ``keyring``, the cluster's
+    secret, when it talks to the cluster's workers); yields its URL."""
     port = free_port()
+    env = dict(os.environ)
+    if keyring is not None:
+        env["PDSERVE_CLUSTER_SECRET_FILE"] = str(keyring)
     proc = subprocess.Popen([sys.executable, "-m", "router.main", "--port", str(port),
                              "--redis", redis_url, "--log-level", "WARNING", *extra],
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, timeout_s=60)
@@ -130,7 +135,8 @@ def test_selective_disaggregation_skips_the_prefill_for_short_or_cached_prompts(
         cluster: Cluster, plain: Plain, workers: dict[str, str], tiny_model_dir: Path) -> None:
     short, long = make_prompts(tiny_model_dir, [20, 300], seed=13, tag="selective")
     follow_up = long + " and then some more words to ask"
-    with _router(cluster.redis_url, "--disagg-min-prefill-tokens", "64") as url:
+    with _router(cluster.redis_url, "--disagg-min-prefill-tokens", "64",
+                 keyring=cluster.keyring_file) as url:
         pulls0 = value(scrape(workers["decode"]), "pdserve_kv_pulls_total")
         before = _paths(url)
         outputs = {}
