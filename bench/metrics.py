@@ -83,4 +83,32 @@ def summarize(results: Sequence[RequestResult], duration_s: float, *,
         for stat, v in distribution(values).items():
             summary[f"{name}_{stat}"] = v
     summary["schedule_lag_max"] = max(lag) if lag else None
+    summary.update(vllm_bench_keys(summary, {"ttft": ttft, "tpot": tpot, "itl": itl,
+                                             "e2el": e2e}))
     return summary
+
+
+def vllm_bench_keys(summary: dict[str, Any],
+                    samples: dict[str, Sequence[float]]) -> dict[str, Any]:
+    """The names ``vllm bench serve`` writes in its result JSON (milliseconds for latencies),
+    so scripts written for it read our runs unchanged."""
+    out: dict[str, Any] = {
+        "duration": summary["duration_s"], "completed": summary["requests_completed"],
+        "failed": summary["requests_failed"],
+        "total_input_tokens": summary["input_tokens"],
+        "total_output_tokens": summary["output_tokens"],
+        "request_throughput": summary["request_throughput_rps"],
+        "request_goodput": summary["goodput_rps"] if summary["slo_ttft_s"] is not None or
+        summary["slo_tpot_s"] is not None else None,
+        "output_throughput": summary["output_token_throughput_tps"],
+        "total_token_throughput": summary["total_token_throughput_tps"],
+    }
+    for name, values in samples.items():
+        arr = np.asarray(values, dtype=float) * 1e3
+        empty = arr.size == 0
+        out[f"mean_{name}_ms"] = None if empty else float(arr.mean())
+        out[f"median_{name}_ms"] = None if empty else float(np.median(arr))
+        out[f"std_{name}_ms"] = None if empty else float(arr.std())
+        for p in PERCENTILES:
+            out[f"p{p}_{name}_ms"] = None if empty else float(np.percentile(arr, p))
+    return out

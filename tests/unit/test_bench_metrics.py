@@ -58,3 +58,21 @@ def test_unset_slos_always_hold_and_empty_runs() -> None:
     empty = summarize([], 0.0)
     assert empty["slo_attainment"] is None and empty["goodput_rps"] is None
     assert distribution([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+def test_vllm_bench_serve_names_in_milliseconds() -> None:
+    """`vllm bench serve`'s result keys, so its consumers read our runs unchanged."""
+    s = summarize(RUN, duration_s=4.0, slo_ttft_s=0.25, slo_tpot_s=0.12)
+    assert (s["completed"], s["failed"], s["duration"]) == (3, 1, 4.0)
+    assert (s["total_input_tokens"], s["total_output_tokens"]) == (30, 7)
+    assert s["request_throughput"] == pytest.approx(0.75)
+    assert s["output_throughput"] == pytest.approx(7 / 4)
+    assert s["request_goodput"] == pytest.approx(0.25)
+    assert s["mean_ttft_ms"] == pytest.approx(200.0)
+    assert s["median_ttft_ms"] == pytest.approx(200.0)
+    assert s["p99_ttft_ms"] == pytest.approx(298.0)  # 200 + 0.98 * (300 - 200)
+    assert s["std_ttft_ms"] == pytest.approx(81.6497, rel=1e-4)  # population std of .1 .2 .3
+    assert s["median_e2el_ms"] == pytest.approx(400.0)
+    assert s["mean_itl_ms"] == pytest.approx(125.0)  # .1 .1 .2 .1
+    assert summarize(RUN, 4.0)["request_goodput"] is None  # no SLO: no goodput, as vLLM
+    assert summarize([], 0.0)["mean_tpot_ms"] is None
