@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from bench.client import ClientConfig, RequestResult, RequestSpec, RunResult, run_open_loop
-from bench.metrics import summarize
+from bench.metrics import SCHEDULE_LAG_LIMIT_S, summarize
 from bench.prompts import PromptSynthesizer, load_tokenizer
 from bench.report import (
     SWEEP_SCHEMA,
@@ -163,6 +163,11 @@ def write_run(out: Path, run: RunResult, wl: Workload, config: dict[str, Any],
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(run.results, run.duration_s, slo_ttft_s=slo_ttft_s,
                         slo_tpot_s=slo_tpot_s)
+    if not summary["timing_valid"]:
+        logger.warning("the client fell behind its schedule (p99 send lag %.1f ms > %.0f ms): "
+                       "this run's latencies include client delay; run the client on its own "
+                       "cores or lower the rate", 1e3 * summary["schedule_lag_p99"],
+                       1e3 * SCHEDULE_LAG_LIMIT_S)
     doc = run_document(summary, {**config, "started_unix_s": run.started_wall}, wl.trace_meta)
     meta = {s.index: {"trace_line": s.trace_line, "session_id": s.session_id}
             for s in wl.specs}

@@ -23,6 +23,11 @@ from bench.client import RequestResult
 PERCENTILES = (50, 90, 99)
 
 
+SCHEDULE_LAG_LIMIT_S = 0.01
+"""A run whose p99 send lag (actual send minus scheduled time) exceeds this did not keep its
+arrival schedule: the client was starved or blocked, so its latencies are not the server's."""
+
+
 def distribution(values: Sequence[float]) -> dict[str, float | None]:
     """mean, p50, p90, p99 (None when empty)."""
     if not values:
@@ -83,6 +88,8 @@ def summarize(results: Sequence[RequestResult], duration_s: float, *,
         for stat, v in distribution(values).items():
             summary[f"{name}_{stat}"] = v
     summary["schedule_lag_max"] = max(lag) if lag else None
+    p99_lag = summary["schedule_lag_p99"]
+    summary["timing_valid"] = p99_lag is None or p99_lag <= SCHEDULE_LAG_LIMIT_S
     summary.update(vllm_bench_keys(summary, {"ttft": ttft, "tpot": tpot, "itl": itl,
                                              "e2el": e2e}))
     return summary

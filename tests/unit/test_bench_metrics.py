@@ -76,3 +76,9 @@ def test_vllm_bench_serve_names_in_milliseconds() -> None:
     assert s["mean_itl_ms"] == pytest.approx(125.0)  # .1 .1 .2 .1
     assert summarize(RUN, 4.0)["request_goodput"] is None  # no SLO: no goodput, as vLLM
     assert summarize([], 0.0)["mean_tpot_ms"] is None
+
+
+def test_a_run_that_fell_behind_its_schedule_is_flagged() -> None:
+    assert summarize(RUN, 4.0)["timing_valid"] is True  # p99 lag ~3 ms
+    late = [res(i, [0.1], 1, lag=0.001 if i else 0.2) for i in range(3)]
+    assert summarize(late, 4.0)["timing_valid"] is False
