@@ -19,6 +19,7 @@ from redis.exceptions import (
 )
 
 from router.state.registry import redacted_url
+from serve.process import child_setup
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def start_redis(port: int | None = None, ready_timeout_s: float = 10.0) -> Redis
     workdir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
     cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
            "--dir", workdir.name, "--protected-mode", "no"]
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               preexec_fn=child_setup())
     server = RedisServer(port=port, process=process, workdir=workdir)
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:

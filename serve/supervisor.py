@@ -29,6 +29,7 @@ import httpx
 from router.autoscale.actuators import DesiredReplicas
 from router.state.registry import WorkerRegistry
 from serve.cpu_layout import CpuPlan, cpu_list, plan_cpus
+from serve.process import child_setup
 from serve.redis_server import (
     RedisServer,
     free_port,
@@ -36,7 +37,7 @@ from serve.redis_server import (
     redis_reachable,
     start_redis,
 )
-from serve.worker import child_setup, stop_process
+from serve.worker import stop_process
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import httpx
 from kvtransfer.signing import ENV_SECRET, secret_from_env
 from router.state.registry import WorkerRecord, WorkerRegistry
 from serve.cpu_layout import cpu_list, worker_cpus
+from serve.process import child_setup
 from serve.redis_server import free_port
 from serve.tiny_model import SERVE_DTYPE, is_tiny_model
 
@@ -79,24 +79,6 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "aggregated"):
             raise ValueError(f"--role must be prefill, decode or aggregated, got {self.role!r}")
-
-
-def die_with_parent() -> None:
-    """In a forked child: get SIGKILL when the parent dies (Linux ``PR_SET_PDEATHSIG``), so a
-    launcher killed with -9 leaves no vLLM server holding its port and memory behind."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-
-
-def child_setup(cpus: tuple[int, ...] = ()) -> Callable[[], None]:
-    """``preexec_fn`` of a supervised child: die with the parent, run on ``cpus`` (if any)."""
-    def setup() -> None:
-        die_with_parent()
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-    return setup
 
 
 def kv_transfer_config(engine_id: str, *, lease_s: float, pull_timeout_s: float,

@@ -124,7 +124,8 @@ class FaultInjector:
             fault.victim = redis.url
             await asyncio.to_thread(redis.stop)
             await asyncio.sleep(self.redis_outage_s)
-            self.cluster.redis = await asyncio.to_thread(start_redis, redis.port)
+            # on the loop's thread: a child dies with the thread that started it (PDEATHSIG)
+            self.cluster.redis = start_redis(redis.port)
         elif kind == "router_restart":
             if self.cluster.router is not None:
                 fault.victim = "router"

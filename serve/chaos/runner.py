@@ -102,9 +102,10 @@ async def wait_whole(cluster: Cluster, prefill: int, decode: int, timeout_s: flo
     return False
 
 
-def _wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=timeout_s)
+async def _wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
 
 
 async def stranded_workers(redis_url: str, timeout_s: float) -> dict[str, dict[str, float]]:
@@ -217,7 +218,7 @@ async def run_chaos(args: argparse.Namespace) -> int:
                                ready_timeout_s=900.0)
     cluster = Cluster(settings)
     started = time.monotonic()
-    await asyncio.to_thread(cluster.start)
+    cluster.start()  # on this thread: children die with the thread that started them
     stop_supervising = asyncio.Event()
 
     async def supervise() -> None:
@@ -249,7 +250,7 @@ async def run_chaos(args: argparse.Namespace) -> int:
             await asyncio.sleep(rng.uniform(0.5, 1.5) * args.gap_s)
             fault = await injector.inject(kind)
             if fault.process is not None:  # the cluster must notice before it can recover
-                await asyncio.to_thread(_wait_exit, fault.process.proc, args.recover_timeout_s)
+                await _wait_exit(fault.process.proc, args.recover_timeout_s)
             whole = await wait_whole(cluster, args.prefill, args.decode, args.recover_timeout_s)
             fault.recovered_s = time.time() - fault.at if whole else None
             faults.append(fault)
