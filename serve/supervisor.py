@@ -4,7 +4,8 @@ Every child runs in its own process group so a Ctrl-C reaches only the superviso
 stops the router first (no new requests), then the workers (each deregisters itself), then the
 Redis it started. A child that crashes is restarted with exponential backoff (1 s doubling to
 30 s, reset after a minute of uptime) and the reason (exit code or signal) is logged; children
-die with the supervisor (``PR_SET_PDEATHSIG``), so a killed ``pdserve up`` leaves nothing behind.
+die with the supervisor (``PR_SET_PDEATHSIG``); vLLM's own engine processes may outlive a
+launcher killed with -9 (a known gap, see README).
 Readiness is the router's ``/health`` turning 200, which needs at least one registered worker
 of each role.
 """
