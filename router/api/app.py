@@ -223,8 +223,7 @@ class RouterService:
         req = validate_request(endpoint, body)
         records = self.cluster.workers(model=req.model)
         if not records:
-            raise InvalidRequestError(f"The model '{req.model}' does not exist.",
-                                      code="model_not_found", param="model", status=404)
+            raise model_not_found(req.model)
         roles = {r.role for r in records}
         pd_ok = {"prefill", "decode"} <= roles
         if not pd_ok and "aggregated" not in roles:
@@ -327,9 +326,7 @@ class RouterService:
         model = body.get("model")
         records = self.cluster.workers(model=model) if isinstance(model, str) else []
         if not records:
-            return error_response(InvalidRequestError(
-                f"The model '{model}' does not exist.", code="model_not_found", param="model",
-                status=404))
+            return error_response(model_not_found(model))
         worker = min(records, key=lambda r: self.tracker.in_flight(r.worker_id))
         assert self.client is not None
         try:
@@ -359,6 +356,12 @@ class RouterService:
                 "max_model_len": min(r.max_model_len for r in records),
             })
         return {"object": "list", "data": data}
+
+
+def model_not_found(model: object) -> InvalidRequestError:
+    """OpenAI's 404 for a model no live worker serves."""
+    return InvalidRequestError(f"The model '{model}' does not exist.", code="model_not_found",
+                               param="model", status=404)
 
 
 def _prompt_text(req: Any) -> str:
@@ -412,9 +415,7 @@ def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None
         for entry in service.models()["data"]:
             if entry["id"] == model_id:
                 return JSONResponse(entry)
-        return error_response(InvalidRequestError(f"The model '{model_id}' does not exist.",
-                                                  code="model_not_found", param="model",
-                                                  status=404))
+        return error_response(model_not_found(model_id))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -30,8 +30,9 @@ from typing import Any
 
 import httpx
 
-from router.samples import parse_samples, total
+from router.samples import total
 from router.state.registry import WorkerRegistry
+from router.state.worker_load import fetch_samples
 from serve.chaos.faults import KINDS, POOL_OF, FaultInjector, Injected
 from serve.chaos.load import OUTCOMES, ChaosLoad, LoadConfig, Outcome, prompt_pool
 from serve.redis_server import free_port
@@ -123,8 +124,8 @@ async def stranded_workers(redis_url: str, timeout_s: float) -> dict[str, dict[s
             left = {}
             for r in records:
                 try:
-                    samples = parse_samples((await client.get(r.http_url + "/metrics")).text)
-                except httpx.HTTPError as exc:
+                    samples = await fetch_samples(client, r.http_url, 5.0)
+                except (httpx.HTTPError, ValueError) as exc:
                     left[r.worker_id] = {"unreachable": 1.0}
                     logger.warning("cannot scrape %s: %s", r.worker_id, exc)
                     continue
