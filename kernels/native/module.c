@@ -768,6 +768,11 @@ static PyObject *peer_get_path_reason(PeerObject *self, void *Py_UNUSED(closure)
     return PyUnicode_FromString(self->p->path_reason);
 }
 
+static PyObject *peer_get_data_error_handling(PeerObject *self, void *Py_UNUSED(closure))
+{
+    return PyUnicode_FromString(self->p->dep_err_handling ? "peer" : "none");
+}
+
 static PyObject *peer_get_fail_reason(PeerObject *self, void *Py_UNUSED(closure))
 {
     EngineObject *e = self->eng;
@@ -820,6 +825,8 @@ static PyGetSetDef peer_getset[] = {
     {"path", (getter)peer_get_path, NULL, "'pvm' (same-host process_vm_readv) or 'ucx'", NULL},
     {"path_reason", (getter)peer_get_path_reason, NULL, "why gets use UCX (None for pvm)",
      NULL},
+    {"data_error_handling", (getter)peer_get_data_error_handling, NULL,
+     "the data ep's UCX error handling: 'peer', or 'none' where cma may carry GETs", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -410,6 +410,8 @@ void pvm_choose_path(EngineObject *e, peer_t *p, const char *loc, size_t len)
         memcpy(&peer, loc, sizeof(peer));
         peer.boot_id[sizeof(peer.boot_id) - 1] = '\0';
         p->same_boot = strcmp(peer.boot_id, e->self_loc.boot_id) == 0;
+        p->same_pidns = peer.pidns_dev == e->self_loc.pidns_dev &&
+                        peer.pidns_ino == e->self_loc.pidns_ino;
     }
     if (!e->opt.same_host) {
         REASON("same-host path off (same_host=False)");

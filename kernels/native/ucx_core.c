@@ -339,6 +339,9 @@ ucs_status_t ucx_engine_open(EngineObject *e, const char *name, const char **wha
         e->ctx = NULL;
         return st;
     }
+    char *info = ucx_context_info(e);
+    e->has_cma = info != NULL && strstr(info, "-- cma/") != NULL;
+    free(info);
     ucp_worker_params_t wp = {
         .field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
         .thread_mode = UCS_THREAD_MODE_MULTI,
@@ -509,8 +512,13 @@ ucp_mem_h find_region(EngineObject *e, uintptr_t addr, size_t len, size_t *hint,
 
 static void close_now(EngineObject *e, ucp_ep_h ep);
 
-/* The control ep (peer error handling) and the data ep (none toward this kernel boot, so that
- * cma may carry GETs; peer error handling elsewhere).  p->same_boot is set by then. */
+/* The control ep (peer error handling) and the data ep.  The data ep goes without UCX error
+ * handling only where that buys the cma lane: a peer on this kernel boot and pid namespace, with
+ * cma among our resources.  A dead cma peer fails the read in the posting call.  Everywhere
+ * else (tcp, IB, another pid namespace) UCX leaves a peer failure undefined without error
+ * handling: a flush was seen to complete OK over tcp after the peer died mid-transfer, with
+ * the bytes never written.  So those data eps keep peer error handling.  p's locality fields
+ * are set by then. */
 ucs_status_t ucx_ep_create(EngineObject *e, peer_t *p, const void *address)
 {
     ucp_ep_params_t ep = {
@@ -523,7 +531,8 @@ ucs_status_t ucx_ep_create(EngineObject *e, peer_t *p, const void *address)
     ucs_status_t st = ucp_ep_create(e->worker, &ep, &p->ep);
     if (st != UCS_OK) return st;
     ucp_ep_params_t dep = ep;
-    if (p->same_boot) {
+    p->dep_err_handling = !(p->same_boot && p->same_pidns && e->has_cma);
+    if (!p->dep_err_handling) {
         dep.field_mask &= ~(uint64_t)UCP_EP_PARAM_FIELD_ERR_HANDLER;
         dep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
     }

@@ -149,6 +149,8 @@ struct peer {
     ucp_ep_h ep;               /* control: requests/replies, peer-failure detection */
     ucp_ep_h dep;              /* data: GETs (see ucx_ep_create for its error handling) */
     int same_boot;             /* the peer's locality shows this kernel boot (fixed at connect) */
+    int same_pidns;            /* ... and our pid namespace (cma can name its pid) */
+    int dep_err_handling;      /* the data ep has UCX peer error handling (fixed at connect) */
     int ep_closed;             /* guarded by oplock */
     int failed;                /* set by the error callback (eng->lock) */
     ucs_status_t fail_status;
@@ -212,6 +214,7 @@ struct EngineObject {
     int have_loc;              /* self_loc is valid and advertised (atomic: cleared on device
                                   registration) */
     int loc_known;             /* boot id / pidns readable (to compare peers' localities) */
+    int has_cma;               /* cma is among this context's resources (UCX_TLS allows it) */
     pthread_cond_t pvm_cond;   /* workers wait here for jobs (with eng->lock) */
     xfer_t *pvm_head, *pvm_tail;
     pthread_t *pvm_threads;

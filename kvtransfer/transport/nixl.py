@@ -52,6 +52,7 @@ import numpy as np
 
 from kvtransfer.errors import PeerUnreachable, TransportError
 from kvtransfer.transport.base import TransferState
+from kvtransfer.transport.ucx_modules import skip_unusable_efa
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -318,6 +319,7 @@ class NixlEngine:
     def __init__(self, *, name: str = "pdserve",
                  reads_expected: Callable[[], bool] | None = None) -> None:
         api = _nixl_api()
+        skip_unusable_efa()
         self.agent_name = f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             config = api.nixl_agent_config(

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from kvtransfer.errors import PeerUnreachable, TransferTimeout, TransportError
+from kvtransfer.transport.ucx_modules import skip_unusable_efa
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -261,6 +262,13 @@ class Peer:
         reason: str | None = self._c.path_reason
         return reason
 
+    @property
+    def data_error_handling(self) -> str:
+        """UCX error handling on the endpoint that carries gets: "peer", or "none" toward a peer
+        in this kernel boot and pid namespace while cma is allowed (cma needs it off)."""
+        mode: str = self._c.data_error_handling
+        return mode
+
 
 class IncomingRequest:
     """A request received from a peer; answer it once with `reply`."""
@@ -309,6 +317,7 @@ class UcxEngine:
         spin_us: the progress thread keeps polling this long after the last event.
         """
         native = _load_native()
+        skip_unusable_efa()
         try:
             self._c = native.Engine(name, same_host=same_host, pvm_threads=pvm_threads,
                                     pvm_chunk_kib=pvm_chunk_kib, thp=thp, wakeup=wakeup,

@@ -8,10 +8,15 @@ says so). The lease protocol above it is tested end to end in tests/e2e.
 from __future__ import annotations
 
 import contextlib
+import ctypes.util
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +32,7 @@ NUM_BLOCKS = 128  # 4 MiB served region
 SEED = 99
 DEADLINE_S = 20.0  # generous bound; never asserted as a duration
 NIXL = ConnectorConfig(transport="nixl")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pattern(nbytes: int, seed: int) -> np.ndarray:
@@ -166,3 +172,24 @@ def test_reply_to_a_vanished_requester_does_not_raise(tls: str) -> None:
     with pytest.raises(TransportError, match="already answered"):
         incoming.reply(b"ok")
     answerer.close()
+
+
+_AGENT_AND_EXIT = ("from kvtransfer.transport.nixl import NixlEngine\n"
+                   "NixlEngine(name='exit-probe').close()\n")
+
+
+def test_a_process_that_made_a_nixl_agent_exits_cleanly() -> None:
+    """Creating a NIXL agent must not crash the process at exit (libnl copies, see
+    kvtransfer/transport/ucx_modules.py). When the machine has the system libefa, the same
+    process with the EFA module forced back in (UCX_MODULES=all) crashes: the control shows
+    the exit code would notice the crash."""
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    clean = subprocess.run([sys.executable, "-c", _AGENT_AND_EXIT], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    if ctypes.util.find_library("efa") is None:
+        return  # nothing to control against: the module cannot load here at all
+    forced = subprocess.run([sys.executable, "-c", _AGENT_AND_EXIT],
+                            env={**env, "UCX_MODULES": "all"}, cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert forced.returncode == -11
