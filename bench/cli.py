@@ -35,6 +35,7 @@ from bench.report import (
     markdown_summary,
     plot_run,
     plot_sweep,
+    require_optional,
     run_document,
     write_json,
     write_requests_csv,
@@ -141,10 +142,10 @@ async def _run_with_progress(specs: list[RequestSpec], cfg: ClientConfig,
                              progress: bool) -> RunResult:
     if not progress:
         return await run_open_loop(specs, cfg)
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
-                  "{task.total}"), TimeElapsedColumn(), transient=False) as bar:
+    rp = require_optional("rich.progress")
+    with rp.Progress(rp.TextColumn("{task.description}"), rp.BarColumn(),
+                     rp.TextColumn("{task.completed}/{task.total}"), rp.TimeElapsedColumn(),
+                     transient=False) as bar:
         task = bar.add_task("requests", total=len(specs))
         failed = 0
 

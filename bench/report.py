@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import importlib
 import json
 import logging
 import math
@@ -137,16 +138,31 @@ def compare_table(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str] =
     return "\n".join(rows) + "\n"
 
 
+BENCH_EXTRA = "pip install 'pdserve[bench]'"
+
+
+def require_optional(module: str) -> Any:
+    """Import ``module``, an optional dependency of the ``bench`` extra (matplotlib, rich),
+    or fail saying how to install it: serve/ and router/ never need it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"{module} is not installed; it comes with the bench extra: "
+                          f"{BENCH_EXTRA}") from exc
+
+
+def require_pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend (the ``bench`` extra)."""
+    require_optional("matplotlib").use("Agg")
+    return require_optional("matplotlib.pyplot")
+
+
 def _pyplot() -> Any | None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no PNG plots")
+        return require_pyplot()
+    except ImportError as exc:
+        logger.warning("no PNG plots: %s", exc)
         return None
-    return plt
 
 
 def plot_run(out_dir: Path, results: Sequence[RequestResult]) -> list[Path]:

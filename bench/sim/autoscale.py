@@ -275,10 +275,9 @@ def plot_replicas(path: Path, runs: Mapping[str, RunResult],
                   rate: Sequence[tuple[float, float]] = ()) -> Path:
     """Step plot of ready and billed replicas per pool over time, one panel per pool, with
     the arrival rate (req/s per ``rate`` bucket) on a second axis when given."""
-    import matplotlib
+    from bench.report import require_pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = require_pyplot()
 
     fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for ax, pool in zip(axes, ("prefill", "decode"), strict=True):

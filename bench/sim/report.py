@@ -38,10 +38,9 @@ def write_report(out: Path, summary: Mapping[str, Mapping[str, Any]], meta: Mapp
                  ttfts: Mapping[str, Sequence[float]],
                  loads: Mapping[str, Mapping[str, float]]) -> list[Path]:
     """``report.md`` plus ``attainment.png``, ``ttft_cdf.png`` and ``load.png``."""
-    import matplotlib
+    from bench.report import require_pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = require_pyplot()
 
     paths = []
     fig, ax = plt.subplots(figsize=(7, 4))
