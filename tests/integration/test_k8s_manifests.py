@@ -8,6 +8,7 @@ render defines, on ports those declare).
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -58,7 +59,8 @@ def test_every_builtin_object_validates_strictly(rendered: tuple[str, list[dict]
     overlay, objs = rendered
     builtin = [o for o in objs if (o["apiVersion"], o["kind"]) not in CRD_KINDS]
     assert {o["kind"] for o in builtin} >= {"Namespace", "Deployment", "Service", "StatefulSet",
-                                            "ServiceAccount", "Role", "RoleBinding"}
+                                            "ServiceAccount", "Role", "RoleBinding",
+                                            "PodDisruptionBudget", "NetworkPolicy", "ConfigMap"}
     for obj in builtin:
         try:
             kv.validate(obj, K8S_VERSION, strict=True)
@@ -188,3 +190,252 @@ def test_router_service_and_redis(rendered: tuple[str, list[dict]]) -> None:
     assert redis["spec"]["serviceName"] == "pdserve-redis"
     _by(objs, "Service", "pdserve-redis")
     assert all(o["metadata"].get("namespace", "pdserve") == "pdserve" for o in objs)
+
+
+# --- hardening: disruption budgets, network policies, non-root read-only pods, replicas -------
+
+PDSERVE_UID = 10001  # the image's pdserve user (deploy/Dockerfile, deploy/Dockerfile.cuda)
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "pdserve.json"
+MODEL_JOB = ROOT / "deploy" / "k8s" / "base" / "model-download.yaml"
+
+
+def _workloads(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
+
+
+def _labels_selected(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels and In/NotIn/Exists matchExpressions) against labels."""
+    if not _matches(selector.get("matchLabels", {}), labels):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and labels.get(key) in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def _ingress_allows(objs: list[dict[str, Any]], target: dict[str, str], source: dict[str, str],
+                    same_namespace: bool, port: str | None = None) -> bool:
+    """Whether the render's NetworkPolicies let a pod labelled ``source`` reach one labelled
+    ``target`` (on the named ``port``; None = any). Unselected pods allow everything."""
+    policies = [p for p in objs if p["kind"] == "NetworkPolicy"
+                and _labels_selected(p["spec"]["podSelector"], target)
+                and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    if not policies:
+        return True
+    for pol in policies:
+        for rule in pol["spec"].get("ingress", []):
+            ports = {p.get("port") for p in rule.get("ports", [])}
+            if rule.get("ports") and port not in ports:
+                continue
+            if "from" not in rule:
+                return True
+            for peer in rule["from"]:
+                assert "ipBlock" not in peer, "ipBlock peers would bypass the label rules"
+                if "namespaceSelector" in peer:
+                    # {} = any namespace; a non-empty one is not used by these manifests
+                    assert peer["namespaceSelector"] == {}
+                elif not same_namespace:
+                    continue
+                if _labels_selected(peer.get("podSelector", {}), source):
+                    return True
+    return False
+
+
+def test_every_workload_has_a_disruption_budget_selecting_exactly_it(
+        rendered: tuple[str, list[dict]]) -> None:
+    overlay, objs = rendered
+    pdbs = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
+    deployments = [o for o in objs if o["kind"] == "Deployment"]
+    assert {d["metadata"]["name"] for d in deployments} == {
+        "pdserve-router", "pdserve-prefill", "pdserve-decode", "pdserve-autoscaler"}
+    for dep in deployments:
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        mine = [p for p in pdbs if _labels_selected(p["spec"]["selector"], labels)]
+        assert len(mine) == 1, f"{overlay}: {dep['metadata']['name']} has {len(mine)} PDBs"
+        (pdb,) = mine
+        # it selects this Deployment's pods and no other workload's
+        others = [w for w in _workloads(objs) if w is not dep and _labels_selected(
+            pdb["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
+        assert others == [], f"{pdb['metadata']['name']} also selects {others}"
+        # a budget that allows no eviction at all would block every node drain
+        replicas = dep["spec"].get("replicas", 1)
+        if "minAvailable" in pdb["spec"]:
+            assert pdb["spec"]["minAvailable"] < replicas
+        else:
+            assert pdb["spec"]["maxUnavailable"] >= 1
+    router_pdb = _by(objs, "PodDisruptionBudget", "pdserve-router")
+    assert router_pdb["spec"] == {"minAvailable": 1, "selector": {
+        "matchLabels": {"app.kubernetes.io/name": "pdserve-router"}}}
+
+
+def test_two_router_replicas(rendered: tuple[str, list[dict]]) -> None:
+    _, objs = rendered
+    assert _by(objs, "Deployment", "pdserve-router")["spec"]["replicas"] == 2
+
+
+ROUTER = {"app.kubernetes.io/name": "pdserve-router"}
+AUTOSCALER = {"app.kubernetes.io/name": "pdserve-autoscaler"}
+PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}
+REDIS = {"app.kubernetes.io/name": "pdserve-redis"}
+CLIENT = {"app": "curl"}
+
+
+def test_workers_are_reachable_only_from_router_autoscaler_prometheus_and_workers(
+        rendered: tuple[str, list[dict]]) -> None:
+    overlay, objs = rendered
+    for name in WORKERS:
+        pod = _by(objs, "Deployment", name)["spec"]["template"]
+        labels = pod["metadata"]["labels"]
+        covering = [p for p in objs if p["kind"] == "NetworkPolicy"
+                    and _labels_selected(p["spec"]["podSelector"], labels)]
+        assert covering, f"{overlay}: no NetworkPolicy covers {name}"
+        for pol in covering:
+            for rule in pol["spec"]["ingress"]:
+                assert rule.get("from"), "a rule without `from` admits every pod"
+                for peer in rule["from"]:
+                    assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] in {
+                        "pdserve-router", "pdserve-autoscaler", "prometheus",
+                        "pdserve-worker"}
+        # allowed: the router and autoscaler (this namespace), Prometheus (any namespace), on
+        # the HTTP port; other workers on any port (decode pulls KV from prefill over UCX)
+        assert _ingress_allows(objs, labels, ROUTER, True, "http")
+        assert _ingress_allows(objs, labels, AUTOSCALER, True, "http")
+        assert _ingress_allows(objs, labels, PROMETHEUS, False, "http")
+        for role in ("prefill", "decode"):
+            peer = {"app.kubernetes.io/name": "pdserve-worker", "app.kubernetes.io/component": role}
+            assert _ingress_allows(objs, labels, peer, True, None)
+        # negative controls: anything else, and the router on another port or namespace
+        for source, same_ns in ((CLIENT, True), (CLIENT, False), (REDIS, True),
+                                (ROUTER, False), (AUTOSCALER, False),
+                                ({"app.kubernetes.io/name": "grafana"}, False)):
+            assert not _ingress_allows(objs, labels, source, same_ns, "http"), source
+        assert not _ingress_allows(objs, labels, ROUTER, True, None)
+
+
+def test_redis_is_reachable_only_from_pdserve_pods(rendered: tuple[str, list[dict]]) -> None:
+    _, objs = rendered
+    for source in (ROUTER, AUTOSCALER, {"app.kubernetes.io/name": "pdserve-worker",
+                                        "app.kubernetes.io/component": "decode"}):
+        assert _ingress_allows(objs, REDIS, source, True, "redis"), source
+    for source, same_ns in ((CLIENT, True), (PROMETHEUS, False), (ROUTER, False)):
+        assert not _ingress_allows(objs, REDIS, source, same_ns, "redis"), source
+
+
+def _pod_specs(objs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    return [(o["metadata"]["name"], o["spec"]["template"]["spec"]) for o in objs
+            if o["kind"] in ("Deployment", "StatefulSet", "Job")]
+
+
+def _assert_hardened(name: str, pod: dict[str, Any]) -> None:
+    sec = pod["securityContext"]
+    assert sec["runAsNonRoot"] is True, name
+    assert isinstance(sec["runAsUser"], int) and sec["runAsUser"] > 0, name
+    assert sec["seccompProfile"] == {"type": "RuntimeDefault"}, name
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        csec = c["securityContext"]
+        assert csec["allowPrivilegeEscalation"] is False, (name, c["name"])
+        assert csec["readOnlyRootFilesystem"] is True, (name, c["name"])
+        assert csec["capabilities"] == {"drop": ["ALL"]}, (name, c["name"])
+        if c["image"].startswith("pdserve"):
+            assert sec["runAsUser"] == PDSERVE_UID, name
+            # the read-only root needs a writable /tmp (drain marker, handshake, caches)
+            mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+            assert "emptyDir" in volumes[mounts["/tmp"]["name"]], name
+            assert not mounts["/tmp"].get("readOnly", False)
+
+
+def test_every_pod_runs_non_root_with_a_read_only_root(rendered: tuple[str, list[dict]]) -> None:
+    _, objs = rendered
+    pods = _pod_specs(objs)
+    assert len(pods) == 5  # router, prefill, decode, autoscaler, redis
+    for name, pod in pods:
+        _assert_hardened(name, pod)
+    # the workers' caches (HF, vLLM, torch) go to HOME, an emptyDir
+    for name in WORKERS:
+        pod = _by(objs, "Deployment", name)["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert "emptyDir" in volumes[mounts[env["HOME"]]]
+        assert env["HF_HOME"].startswith(env["HOME"] + "/")
+
+
+def test_the_image_has_the_uid_the_pods_run_as() -> None:
+    for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
+        text = (ROOT / "deploy" / dockerfile).read_text()
+        assert f"useradd --system --uid {PDSERVE_UID} " in text, dockerfile
+
+
+def test_model_comes_from_the_volume_and_hf_token_from_a_secret(
+        rendered: tuple[str, list[dict]]) -> None:
+    overlay, objs = rendered
+    claims = {o["metadata"]["name"] for o in objs if o["kind"] == "PersistentVolumeClaim"}
+    for name in WORKERS:
+        (c,) = _by(objs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in c["env"]}
+        token = env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert token == {"name": "pdserve-hf", "key": "token", "optional": True}
+        model = env["PDSERVE_WORKER_MODEL"]["value"]
+        if overlay == "cpu":  # the tiny model built into the image; no claim to bind
+            assert model == "/models/tiny"
+            assert env["PDSERVE_WORKER_SERVED_MODEL_NAME"]["value"] == "tiny-llama"
+            continue
+        assert model.startswith("/mnt/models/")
+    if overlay == "cpu":
+        assert claims == set()
+        assert not [v for _, pod in _pod_specs(objs) for v in pod.get("volumes", [])
+                    if "persistentVolumeClaim" in v]
+        return
+    assert claims == {"pdserve-models"}
+    # workers load the model and routers tokenize with it: the same claim at the same path
+    for name in (*WORKERS, "pdserve-router"):
+        pod = _by(objs, "Deployment", name)["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/mnt/models"]
+        assert mount["readOnly"] is True
+        assert volumes[mount["name"]]["persistentVolumeClaim"] == {
+            "claimName": "pdserve-models", "readOnly": True}
+
+
+def test_model_download_job_validates_and_is_hardened() -> None:
+    (job,) = [d for d in yaml.safe_load_all(MODEL_JOB.read_text()) if d]
+    kv.validate(job, K8S_VERSION, strict=True)
+    _assert_hardened(job["metadata"]["name"], job["spec"]["template"]["spec"])
+    (vol,) = job["spec"]["template"]["spec"]["volumes"][:1]
+    assert vol["persistentVolumeClaim"]["claimName"] == "pdserve-models"
+
+
+def _datasources(node: Any) -> list[Any]:
+    if isinstance(node, dict):
+        found = [node["datasource"]] if "datasource" in node else []
+        return found + [d for v in node.values() for d in _datasources(v)]
+    if isinstance(node, list):
+        return [d for v in node for d in _datasources(v)]
+    return []
+
+
+def test_grafana_dashboard_configmap_uses_a_datasource_variable(
+        rendered: tuple[str, list[dict]]) -> None:
+    _, objs = rendered
+    cm = _by(objs, "ConfigMap", "pdserve-grafana-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["data"]["pdserve.json"] == DASHBOARD.read_text()
+    dash = json.loads(cm["data"]["pdserve.json"])
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    uses = _datasources(dash["panels"])
+    assert len(uses) >= len(dash["panels"])  # every panel names its data source ...
+    assert {json.dumps(d, sort_keys=True) for d in uses} == {  # ... and only the variable
+        json.dumps({"type": "prometheus", "uid": "${datasource}"}, sort_keys=True)}
+    assert "pdserve-prometheus" not in cm["data"]["pdserve.json"]
