@@ -7,10 +7,12 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
+from router import settings as shared
 from router.errors import ConfigError
+from router.settings import LOG_LEVELS, default
 
 ENV_PREFIX = "PDSERVE_ROUTER_"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+__all__ = ["LOG_LEVELS", "RouterSettings", "load", "package_version"]
 
 
 @dataclass(frozen=True)
@@ -21,19 +23,20 @@ class RouterSettings:
     """Interface uvicorn binds."""
     port: int = 8000
     """TCP port of the OpenAI API."""
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = default("redis_url")
     """Redis holding the worker registry."""
     redis_prefix: str = "pdserve"
     """Key prefix of the registry (``{prefix}:worker:{id}``, ``{prefix}:events``)."""
-    policy: str = "dualmap"
+    policy: str = default("policy")
     """Prefill placement policy, a name in ``router.policy.registry.PREFILL_POLICIES``."""
-    ttft_slo_s: float = 5.0
-    """TTFT SLO the prefill policy aims for (DualMap leaves cache affinity for load at half)."""
-    prefill_s_per_token: float = 1e-4
+    ttft_slo_s: float = default("ttft_slo_s")
+    """TTFT SLO the prefill policy aims for (DualMap leaves cache affinity for load at half);
+    the value and its reason: ``router.settings``."""
+    prefill_s_per_token: float = default("prefill_s_per_token")
     """Calibrated prefill seconds per uncached prompt token (DualMap's TTFT prediction)."""
-    decode_policy: str = "least_loaded"
+    decode_policy: str = default("decode_policy")
     """Decode placement policy, a name in ``router.policy.registry.DECODE_POLICIES``."""
-    log_level: str = "INFO"
+    log_level: str = default("log_level")
     """Root log level."""
     refresh_interval_s: float = 1.0
     """How often the membership view is re-read from Redis."""
@@ -68,21 +71,21 @@ class RouterSettings:
     timeline_file: str | None = None
     """If set, every finished request's phase timeline is appended here as one JSON line
     (wall-clock events and phase durations; see ``router.api.timeline``)."""
-    otlp_traces_endpoint: str | None = None
+    otlp_traces_endpoint: str | None = default("otlp_traces_endpoint")
     """OTLP endpoint for request traces (the flag vLLM uses); None = tracing off."""
-    max_in_flight_per_worker: int = 0
+    max_in_flight_per_worker: int = default("max_in_flight_per_worker")
     """Admission: a pool whose every worker runs this many requests answers 429 with
     ``Retry-After`` (0 = unbounded; see ``router.policy.admission``)."""
-    admission_queue_slo_factor: float = 2.0
+    admission_queue_slo_factor: float = default("admission_queue_slo_factor")
     """Admission: refuse (429) while even the least-loaded prefill worker's queue is predicted
     to take more than this many TTFT SLOs (0 = off)."""
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: int = default("max_body_bytes")
     """Largest request body accepted (413 above)."""
-    max_prompt_tokens: int = 0
+    max_prompt_tokens: int = default("max_prompt_tokens")
     """Longest prompt accepted in tokens (400 above; 0 = the model's context only)."""
-    max_output_tokens: int = 0
+    max_output_tokens: int = default("max_output_tokens")
     """Largest ``max_tokens`` accepted (400 above; 0 = the model's context only)."""
-    request_timeout_s: float = 0.0
+    request_timeout_s: float = default("request_timeout_s")
     """Deadline of a request until its answer starts (prefill, pull and the decode's first
     byte; a whole non-streamed answer): 504 past it (0 = only the per-call timeouts)."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -145,24 +148,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdserve-router",
         description="OpenAI-compatible router in front of vLLM prefill/decode pools. "
-        f"Every flag mirrors an env var {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT).",
+        "Settings shared with other pdserve commands read PDSERVE_<FLAG> (e.g. "
+        f"PDSERVE_TTFT_SLO_S); the router's own read {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT).",
     )
     p.add_argument("--host", help="bind address (PDSERVE_ROUTER_HOST, default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (PDSERVE_ROUTER_PORT, default 8000)")
-    p.add_argument("--redis", dest="redis_url",
-                   help="Redis URL (PDSERVE_ROUTER_REDIS, default redis://127.0.0.1:6379/0)")
-    p.add_argument("--policy", help="prefill policy (PDSERVE_ROUTER_POLICY, default dualmap; "
-                   "also round_robin, least_loaded, consistent_hash, bounded_load_hash, "
-                   "prefix_only)")
-    p.add_argument("--ttft-slo-s", dest="ttft_slo_s", type=float,
-                   help="TTFT SLO in seconds for the prefill policy (PDSERVE_ROUTER_TTFT_SLO_S, "
-                   "default 5.0)")
-    p.add_argument("--prefill-s-per-token", dest="prefill_s_per_token", type=float,
-                   help="calibrated prefill seconds per uncached token "
-                   "(PDSERVE_ROUTER_PREFILL_S_PER_TOKEN, default 1e-4)")
-    p.add_argument("--decode-policy", dest="decode_policy",
-                   help="decode policy (PDSERVE_ROUTER_DECODE_POLICY, default least_loaded; "
-                   "also kv_aware, round_robin)")
+    shared.add_arguments(p, "router")
     p.add_argument("--load-poll-interval-s", dest="load_poll_interval_s", type=float,
                    help="seconds between reads of each worker's /metrics for its load "
                    "(PDSERVE_ROUTER_LOAD_POLL_INTERVAL_S, default 1.0; 0 = off)")
@@ -177,46 +168,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline-file", dest="timeline_file",
                    help="append each request's phase timeline as a JSON line "
                    "(PDSERVE_ROUTER_TIMELINE_FILE)")
-    p.add_argument("--otlp-traces-endpoint", dest="otlp_traces_endpoint",
-                   help="export OpenTelemetry request traces to this OTLP endpoint "
-                   "(PDSERVE_ROUTER_OTLP_TRACES_ENDPOINT)")
-    p.add_argument("--max-in-flight-per-worker", dest="max_in_flight_per_worker", type=int,
-                   help="429 when every worker of the pool runs this many requests "
-                   "(PDSERVE_ROUTER_MAX_IN_FLIGHT_PER_WORKER, default 0 = unbounded)")
-    p.add_argument("--admission-queue-slo-factor", dest="admission_queue_slo_factor",
-                   type=float, help="429 while the shortest prefill queue exceeds this many TTFT "
-                   "SLOs (PDSERVE_ROUTER_ADMISSION_QUEUE_SLO_FACTOR, default 2; 0 = off)")
-    p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int,
-                   help="413 above this body size (PDSERVE_ROUTER_MAX_BODY_BYTES, default 8 MiB)")
-    p.add_argument("--max-prompt-tokens", dest="max_prompt_tokens", type=int,
-                   help="400 above this prompt length (PDSERVE_ROUTER_MAX_PROMPT_TOKENS, "
-                   "default 0 = the model's context)")
-    p.add_argument("--max-output-tokens", dest="max_output_tokens", type=int,
-                   help="400 when max_tokens exceeds this (PDSERVE_ROUTER_MAX_OUTPUT_TOKENS, "
-                   "default 0 = the model's context)")
-    p.add_argument("--request-timeout-s", dest="request_timeout_s", type=float,
-                   help="504 when the answer has not started within this (prefill, pull, first "
-                   "decode byte) (PDSERVE_ROUTER_REQUEST_TIMEOUT_S, default 0 = off)")
     p.add_argument("--api-key", dest="api_keys", action="append",
                    help="require 'Authorization: Bearer <key>' on the API and /workers "
                    "(repeatable; PDSERVE_API_KEY, comma-separated)")
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
-    p.add_argument("--log-level", dest="log_level",
-                   help="log level (PDSERVE_ROUTER_LOG_LEVEL, default INFO)")
     return p
 
 
-# settings field -> env var suffix (the flag name, upper-cased)
+# settings field -> env var suffix (the flag name, upper-cased); the shared settings
+# (router.settings.COMMANDS["router"]) are read there
 _ENV_NAMES = {
     "host": "HOST",
     "port": "PORT",
-    "redis_url": "REDIS",
     "redis_prefix": "REDIS_PREFIX",
-    "policy": "POLICY",
-    "ttft_slo_s": "TTFT_SLO_S",
-    "prefill_s_per_token": "PREFILL_S_PER_TOKEN",
-    "decode_policy": "DECODE_POLICY",
-    "log_level": "LOG_LEVEL",
     "refresh_interval_s": "REFRESH_INTERVAL_S",
     "connect_timeout_s": "CONNECT_TIMEOUT_S",
     "prefill_timeout_s": "PREFILL_TIMEOUT_S",
@@ -225,25 +189,19 @@ _ENV_NAMES = {
     "decode_retries": "DECODE_RETRIES",
     "failure_cooldown_s": "FAILURE_COOLDOWN_S",
     "no_worker_wait_s": "NO_WORKER_WAIT_S",
-    "max_in_flight_per_worker": "MAX_IN_FLIGHT_PER_WORKER",
-    "admission_queue_slo_factor": "ADMISSION_QUEUE_SLO_FACTOR",
-    "max_body_bytes": "MAX_BODY_BYTES",
-    "max_prompt_tokens": "MAX_PROMPT_TOKENS",
-    "max_output_tokens": "MAX_OUTPUT_TOKENS",
-    "request_timeout_s": "REQUEST_TIMEOUT_S",
     "max_upstream_connections": "MAX_UPSTREAM_CONNECTIONS",
     "load_poll_interval_s": "LOAD_POLL_INTERVAL_S",
     "first_token_from_prefill": "FIRST_TOKEN_FROM_PREFILL",
     "disagg_min_prefill_tokens": "DISAGG_MIN_PREFILL_TOKENS",
     "timeline_file": "TIMELINE_FILE",
-    "otlp_traces_endpoint": "OTLP_TRACES_ENDPOINT",
 }
 
 
 def load(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> RouterSettings:
-    """Build settings from defaults < ``PDSERVE_ROUTER_*`` env vars < CLI flags."""
+    """Build settings from defaults < env vars (``PDSERVE_ROUTER_*``; the shared settings'
+    ``PDSERVE_*``, see ``router.settings``) < CLI flags."""
     env = os.environ if env is None else env
     types = {f.name: f.type for f in fields(RouterSettings)}
     values: dict[str, object] = {}
@@ -271,9 +229,10 @@ def load(
     values["cluster_secret"] = env.get("PDSERVE_CLUSTER_SECRET") or None
     values["cluster_secret_file"] = env.get("PDSERVE_CLUSTER_SECRET_FILE") or None
     args = _parser().parse_args(list(argv) if argv is not None else None)
+    for name, r in shared.resolve(args, "router", env).items():
+        values[name] = r.value
+    own = {f.name for f in fields(RouterSettings)} - set(shared.COMMANDS["router"])
     for name, value in vars(args).items():
-        if value is not None:
+        if value is not None and name in own:
             values[name] = tuple(value) if name == "api_keys" else value
-    if "log_level" in values:
-        values["log_level"] = str(values["log_level"]).upper()
     return RouterSettings(**values)  # type: ignore[arg-type]

