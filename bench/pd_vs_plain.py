@@ -249,7 +249,7 @@ def bench_nixl(model: Path, prompts: list[str], max_tokens: int) -> SetupResult 
         asyncio.run(register())
         router_port = free_port()
         procs.append(subprocess.Popen([sys.executable, "-m", "router.main", "--port",
-                                       str(router_port), "--redis", redis.url],
+                                       str(router_port), "--redis-url", redis.url],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         asyncio.run(wait_healthy(f"http://127.0.0.1:{router_port}", procs[-1], 60))
         samples = run_prompts(f"http://127.0.0.1:{router_port}", prompts, max_tokens, "nixl")

@@ -8,7 +8,7 @@ before (``current``) and after (``desired``), the reason, the load sized for, th
 (``predicted_load``) and the interval's ``observed_load`` (prefill: uncached tokens/s; decode:
 output tokens/s), the burst ``headroom`` factor and one instance's capacity.
 
-    pdserve autoscale status [--redis URL] [--prefix pdserve] [--limit 20] [--changes]
+    pdserve autoscale status [--redis-url URL] [--prefix pdserve] [--limit 20] [--changes]
 """
 
 from __future__ import annotations

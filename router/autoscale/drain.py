@@ -1,6 +1,6 @@
 """Pod-side drain for a scale-down in Kubernetes: the preStop hook and the readiness check.
 
-    python -m router.autoscale.drain prestop [--port 8100] [--redis URL] [--timeout-s 150]
+    python -m router.autoscale.drain prestop [--port 8100] [--redis-url URL] [--timeout-s 150]
     python -m router.autoscale.drain ready [--port 8100]
 
 ``prestop`` runs when the scale subresource removes a worker pod, in this order:
