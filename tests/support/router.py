@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 
 import httpx
@@ -27,11 +28,13 @@ def register(url: str, records: list[WorkerRecord], prefix: str = PREFIX) -> Non
     asyncio.run(go())
 
 
-def wait_healthy(url: str, timeout_s: float = 15.0) -> None:
-    """Poll the router's /health until 200."""
+def wait_healthy(url: str, timeout_s: float = 15.0,
+                 proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Poll the router's /health until 200 (failing at once if its process ``proc`` exits)."""
     deadline = time.monotonic() + timeout_s
     with httpx.Client(trust_env=False) as c:
         while True:
+            assert proc is None or proc.poll() is None, f"router exited ({proc.returncode})"
             try:
                 if c.get(url + "/health").status_code == 200:
                     return
