@@ -137,14 +137,20 @@ def test_prometheus_and_grafana_provisioning_parse() -> None:
     assert jobs["pdserve-router"]["static_configs"] == [{"targets": ["router:8000"]}]
     assert jobs["pdserve-workers"]["dns_sd_configs"][0]["names"] == ["prefill", "decode"]
     ds = yaml.safe_load((c.DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
-    uid = ds["datasources"][0]["uid"]
+    (source,) = ds["datasources"]
+    # the panels name the dashboard's `datasource` variable, which defaults to the default
+    # Prometheus data source: the one provisioned here
+    assert (source["type"], source["isDefault"]) == ("prometheus", True)
     dash = json.loads((c.DEPLOY / "grafana/dashboards/pdserve.json").read_text())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert (variables["datasource"]["type"], variables["datasource"]["query"]) == (
+        "datasource", "prometheus")
     titles = {p["title"] for p in dash["panels"]}
     assert {"TTFT (router, streams)", "TPOT (decode workers)", "Request rate by status",
             "Routing decisions by reason", "KV pull bandwidth", "KV pulls and failures",
             "Pool sizes"} <= titles
     for panel in dash["panels"]:
-        assert panel["datasource"]["uid"] == uid
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
         assert all(t["expr"] for t in panel["targets"])
 
 
