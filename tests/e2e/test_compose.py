@@ -125,7 +125,7 @@ def test_compose_file_validates(tools: None) -> None:
     proc = c.run([*c.compose_cmd(), "-f", str(c.DEPLOY / "docker-compose.yml"), "config", "-q"],
                  timeout_s=60)
     assert proc.returncode == 0
-    for profile in ("autoscale", "grafana"):
+    for profile in ("autoscale", "grafana", "gpu"):
         c.run([*c.compose_cmd(), "-f", str(c.DEPLOY / "docker-compose.yml"),
                "--profile", profile, "config", "-q"], timeout_s=60)
 
@@ -152,6 +152,30 @@ def test_prometheus_and_grafana_provisioning_parse() -> None:
     for panel in dash["panels"]:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
         assert all(t["expr"] for t in panel["targets"])
+
+
+def test_gpu_profile_reserves_nvidia_gpus_with_the_cuda_image() -> None:
+    """Structure only: no GPU on this project's machines (README: GPU quick start)."""
+    yaml = pytest.importorskip("yaml", reason="PyYAML not installed")
+    compose = yaml.safe_load((c.DEPLOY / "docker-compose.yml").read_text())
+    services = compose["services"]
+    gpu = {name for name, svc in services.items() if "gpu" in svc.get("profiles", [])}
+    assert gpu == {"prefill-gpu", "decode-gpu"}
+    for name in gpu:
+        svc = services[name]
+        assert svc["build"]["dockerfile"] == "deploy/Dockerfile.cuda"
+        (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
+        assert "hf-cache:/root/.cache/huggingface" in svc["volumes"]
+        env = svc["environment"]
+        assert env["HF_TOKEN"] == "${HF_TOKEN:-}"  # from the caller's environment only
+        assert env["PDSERVE_WORKER_ROLE"] == name.removesuffix("-gpu")
+        # --kv-cache-gib sizes the KV cache on GPU too (serve.worker.kv_cache_options)
+        assert "PDSERVE_WORKER_KV_CACHE_GIB" in env
+        assert not {k for k in env if k.startswith("VLLM_CPU_")}
+    # the CPU workers stay in the default (profile-less) set
+    assert not services["prefill"].get("profiles") and not services["decode"].get("profiles")
+    assert "hf-cache" in compose["volumes"]
 
 
 def _stream(cluster: Cluster, prompt: str, max_tokens: int = 16) -> str:
