@@ -129,6 +129,8 @@ def test_workers_probe_health_drain_and_advertise_pod_ip(
         assert c["command"] == ["pdserve", "worker"]
         assert "--advertise-host=$(POD_IP)" in c["args"]
         env = {e["name"]: e for e in c["env"]}
+        # one entry per name: server-side apply refuses duplicates (an overlay must merge)
+        assert len(env) == len(c["env"]), sorted(e["name"] for e in c["env"])
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["PDSERVE_WORKER_ROLE"]["value"] == name.removeprefix("pdserve-")
         for probe in ("startupProbe", "livenessProbe"):
@@ -153,6 +155,7 @@ def test_workers_probe_health_drain_and_advertise_pod_ip(
             assert "VLLM_CPU_KVCACHE_SPACE" not in env
             # GPU pods move KV with NIXL (its UCX has cuda/verbs/efa); see the overlay's note
             assert env["PDSERVE_KV_TRANSPORT"]["value"] == "nixl"
+            assert env["PDSERVE_WORKER_KV_CACHE_GIB"]["value"] == "8"
         else:
             assert "PDSERVE_KV_TRANSPORT" not in env  # the default: our UCX engine
             assert "nvidia.com/gpu" not in limits
