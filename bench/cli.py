@@ -2,7 +2,9 @@
 
     pdserve bench replay --trace FILE.csv --url http://HOST:PORT [--model NAME]
         [--time-scale X | --rate R] [--start S] [--duration S] [--slo-ttft S --slo-tpot S]
-        --out DIR [--seed S]
+        [--max-concurrency N] [--percentiles 50,90,99] --out DIR [--seed S]
+    pdserve bench replay --synthetic --num-prompts 100 --input-len 512 --output-len 64
+        --request-rate 4 --url URL --out DIR
     pdserve bench synth --out FILE.csv [--duration S] [--rate R] [--dispersion D] [--layout v2]
     pdserve bench sweep --trace FILE.csv --url URL --rates 1,2,4,8 --slo-ttft S --slo-tpot S
         --out DIR
@@ -11,6 +13,8 @@
 
 ``--start``/``--duration`` select a window of the trace in trace seconds (from its first row);
 ``--time-scale``/``--rate`` then compress that window. Times everywhere are seconds.
+``--synthetic`` replaces the trace with a fixed shape (``vllm bench serve``'s random dataset with
+no length spread): Poisson arrivals at ``--request-rate`` (default inf: all at once).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 import httpx
 
 from bench.client import ClientConfig, RequestResult, RequestSpec, RunResult, run_open_loop
-from bench.metrics import SCHEDULE_LAG_LIMIT_S, summarize
+from bench.metrics import PERCENTILES, SCHEDULE_LAG_LIMIT_S, parse_percentiles, summarize
 from bench.prompts import PromptSynthesizer, load_tokenizer
 from bench.report import (
     SWEEP_SCHEMA,
@@ -40,7 +44,7 @@ from bench.report import (
     write_json,
     write_requests_csv,
 )
-from bench.synth import SynthConfig, synth_rows
+from bench.synth import SynthConfig, fixed_shape_rows, synth_rows
 from bench.trace import TraceError, TraceRow, TraceStats, read_trace, schedule, write_trace
 
 logger = logging.getLogger(__name__)
@@ -159,11 +163,13 @@ async def _run_with_progress(specs: list[RequestSpec], cfg: ClientConfig,
 
 def write_run(out: Path, run: RunResult, wl: Workload, config: dict[str, Any],
               slo_ttft_s: float | None, slo_tpot_s: float | None,
-              plots: bool = True) -> dict[str, Any]:
+              plots: bool = True, percentiles: tuple[float, ...] = PERCENTILES,
+              max_concurrency: int | None = None) -> dict[str, Any]:
     """summary.json, requests.csv, report.md and plots under ``out``; returns the document."""
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(run.results, run.duration_s, slo_ttft_s=slo_ttft_s,
-                        slo_tpot_s=slo_tpot_s)
+                        slo_tpot_s=slo_tpot_s, percentiles=percentiles)
+    summary["max_concurrency"] = max_concurrency  # as `vllm bench serve` writes it
     if not summary["timing_valid"]:
         logger.warning("the client fell behind its schedule (p99 send lag %.1f ms > %.0f ms): "
                        "this run's latencies include client delay; run the client on its own "
@@ -183,20 +189,57 @@ def write_run(out: Path, run: RunResult, wl: Workload, config: dict[str, Any],
 def _client_config(args: argparse.Namespace, model: str) -> ClientConfig:
     return ClientConfig(url=args.url, model=model, endpoint=args.endpoint,
                         timeout_s=args.timeout, ignore_eos=not args.no_ignore_eos,
-                        api_key=args.api_key)
+                        api_key=args.api_key, max_concurrency=args.max_concurrency)
+
+
+def _percentiles(args: argparse.Namespace) -> tuple[float, ...]:
+    try:
+        return parse_percentiles(args.percentiles)
+    except ValueError as exc:
+        raise SystemExit(f"--percentiles: {exc}") from exc
+
+
+_SYNTHETIC_DEFAULTS = {"num_prompts": 1000, "input_len": 1024, "output_len": 128,
+                       "request_rate": float("inf")}
+"""``vllm bench serve``'s defaults for its random dataset."""
+
+
+def _synthetic_rows(args: argparse.Namespace, stats: TraceStats) -> list[TraceRow]:
+    given = [k for k in _SYNTHETIC_DEFAULTS if getattr(args, k, None) is not None]
+    if not getattr(args, "synthetic", False):
+        if given:
+            raise SystemExit(f"--{given[0].replace('_', '-')} needs --synthetic")
+        if args.trace is None:
+            raise SystemExit("give --trace FILE or --synthetic")
+        return []
+    if args.trace is not None or args.time_scale is not None or args.rate is not None:
+        raise SystemExit("--synthetic replaces --trace, --time-scale and --rate "
+                         "(use --request-rate)")
+    for k, v in _SYNTHETIC_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    try:
+        rows = fixed_shape_rows(args.num_prompts, input_tokens=args.input_len,
+                                output_tokens=args.output_len, rate=args.request_rate,
+                                seed=args.seed)
+    except ValueError as exc:
+        raise SystemExit(f"--synthetic: {exc}") from exc
+    stats.source, stats.layout = "synthetic", "fixed_shape"
+    stats.rows_read = stats.rows_kept = len(rows)
+    return rows
 
 
 def _prepare(args: argparse.Namespace) -> tuple[ServerInfo, PromptSynthesizer, list[TraceRow],
                                                  TraceStats]:
+    stats = TraceStats()
+    rows = _synthetic_rows(args, stats) or load_rows(args, stats)
+    if not rows:
+        raise SystemExit(f"trace: no rows left after filters ({stats.as_dict()})")
     info = server_info(args.url, args.model)
     synth = PromptSynthesizer(tokenizer_for(args, info), seed=args.seed,
                               system_prompts=args.system_prompts,
                               system_prompt_tokens=args.system_prompt_tokens,
                               sessions=not args.no_sessions)
-    stats = TraceStats()
-    rows = load_rows(args, stats)
-    if not rows:
-        raise SystemExit(f"trace: no rows left after filters ({stats.as_dict()})")
     return info, synth, rows, stats
 
 
@@ -213,7 +256,8 @@ def _config_doc(args: argparse.Namespace, info: ServerInfo, **extra: Any) -> dic
     keep = ("trace", "url", "endpoint", "time_scale", "rate", "start", "duration",
             "max_requests", "trace_model", "log_type", "seed", "timeout", "max_input_tokens",
             "max_output_tokens", "system_prompts", "system_prompt_tokens", "no_sessions",
-            "slo_ttft", "slo_tpot", "tokenizer")
+            "slo_ttft", "slo_tpot", "tokenizer", "max_concurrency", "percentiles", "synthetic",
+            "num_prompts", "input_len", "output_len", "request_rate")
     doc = {k: getattr(args, k, None) for k in keep}
     doc.update(model=info.model, model_root=info.root, max_model_len=info.max_model_len,
                ignore_eos=not args.no_ignore_eos, **extra)
@@ -228,7 +272,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     run = asyncio.run(_run_with_progress(wl.specs, _client_config(args, info.model),
                                          _progress(args)))
     doc = write_run(Path(args.out), run, wl, _config_doc(args, info), args.slo_ttft,
-                    args.slo_tpot, plots=not args.no_plots)
+                    args.slo_tpot, plots=not args.no_plots, percentiles=_percentiles(args),
+                    max_concurrency=args.max_concurrency)
     print(markdown_summary(doc))
     return 0
 
@@ -250,7 +295,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         wl = _workload(args, info, s, rows, st, rate=rate)
         run = await _run_with_progress(wl.specs, cfg, _progress(args))
         return write_run(out / f"rate_{rate:.4g}", run, wl, _config_doc(args, info, rate=rate),
-                         args.slo_ttft, args.slo_tpot, plots=not args.no_plots)
+                         args.slo_ttft, args.slo_tpot, plots=not args.no_plots,
+                         percentiles=_percentiles(args), max_concurrency=args.max_concurrency)
 
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
     res = asyncio.run(sweep(run_at, rates, target=args.target, bisect_steps=args.bisect_steps))
@@ -329,9 +375,10 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="per-request limit, seconds")
 
 
-def _add_workload(p: argparse.ArgumentParser) -> None:
+def _add_workload(p: argparse.ArgumentParser, trace_required: bool = True) -> None:
     _add_target(p)
-    p.add_argument("--trace", required=True, help="BurstGPT-format CSV (either layout)")
+    p.add_argument("--trace", required=trace_required,
+                   help="BurstGPT-format CSV (either layout)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--start", type=float, default=0.0, help="window start, trace seconds")
     p.add_argument("--duration", type=float, help="window length, trace seconds")
@@ -351,6 +398,12 @@ def _add_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="bearer token, if the endpoint needs one")
     p.add_argument("--slo-ttft", type=float, help="TTFT SLO, seconds")
     p.add_argument("--slo-tpot", type=float, help="TPOT SLO, seconds")
+    p.add_argument("--max-concurrency", type=int,
+                   help="at most N requests in flight; a due request waits for a slot "
+                        "(as `vllm bench serve --max-concurrency`)")
+    p.add_argument("--percentiles", default=",".join(str(p) for p in PERCENTILES),
+                   help="comma-separated percentiles for the vLLM-named keys (p99_ttft_ms...; "
+                        "vLLM's --metric-percentiles); ours always include 50,90,99")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-plots", action="store_true")
@@ -363,10 +416,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("replay", help="replay a trace open-loop and report")
-    _add_workload(p)
+    _add_workload(p, trace_required=False)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--time-scale", type=float, help="replay X times faster")
     g.add_argument("--rate", type=float, help="rescale to this mean rate (req/s)")
+    p.add_argument("--synthetic", action="store_true",
+                   help="no trace: --num-prompts requests of fixed --input-len/--output-len")
+    p.add_argument("--num-prompts", type=int, help="--synthetic: requests (default 1000)")
+    p.add_argument("--input-len", type=int, help="--synthetic: prompt tokens (default 1024)")
+    p.add_argument("--output-len", type=int, help="--synthetic: output tokens (default 128)")
+    p.add_argument("--request-rate", type=float,
+                   help="--synthetic: Poisson arrivals per second (default inf: all at once)")
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("sweep", help="find the highest rate meeting the SLOs")

@@ -1,11 +1,17 @@
 """Open-loop streaming client: each request is sent at its scheduled time, whatever came before.
 
-One asyncio task sleeps until each request's offset and starts it as its own task, so a slow
-response never delays later sends. Each request streams SSE from ``/v1/completions`` (or
-``/v1/chat/completions``) with ``max_tokens`` = the trace's response tokens and ``ignore_eos``;
-the arrival time of every content chunk is recorded. Timeouts, HTTP errors and error events are
-recorded on the result, never raised. Schedule lag (actual send - scheduled time) is recorded
-per request so a run can show the client was not the bottleneck.
+Every request body is built and JSON-encoded before the clock starts; then one asyncio task
+sleeps until each request's offset and starts it as its own task, so a slow response never
+delays later sends and the send loop does no per-request work beyond starting that task. With
+``max_concurrency`` N (``vllm bench serve --max-concurrency``) at most N requests are in flight:
+a request whose time has come waits for a slot, and that wait is recorded as its
+``queue_s`` (vLLM's ``client_queue_time``), apart from its schedule lag.
+
+Each request streams SSE from ``/v1/completions`` (or ``/v1/chat/completions``) with
+``max_tokens`` = the trace's response tokens and ``ignore_eos``; the arrival time of every
+content chunk is recorded. Timeouts, HTTP errors and error events are recorded on the result,
+never raised. Schedule lag (actual send - scheduled time - slot wait) is
+recorded per request so a run can show the client was not the bottleneck.
 
 Times are ``time.perf_counter()`` seconds relative to the run start.
 """
@@ -50,6 +56,9 @@ class RequestResult:
     max_tokens: int
     sent_s: float = float("nan")
     lag_s: float = float("nan")
+    """Send delay the client caused: ``sent_s - scheduled_s - queue_s``."""
+    queue_s: float = 0.0
+    """Time spent waiting for a ``max_concurrency`` slot (0 without a cap)."""
     token_times_s: list[float] = field(default_factory=list)
     end_s: float = float("nan")
     """End of the stream (or of the failure) after send."""
@@ -98,8 +107,12 @@ class ClientConfig:
     max_connections: int = 4096
     extra_body: dict[str, Any] = field(default_factory=dict)
     api_key: str | None = None
+    max_concurrency: int | None = None
+    """At most this many requests in flight (closed loop at the cap); None: no cap."""
 
     def __post_init__(self) -> None:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.endpoint not in ("completions", "chat"):
             raise ValueError(f"endpoint must be 'completions' or 'chat', got {self.endpoint!r}")
         if self.timeout_s <= 0:
@@ -137,17 +150,29 @@ def _chunk_has_content(choice: dict[str, Any]) -> bool:
     return bool(delta and (delta.get("content") or delta.get("reasoning_content")))
 
 
-async def _send(client: httpx.AsyncClient, cfg: ClientConfig, path: str, spec: RequestSpec,
-                res: RequestResult, t0: float) -> None:
+_JSON = {"content-type": "application/json"}
+
+
+async def _send_when_free(client: httpx.AsyncClient, cfg: ClientConfig, path: str,
+                          content: bytes, spec: RequestSpec, res: RequestResult, t0: float,
+                          slots: asyncio.Semaphore) -> None:
+    due = time.perf_counter()
+    async with slots:
+        res.queue_s = time.perf_counter() - due
+        await _send(client, cfg, path, content, spec, res, t0)
+
+
+async def _send(client: httpx.AsyncClient, cfg: ClientConfig, path: str, content: bytes,
+                spec: RequestSpec, res: RequestResult, t0: float) -> None:
     sent = time.perf_counter()
     res.sent_s = sent - t0
-    res.lag_s = res.sent_s - spec.at_s
+    res.lag_s = res.sent_s - spec.at_s - res.queue_s
     times = res.token_times_s
     chunks = 0
     usage: dict[str, Any] | None = None
     try:
         async with asyncio.timeout(cfg.timeout_s):
-            async with client.stream("POST", path, json=_body(cfg, spec)) as resp:
+            async with client.stream("POST", path, content=content, headers=_JSON) as resp:
                 res.status_code = resp.status_code
                 if resp.status_code >= 400:
                     text = (await resp.aread()).decode(errors="replace")
@@ -195,7 +220,8 @@ async def _send(client: httpx.AsyncClient, cfg: ClientConfig, path: str, spec: R
 
 async def run_open_loop(specs: Sequence[RequestSpec], cfg: ClientConfig, *,
                         on_done: Callable[[RequestResult], None] | None = None) -> RunResult:
-    """Send ``specs`` at their ``at_s`` offsets and wait for all of them."""
+    """Send ``specs`` at their ``at_s`` offsets (at most ``cfg.max_concurrency`` in flight)
+    and wait for all of them."""
     path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
     limits = httpx.Limits(max_connections=cfg.max_connections,
@@ -203,6 +229,8 @@ async def run_open_loop(specs: Sequence[RequestSpec], cfg: ClientConfig, *,
     timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
     ordered = sorted(specs, key=lambda s: s.at_s)
     results = [RequestResult(s.index, s.at_s, s.prompt_tokens, s.max_tokens) for s in ordered]
+    bodies = [json.dumps(_body(cfg, s), ensure_ascii=False).encode() for s in ordered]
+    slots = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), limits=limits, timeout=timeout,
                                  headers=headers) as client:
         tasks: list[asyncio.Task[None]] = []
@@ -213,11 +241,13 @@ async def run_open_loop(specs: Sequence[RequestSpec], cfg: ClientConfig, *,
 
         started_wall = time.time()
         t0 = time.perf_counter()
-        for spec, res in zip(ordered, results, strict=True):
+        for spec, res, content in zip(ordered, results, bodies, strict=True):
             delay = spec.at_s - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(_send(client, cfg, path, spec, res, t0))
+            task = asyncio.create_task(
+                _send(client, cfg, path, content, spec, res, t0) if slots is None else
+                _send_when_free(client, cfg, path, content, spec, res, t0, slots))
             task.add_done_callback(lambda t, r=res: done(t, r))  # type: ignore[misc]
             tasks.append(task)
             if delay <= 0 and len(tasks) % 64 == 0:

@@ -2,7 +2,8 @@
 
 TTFT: send -> first content chunk. E2E: send -> last content chunk. TPOT: (E2E - TTFT) /
 (output tokens - 1), for outputs of 2+ tokens. ITL: every gap between consecutive chunks.
-Percentiles interpolate linearly (numpy's default), as ``vllm bench serve`` does.
+Percentiles interpolate linearly (numpy's default), as ``vllm bench serve`` does; which ones
+are reported is configurable (``--percentiles``, vLLM's ``--metric-percentiles``).
 
 SLO attainment: the share of *scheduled* requests that completed with TTFT <= ``slo_ttft_s``
 and TPOT <= ``slo_tpot_s`` (an SLO left unset always holds; a one-token output meets any TPOT
@@ -20,7 +21,26 @@ import numpy as np
 
 from bench.client import RequestResult
 
-PERCENTILES = (50, 90, 99)
+PERCENTILES: tuple[float, ...] = (50, 90, 99)
+"""Percentiles every summary reports under our names (``ttft_p99``); reports and ``compare``
+read these, so asking for others adds keys and never removes these."""
+
+
+def percentile_word(p: float) -> str:
+    """``99`` -> ``"99"``, ``99.9`` -> ``"99.9"``: the spelling of ``p`` in key names, as
+    ``vllm bench serve`` writes it (``p99.9_ttft_ms``)."""
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """``"50,90,99"`` -> ``(50.0, 90.0, 99.0)``; each must be in [0, 100]."""
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise ValueError(f"percentiles must be comma-separated numbers, got {text!r}") from exc
+    if not values or any(not 0.0 <= p <= 100.0 for p in values):
+        raise ValueError(f"percentiles must be numbers in [0, 100], got {text!r}")
+    return tuple(dict.fromkeys(values))
 
 
 SCHEDULE_LAG_LIMIT_S = 0.01
@@ -28,14 +48,16 @@ SCHEDULE_LAG_LIMIT_S = 0.01
 arrival schedule: the client was starved or blocked, so its latencies are not the server's."""
 
 
-def distribution(values: Sequence[float]) -> dict[str, float | None]:
-    """mean, p50, p90, p99 (None when empty)."""
+def distribution(values: Sequence[float], percentiles: Sequence[float] = PERCENTILES
+                 ) -> dict[str, float | None]:
+    """mean and the given percentiles (``p50``...; None when empty)."""
+    keys = [f"p{percentile_word(p)}" for p in percentiles]
     if not values:
-        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+        return {"mean": None, **dict.fromkeys(keys)}
     arr = np.asarray(values, dtype=float)
     out: dict[str, float | None] = {"mean": float(arr.mean())}
-    for p in PERCENTILES:
-        out[f"p{p}"] = float(np.percentile(arr, p))
+    for key, p in zip(keys, percentiles, strict=True):
+        out[key] = float(np.percentile(arr, p))
     return out
 
 
@@ -50,15 +72,19 @@ def meets_slo(r: RequestResult, slo_ttft_s: float | None, slo_tpot_s: float | No
 
 
 def summarize(results: Sequence[RequestResult], duration_s: float, *,
-              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None
-              ) -> dict[str, Any]:
-    """Flat summary metrics of one run (seconds, requests, tokens)."""
+              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
+              percentiles: Sequence[float] = PERCENTILES) -> dict[str, Any]:
+    """Flat summary metrics of one run (seconds, requests, tokens).
+
+    ``percentiles`` are the ones the vLLM-named keys carry (``p99_ttft_ms``); our own keys
+    (``ttft_p99``) carry those plus :data:`PERCENTILES`."""
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
     tpot = [t for t in (r.tpot_s for r in ok) if t is not None]
     itl = [g for r in ok for g in r.itl_s]
     lag = [r.lag_s for r in results if r.lag_s == r.lag_s]  # NaN: never sent
+    queue = [r.queue_s for r in results if r.lag_s == r.lag_s]
     good = sum(1 for r in results if meets_slo(r, slo_ttft_s, slo_tpot_s))
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
@@ -83,20 +109,21 @@ def summarize(results: Sequence[RequestResult], duration_s: float, *,
         "goodput_rps": per_s(good),
         "errors": dict(sorted(Counter(r.error_type for r in results if not r.ok).items())),
     }
+    ours = tuple(dict.fromkeys((*PERCENTILES, *percentiles)))
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e),
-                         ("schedule_lag", lag)):
-        for stat, v in distribution(values).items():
+                         ("schedule_lag", lag), ("client_queue", queue)):
+        for stat, v in distribution(values, ours).items():
             summary[f"{name}_{stat}"] = v
     summary["schedule_lag_max"] = max(lag) if lag else None
     p99_lag = summary["schedule_lag_p99"]
     summary["timing_valid"] = p99_lag is None or p99_lag <= SCHEDULE_LAG_LIMIT_S
     summary.update(vllm_bench_keys(summary, {"ttft": ttft, "tpot": tpot, "itl": itl,
-                                             "e2el": e2e}))
+                                             "e2el": e2e}, percentiles))
     return summary
 
 
-def vllm_bench_keys(summary: dict[str, Any],
-                    samples: dict[str, Sequence[float]]) -> dict[str, Any]:
+def vllm_bench_keys(summary: dict[str, Any], samples: dict[str, Sequence[float]],
+                    percentiles: Sequence[float] = PERCENTILES) -> dict[str, Any]:
     """The names ``vllm bench serve`` writes in its result JSON (milliseconds for latencies),
     so scripts written for it read our runs unchanged."""
     out: dict[str, Any] = {
@@ -116,6 +143,7 @@ def vllm_bench_keys(summary: dict[str, Any],
         out[f"mean_{name}_ms"] = None if empty else float(arr.mean())
         out[f"median_{name}_ms"] = None if empty else float(np.median(arr))
         out[f"std_{name}_ms"] = None if empty else float(arr.std())
-        for p in PERCENTILES:
-            out[f"p{p}_{name}_ms"] = None if empty else float(np.percentile(arr, p))
+        for p in percentiles:
+            out[f"p{percentile_word(p)}_{name}_ms"] = \
+                None if empty else float(np.percentile(arr, p))
     return out

@@ -22,9 +22,11 @@ user message, the way a chat client resends history, so prompt synthesis can sha
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -119,3 +121,27 @@ def synth_rows(cfg: SynthConfig) -> Iterator[TraceRow]:
             elapsed = round(0.2 + 0.02 * response + 0.0002 * request, 3)
             yield TraceRow(round(t, 3), model, request, response, request + response, log_type,
                            session, elapsed)
+
+
+def fixed_shape_rows(num_requests: int, *, input_tokens: int, output_tokens: int,
+                     rate: float = math.inf, seed: int = 0) -> list[TraceRow]:
+    """``num_requests`` API-log rows of exactly ``input_tokens`` in / ``output_tokens`` out,
+    arriving as a Poisson process of ``rate`` req/s (all at 0 when infinite), the workload of
+    ``vllm bench serve --dataset-name random --random-range-ratio 0``: :func:`synth_rows` with
+    no spread in lengths, no sessions and no burstiness beyond Poisson."""
+    if num_requests < 1 or min(input_tokens, output_tokens) < 1:
+        raise ValueError("num_requests, input_tokens and output_tokens must be >= 1")
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 (inf: all at once), got {rate}")
+    finite = math.isfinite(rate)
+    arrival_rate = rate if finite else 1.0
+    # Lazy generator: a horizon far beyond the expected span costs nothing unused.
+    cfg = SynthConfig(duration_s=10.0 * (num_requests + 10) / arrival_rate, rate=arrival_rate,
+                      dispersion=1.0, prompt_median=input_tokens, prompt_sigma=0.0,
+                      response_median=output_tokens, response_sigma=0.0,
+                      max_prompt_tokens=input_tokens, max_response_tokens=output_tokens,
+                      conversation_fraction=0.0, gpt4_fraction=0.0, seed=seed)
+    rows = list(itertools.islice(synth_rows(cfg), num_requests))
+    if len(rows) < num_requests:
+        raise ValueError(f"synthesized only {len(rows)} of {num_requests} arrivals")
+    return rows if finite else [replace(r, timestamp_s=0.0) for r in rows]

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench.cli import main
 from bench.client import ClientConfig, RequestSpec, run_open_loop
 from bench.client_speed import fake_server
+from bench.metrics import summarize
+from bench.report import read_requests_csv
 from bench.synth import SynthConfig, synth_rows
 from bench.trace import write_trace
 from serve.redis_server import free_port
@@ -82,3 +87,107 @@ def test_sweep_cli(fake_url: str, tmp_path: Path) -> None:
     assert (out / "attainment_vs_rate.png").exists()
     a, b = out / "rate_20" / "summary.json", out / "rate_60" / "summary.json"
     assert main(["compare", str(a), str(b)]) == 0
+
+
+class CountingServer:
+    """A tiny HTTP/1.1 SSE server (raw asyncio, keep-alive) that holds each request
+    ``hold_s`` before answering and records the most requests it ever had in flight."""
+
+    def __init__(self, hold_s: float, tokens: int = 2) -> None:
+        self.hold_s = hold_s
+        self.tokens = tokens
+        self.in_flight = self.max_in_flight = self.requests = 0
+
+    def body(self) -> bytes:
+        events: list[dict[str, Any]] = [
+            {"id": "x", "choices": [{"index": 0, "text": f" t{i}"}]} for i in range(self.tokens)]
+        events.append({"id": "x", "choices": [],
+                       "usage": {"prompt_tokens": 4, "completion_tokens": self.tokens}})
+        return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + \
+            b"data: [DONE]\n\n"
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                self.requests += 1
+                self.in_flight += 1
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+                try:
+                    await asyncio.sleep(self.hold_s)
+                    body = self.body()
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"content-length: " + str(len(body)).encode() +
+                                 b"\r\n\r\n" + body)
+                    await writer.drain()
+                finally:
+                    self.in_flight -= 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@contextlib.asynccontextmanager
+async def counting_server(hold_s: float) -> AsyncIterator[tuple[str, CountingServer]]:
+    """Served on the running test's own event loop (an async fixture would get another)."""
+    state = CountingServer(hold_s)
+    server = await asyncio.start_server(state.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"http://127.0.0.1:{port}", state
+
+
+@pytest.mark.parametrize("cap", [3, None])
+async def test_max_concurrency_caps_requests_in_flight(cap: int | None) -> None:
+    """20 requests due at once: with --max-concurrency 3 the server never sees more than 3 at a
+    time (and does see 3); the negative control without the cap sees more than 3. Waiting for
+    a slot is queue time, not schedule lag, so the capped run stays timing-valid."""
+    specs = [RequestSpec(i, 0.0, "hello", 1, 2) for i in range(20)]
+    async with counting_server(hold_s=0.1) as (url, server):
+        run = await run_open_loop(specs, ClientConfig(url=url, model="fake", timeout_s=30.0,
+                                                      max_concurrency=cap))
+    assert server.requests == 20 and all(r.ok and r.output_tokens == 2 for r in run.results)
+    summary = summarize(run.results, run.duration_s)
+    if cap is not None:
+        assert server.max_in_flight == cap
+        queued = sorted(r.queue_s for r in run.results)
+        assert queued[-1] >= 0.1 * (20 // cap - 1)  # the last ones waited for several rounds
+        assert summary["timing_valid"] is True, summary["schedule_lag_p99"]
+    else:
+        assert server.max_in_flight > 3
+        assert all(r.queue_s == 0.0 for r in run.results)
+
+
+def test_synthetic_replay_cli(fake_url: str, tmp_path: Path) -> None:
+    """`bench replay --synthetic` without a trace: exactly --num-prompts requests of the fixed
+    shape, vLLM-named keys at the configured percentiles, the cap recorded."""
+    out = tmp_path / "syn"
+    rc = main(["replay", "--synthetic", "--num-prompts", "25", "--input-len", "16",
+               "--output-len", "3", "--request-rate", "100", "--url", fake_url, "--tokenizer",
+               str(build_tiny_model()), "--max-concurrency", "4", "--percentiles", "50,99.9",
+               "--out", str(out), "--no-progress", "--no-plots"])
+    assert rc == 0
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["requests_scheduled"] == doc["requests_completed"] == doc["completed"] == 25
+    assert doc["failed"] == 0 and doc["total_output_tokens"] == 25 * 3
+    assert doc["max_concurrency"] == 4 and doc["trace"]["source"] == "synthetic"
+    assert doc["config"]["synthetic"] is True and doc["config"]["request_rate"] == 100
+    assert {r["max_tokens"] for r in read_requests_csv(out / "requests.csv")} == {"3"}
+    assert doc["p99.9_ttft_ms"] is not None and doc["p50_e2el_ms"] is not None
+    assert "p99_ttft_ms" not in doc
+    assert doc["timing_valid"] in (True, False) and doc["schedule_lag_p99"] is not None
+
+
+def test_synthetic_and_trace_are_exclusive(fake_url: str, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--synthetic replaces"):
+        main(["replay", "--synthetic", "--trace", str(tmp_path / "t.csv"), "--url", fake_url,
+              "--model", "fake", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="needs --synthetic"):
+        main(["replay", "--num-prompts", "3", "--url", fake_url, "--model", "fake",
+              "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="give --trace FILE or --synthetic"):
+        main(["replay", "--url", fake_url, "--model", "fake", "--out", str(tmp_path)])

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from bench.client import RequestResult
-from bench.metrics import distribution, meets_slo, summarize
+from bench.metrics import distribution, meets_slo, parse_percentiles, percentile_word, summarize
 
 
 def res(index: int, times: list[float], out: int, *, ok: bool = True, lag: float = 0.001,
@@ -82,3 +83,53 @@ def test_a_run_that_fell_behind_its_schedule_is_flagged() -> None:
     assert summarize(RUN, 4.0)["timing_valid"] is True  # p99 lag ~3 ms
     late = [res(i, [0.1], 1, lag=0.001 if i else 0.2) for i in range(3)]
     assert summarize(late, 4.0)["timing_valid"] is False
+
+
+def test_configured_percentiles_use_vllm_names_and_numpy_values() -> None:
+    """``--percentiles 25,75,99.9`` gives exactly those vLLM keys (``p99.9_ttft_ms``, ms, numpy's
+    linear interpolation) for ttft, tpot, itl and e2el; our second-based keys keep 50/90/99."""
+    ttft_ms = [100.0, 300.0, 200.0]  # RUN's TTFTs, in RUN's order
+    tpot_ms = [0.4 / 3 * 1e3, 100.0]
+    itl_ms = [100.0, 100.0, 200.0, 100.0]
+    e2el_ms = [500.0, 400.0, 200.0]
+    s = summarize(RUN, 4.0, percentiles=parse_percentiles("25,75,99.9"))
+    for name, values in (("ttft", ttft_ms), ("tpot", tpot_ms), ("itl", itl_ms),
+                         ("e2el", e2el_ms)):
+        for p, word in ((25, "25"), (75, "75"), (99.9, "99.9")):
+            assert s[f"p{word}_{name}_ms"] == pytest.approx(float(np.percentile(values, p)))
+        for p in (50, 90, 99):
+            assert f"p{p}_{name}_ms" not in s  # as vLLM: only the percentiles asked for
+    assert s["p25_ttft_ms"] == pytest.approx(150.0)  # 100 + 0.5 * (200 - 100), by hand
+    assert s["p75_e2el_ms"] == pytest.approx(450.0)  # 400 + 0.5 * (500 - 400)
+    assert s["ttft_p25"] == pytest.approx(0.15) and s["ttft_p99.9"] == pytest.approx(
+        float(np.percentile([0.1, 0.3, 0.2], 99.9)))
+    assert s["ttft_p50"] == pytest.approx(0.2) and s["schedule_lag_p99"] is not None
+    default = summarize(RUN, 4.0)
+    assert {k for k in default if k.startswith("p") and k.endswith("_ttft_ms")} == {
+        "p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms"}
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("50,90,99", (50.0, 90.0, 99.0)), ("99", (99.0,)), (" 99.9 , 50", (99.9, 50.0)),
+    ("99,99", (99.0,))])
+def test_parse_percentiles(text: str, want: tuple[float, ...]) -> None:
+    assert parse_percentiles(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "abc", "101", "-1", "50,,x"])
+def test_parse_percentiles_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="percentiles"):
+        parse_percentiles(text)
+
+
+def test_percentile_word_as_vllm() -> None:
+    assert [percentile_word(p) for p in (50, 99.0, 99.9, 0.5)] == ["50", "99", "99.9", "0.5"]
+
+
+def test_slot_wait_is_not_schedule_lag() -> None:
+    """A request that waited for a --max-concurrency slot was not late by the client's fault."""
+    queued = [res(i, [0.1], 1, lag=0.001) for i in range(3)]
+    for i, r in enumerate(queued):
+        r.queue_s = 0.5 * i
+    s = summarize(queued, 4.0)
+    assert s["timing_valid"] is True and s["client_queue_p50"] == pytest.approx(0.5)

@@ -71,3 +71,20 @@ def test_invalid_config() -> None:
         SynthConfig(dispersion=0.5)
     with pytest.raises(ValueError, match="gpt4_fraction"):
         SynthConfig(gpt4_fraction=2)
+
+
+def test_fixed_shape_rows_exact_count_lengths_and_rate() -> None:
+    from bench.synth import fixed_shape_rows
+
+    rows = fixed_shape_rows(400, input_tokens=512, output_tokens=64, rate=4.0, seed=3)
+    assert len(rows) == 400
+    assert {(r.request_tokens, r.response_tokens, r.session_id, r.log_type) for r in rows} == {
+        (512, 64, None, "API log")}
+    ts = [r.timestamp_s for r in rows]
+    assert ts == sorted(ts)
+    assert (ts[-1] - ts[0]) / 399 == pytest.approx(1 / 4.0, rel=0.15)  # Poisson mean gap
+    assert fixed_shape_rows(400, input_tokens=512, output_tokens=64, rate=4.0, seed=3) == rows
+    burst = fixed_shape_rows(5, input_tokens=8, output_tokens=2)  # rate inf: all at once
+    assert [r.timestamp_s for r in burst] == [0.0] * 5
+    with pytest.raises(ValueError):
+        fixed_shape_rows(0, input_tokens=8, output_tokens=2)
