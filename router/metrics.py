@@ -2,6 +2,11 @@
 
 Each app gets its own :class:`CollectorRegistry` so several routers can live in one process
 (tests); ``GET /metrics`` exposes it.
+
+``model_name`` (vLLM's label name) is a served model some live worker registered: the router
+answers a request for any other model with 404 before it has a model to label, and labels
+requests it answered before knowing their model (bad JSON, unknown model...) ``""``. The label
+set is therefore bounded by the fleet's models, never by client input.
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
                       120.0, 300.0)
 
 
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                  0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
 _PHASE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                     0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -33,20 +42,35 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             "pdserve_router_requests_total",
-            "Requests answered by the router, by endpoint and HTTP status.",
-            ["endpoint", "status"], registry=r)
+            "Requests answered by the router, by endpoint, HTTP status and served model.",
+            ["endpoint", "status", "model_name"], registry=r)
         self.request_duration = Histogram(
             "pdserve_router_request_duration_seconds",
             "Time from request arrival to the last byte sent to the client.",
-            ["endpoint"], buckets=_LATENCY_BUCKETS_S, registry=r)
+            ["endpoint", "model_name"], buckets=_LATENCY_BUCKETS_S, registry=r)
         self.ttft = Histogram(
             "pdserve_router_ttft_seconds",
             "Time from request arrival to the first relayed token (streaming requests).",
-            ["endpoint"], buckets=_LATENCY_BUCKETS_S, registry=r)
+            ["endpoint", "model_name"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.inter_token_latency = Histogram(
+            "pdserve_router_inter_token_latency_seconds",
+            "Time between consecutive content chunks relayed to the client (streaming "
+            "requests; one observation per chunk after the first).",
+            ["model_name"], buckets=_ITL_BUCKETS_S, registry=r)
+        self.prompt_tokens = Counter(
+            "pdserve_router_prompt_tokens_total",
+            "Prompt tokens of completed answers, from the usage record the worker returned "
+            "(non-streamed bodies; streams whose client asked for stream_options.include_usage).",
+            ["model_name"], registry=r)
+        self.generation_tokens = Counter(
+            "pdserve_router_generation_tokens_total",
+            "Generated tokens of completed answers, from the same usage records as "
+            "pdserve_router_prompt_tokens_total.",
+            ["model_name"], registry=r)
         self.prefill_duration = Histogram(
             "pdserve_router_prefill_duration_seconds",
             "Duration of the successful prefill call (max_tokens=1) on a prefill worker.",
-            ["endpoint"], buckets=_LATENCY_BUCKETS_S, registry=r)
+            ["endpoint", "model_name"], buckets=_LATENCY_BUCKETS_S, registry=r)
         self.phase = Histogram(
             "pdserve_router_phase_seconds",
             "Duration of each router phase of a request: validate (parse, tokenize, hash), "

@@ -203,8 +203,10 @@ class RouterService:
         if not isinstance(response, RelayResponse):  # streams account when they end
             clock.mark("done")
             self.metrics.requests.labels(endpoint=endpoint.name,
-                                         status=str(response.status_code)).inc()
-            self.metrics.request_duration.labels(endpoint=endpoint.name).observe(
+                                         status=str(response.status_code),
+                                         model_name=clock.model).inc()
+            self.metrics.request_duration.labels(endpoint=endpoint.name,
+                                                 model_name=clock.model).observe(
                 clock.mono["done"] - clock.started)
             self._timeline_done(clock, response.status_code)
         return response
@@ -224,6 +226,7 @@ class RouterService:
         records = self.cluster.workers(model=req.model)
         if not records:
             raise model_not_found(req.model)
+        clock.model = req.model  # a registered model: a bounded metric label
         roles = {r.role for r in records}
         pd_ok = {"prefill", "decode"} <= roles
         if not pd_ok and "aggregated" not in roles:

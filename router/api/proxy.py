@@ -31,6 +31,7 @@ from router.api.first_token import (
 from router.api.rewrite import decode_body, encode, prefill_body
 from router.api.schemas import Endpoint
 from router.api.timeline import PhaseClock
+from router.api.usage import StreamWatch, Usage, body_usage
 from router.config import RouterSettings
 from router.errors import APIError, UpstreamError
 from router.metrics import RouterMetrics
@@ -293,6 +294,18 @@ class PDProxy:
         self.tracker.finish(worker.worker_id, route.request_id)
         self.metrics.in_flight.labels(role=role).dec()
 
+    def _account(self, model: str, usage: Usage | None, gaps: list[float] | None = None
+                 ) -> None:
+        """Token counters from an answer's usage; inter-token gaps of a stream."""
+        if usage is not None:
+            self.metrics.prompt_tokens.labels(model_name=model).inc(usage.prompt_tokens)
+            self.metrics.generation_tokens.labels(model_name=model).inc(
+                usage.completion_tokens)
+        if gaps:
+            itl = self.metrics.inter_token_latency.labels(model_name=model)
+            for gap in gaps:
+                itl.observe(gap)
+
     def _failed(self, worker: WorkerRecord, err: UpstreamError) -> None:
         self.metrics.upstream_errors.labels(role=err.role, kind=err.kind).inc()
         self.tracker.mark_failed(worker.worker_id)
@@ -378,7 +391,8 @@ class PDProxy:
                 self._failed(worker, last)
                 continue
             self.tracker.mark_ok(worker.worker_id)
-            self.metrics.prefill_duration.labels(endpoint=endpoint.name).observe(
+            self.metrics.prefill_duration.labels(
+                endpoint=endpoint.name, model_name=route.model).observe(
                 time.perf_counter() - started)
             clock.mark("prefill_answered")
             return params, worker, data
@@ -435,6 +449,7 @@ class PDProxy:
                         ok = True
                         if resp.status_code < 400:
                             self.tracker.mark_ok(worker.worker_id)
+                            self._account(route.model, body_usage(data))
                         return _relay_body(data, resp.status_code,
                                            resp.headers.get("content-type"))
                     chunks = resp.aiter_raw()
@@ -475,6 +490,7 @@ class PDProxy:
         rewriter = ContinuationRewriter(endpoint, first)
         state: dict[str, Any] = {"done": False, "status": 200}
         metrics = self.metrics
+        watch = StreamWatch()
 
         async def decode_once(worker: WorkerRecord) -> AsyncIterator[bytes]:
             request = self.client.build_request("POST", worker.http_url + "/v1/completions",
@@ -499,8 +515,10 @@ class PDProxy:
                 await resp.aclose()
 
         async def stream() -> AsyncIterator[bytes]:
-            yield first_events(endpoint, first)
-            metrics.ttft.labels(endpoint=endpoint.name).observe(
+            head = first_events(endpoint, first)
+            watch.feed(head, time.perf_counter())
+            yield head
+            metrics.ttft.labels(endpoint=endpoint.name, model_name=route.model).observe(
                 time.perf_counter() - clock.started)
             tried: set[str] = set()
             retried: set[str] = set()
@@ -519,6 +537,7 @@ class PDProxy:
                         if not relayed:
                             clock.mark("decode_first_byte")
                             relayed = True
+                        watch.feed(out, time.perf_counter())
                         yield out
                     ok = True
                     self.tracker.mark_ok(worker.worker_id)
@@ -546,9 +565,12 @@ class PDProxy:
                 return
             state["done"] = True
             clock.mark("done")
-            metrics.requests.labels(endpoint=endpoint.name, status="200").inc()
-            metrics.request_duration.labels(endpoint=endpoint.name).observe(
+            metrics.requests.labels(endpoint=endpoint.name, status="200",
+                                    model_name=route.model).inc()
+            metrics.request_duration.labels(endpoint=endpoint.name,
+                                            model_name=route.model).observe(
                 clock.mono["done"] - clock.started)
+            self._account(route.model, watch.usage, watch.gaps)
             self.on_done(clock, 200)
 
         return RelayResponse(stream(), status_code=200, media_type="text/event-stream",
@@ -561,12 +583,15 @@ class PDProxy:
     ) -> RelayResponse:
         state = {"done": False, "ok": True}
         detector = _FirstToken()
+        watch = StreamWatch()
         metrics = self.metrics
 
         def saw(chunk: bytes) -> None:
+            now = time.perf_counter()
+            watch.feed(chunk, now)
             if not detector.found and detector.feed(chunk):
-                metrics.ttft.labels(endpoint=endpoint.name).observe(
-                    time.perf_counter() - clock.started)
+                metrics.ttft.labels(endpoint=endpoint.name, model_name=route.model).observe(
+                    now - clock.started)
 
         async def body() -> AsyncIterator[bytes]:
             tail = first[-2:]
@@ -596,9 +621,12 @@ class PDProxy:
             # Bookkeeping first: the await below may be interrupted by cancellation.
             self._end(role, route, worker, ok=state["ok"])
             clock.mark("done")
-            metrics.requests.labels(endpoint=endpoint.name, status=str(resp.status_code)).inc()
-            metrics.request_duration.labels(endpoint=endpoint.name).observe(
+            metrics.requests.labels(endpoint=endpoint.name, status=str(resp.status_code),
+                                    model_name=route.model).inc()
+            metrics.request_duration.labels(endpoint=endpoint.name,
+                                            model_name=route.model).observe(
                 clock.mono["done"] - clock.started)
+            self._account(route.model, watch.usage, watch.gaps)
             self.on_done(clock, resp.status_code)
             await resp.aclose()
 

@@ -40,6 +40,9 @@ class PhaseClock:
     """The path the request took (``pdserve_router_paths_total``'s label), once decided."""
     span: object | None = None
     """The request's trace span while tracing is on (see ``router.api.tracing``)."""
+    model: str = ""
+    """The served model, once known to be one a live worker registered (the ``model_name``
+    label of the router's request metrics; ``""`` for requests refused before that)."""
 
     @classmethod
     def start(cls, request_id: str, at: float | None = None) -> PhaseClock:

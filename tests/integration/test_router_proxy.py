@@ -89,8 +89,9 @@ def test_stream_relay_is_byte_identical(
     endpoint = "chat_completions" if chat else "completions"
     # Stream accounting closes right after the last byte, possibly after the client has it.
     wait_metrics(client, url, [
-        f'pdserve_router_ttft_seconds_count{{endpoint="{endpoint}"}} 1.0',
-        f'pdserve_router_requests_total{{endpoint="{endpoint}",status="200"}} 1.0',
+        f'pdserve_router_ttft_seconds_count{{endpoint="{endpoint}",model_name="tiny"}} 1.0',
+        f'pdserve_router_requests_total{{endpoint="{endpoint}",model_name="tiny",'
+        'status="200"} 1.0',
         'pdserve_router_in_flight_requests{role="decode"} 0.0',
         'pdserve_router_in_flight_requests{role="prefill"} 0.0',
     ])
@@ -140,7 +141,8 @@ def test_prefill_failure_is_retried_on_other_prefill_worker(
     wait_metrics(client, url, [
         'pdserve_router_upstream_retries_total{role="prefill"} 1.0',
         'pdserve_router_upstream_errors_total{kind="status",role="prefill"} 1.0',
-        'pdserve_router_requests_total{endpoint="completions",status="200"} 1.0',
+        'pdserve_router_requests_total{endpoint="completions",model_name="tiny",'
+        'status="200"} 1.0',
     ])
 
 
