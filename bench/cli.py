@@ -1,12 +1,12 @@
 """`pdserve bench`: replay, synth, sweep, compare, profile.
 
     pdserve bench replay --trace FILE.csv --url http://HOST:PORT [--model NAME]
-        [--time-scale X | --rate R] [--start S] [--duration S] [--slo-ttft S --slo-tpot S]
+        [--time-scale X | --rate R] [--start S] [--duration S] [--ttft-slo-s S --tpot-slo-s S]
         [--max-concurrency N] [--percentiles 50,90,99] --out DIR [--seed S]
     pdserve bench replay --synthetic --num-prompts 100 --input-len 512 --output-len 64
         --request-rate 4 --url URL --out DIR
     pdserve bench synth --out FILE.csv [--duration S] [--rate R] [--dispersion D] [--layout v2]
-    pdserve bench sweep --trace FILE.csv --url URL --rates 1,2,4,8 --slo-ttft S --slo-tpot S
+    pdserve bench sweep --trace FILE.csv --url URL --rates 1,2,4,8 [--ttft-slo-s S --tpot-slo-s S]
         --out DIR
     pdserve bench compare A.json B.json
     pdserve bench profile --url URL --out profile.json
@@ -46,6 +46,8 @@ from bench.report import (
 )
 from bench.synth import SynthConfig, fixed_shape_rows, synth_rows
 from bench.trace import TraceError, TraceRow, TraceStats, read_trace, schedule, write_trace
+from router import settings as shared
+from router.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -256,9 +258,10 @@ def _config_doc(args: argparse.Namespace, info: ServerInfo, **extra: Any) -> dic
     keep = ("trace", "url", "endpoint", "time_scale", "rate", "start", "duration",
             "max_requests", "trace_model", "log_type", "seed", "timeout", "max_input_tokens",
             "max_output_tokens", "system_prompts", "system_prompt_tokens", "no_sessions",
-            "slo_ttft", "slo_tpot", "tokenizer", "max_concurrency", "percentiles", "synthetic",
+            "tokenizer", "max_concurrency", "percentiles", "synthetic",
             "num_prompts", "input_len", "output_len", "request_rate")
     doc = {k: getattr(args, k, None) for k in keep}
+    doc.update(slo_ttft=args.ttft_slo_s, slo_tpot=args.tpot_slo_s)  # summary.json's names
     doc.update(model=info.model, model_root=info.root, max_model_len=info.max_model_len,
                ignore_eos=not args.no_ignore_eos, **extra)
     return doc
@@ -271,8 +274,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 wl.trace_meta["replay_span_s"], args.url)
     run = asyncio.run(_run_with_progress(wl.specs, _client_config(args, info.model),
                                          _progress(args)))
-    doc = write_run(Path(args.out), run, wl, _config_doc(args, info), args.slo_ttft,
-                    args.slo_tpot, plots=not args.no_plots, percentiles=_percentiles(args),
+    doc = write_run(Path(args.out), run, wl, _config_doc(args, info), args.ttft_slo_s,
+                    args.tpot_slo_s, plots=not args.no_plots, percentiles=_percentiles(args),
                     max_concurrency=args.max_concurrency)
     print(markdown_summary(doc))
     return 0
@@ -295,7 +298,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         wl = _workload(args, info, s, rows, st, rate=rate)
         run = await _run_with_progress(wl.specs, cfg, _progress(args))
         return write_run(out / f"rate_{rate:.4g}", run, wl, _config_doc(args, info, rate=rate),
-                         args.slo_ttft, args.slo_tpot, plots=not args.no_plots,
+                         args.ttft_slo_s, args.tpot_slo_s, plots=not args.no_plots,
                          percentiles=_percentiles(args), max_concurrency=args.max_concurrency)
 
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
@@ -396,8 +399,7 @@ def _add_workload(p: argparse.ArgumentParser, trace_required: bool = True) -> No
                    help="do not resend earlier turns of a session")
     p.add_argument("--no-ignore-eos", action="store_true")
     p.add_argument("--api-key", help="bearer token, if the endpoint needs one")
-    p.add_argument("--slo-ttft", type=float, help="TTFT SLO, seconds")
-    p.add_argument("--slo-tpot", type=float, help="TPOT SLO, seconds")
+    shared.add_arguments(p, "bench")
     p.add_argument("--max-concurrency", type=int,
                    help="at most N requests in flight; a due request waits for a slot "
                         "(as `vllm bench serve --max-concurrency`)")
@@ -473,6 +475,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pdserve bench``."""
     args = build_parser().parse_args(argv)
+    if args.command in ("replay", "sweep"):
+        try:
+            shared.resolve_into(args, "bench")
+        except ConfigError as exc:
+            print(f"pdserve bench: {exc}", file=sys.stderr)
+            return 2
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -82,7 +82,7 @@ def start(setup: str, min_prefill_tokens: int) -> tuple[subprocess.Popen[bytes],
     """Start ``setup`` through the pdserve CLI; returns (process group leader, base URL)."""
     port = _free_port()
     redis = f"redis://127.0.0.1:{_free_port()}/0"
-    common = ["--port", str(port), "--redis", redis, "--served-model-name", "tiny-llama"]
+    common = ["--port", str(port), "--redis-url", redis, "--served-model-name", "tiny-llama"]
     if setup == "pd":
         cmd = _pdserve("up", *common)
     elif setup == "selective":
@@ -111,7 +111,7 @@ def warm_up(url: str, trace: Path, out: Path, args: argparse.Namespace) -> None:
 
 def sweep(url: str, trace: Path, out: Path, args: argparse.Namespace) -> dict[str, object]:
     cmd = _pdserve("bench", "sweep", "--url", url, "--trace", str(trace), "--rates", args.rates,
-                   "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot),
+                   "--ttft-slo-s", str(args.slo_ttft), "--tpot-slo-s", str(args.slo_tpot),
                    "--bisect-steps", str(args.bisect_steps), "--out", str(out),
                    "--no-progress", "--no-plots", "--no-sessions")
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
