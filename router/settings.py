@@ -151,6 +151,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
            "kv_lease_s", "kv_pull_timeout_s"),
     "bench": ("ttft_slo_s", "tpot_slo_s"),
     "sim": ("ttft_slo_s", "tpot_slo_s"),
+    "chaos": ("log_level", "kv_lease_s"),
 }
 """Which shared settings each command takes (``bench``: its replay and sweep subcommands;
 ``drain``: ``python -m router.autoscale.drain``, the pods' preStop hook)."""
@@ -158,11 +159,14 @@ COMMANDS: dict[str, tuple[str, ...]] = {
 OVERRIDES: dict[tuple[str, str], Any] = {
     ("worker", "redis_url"): None,
     ("drain", "redis_url"): "redis://pdserve-redis:6379/0",
+    ("chaos", "kv_lease_s"): 10.0,
 }
 """The only per-command defaults, each with its reason: a standalone ``pdserve worker`` (a
 plain vLLM server with the connector, e.g. for benchmarks) registers in Redis only when told
 where (``pdserve up`` always tells its workers); the drain hook runs only in Kubernetes pods,
-where Redis is the ``pdserve-redis`` Service (``deploy/k8s/base/redis.yaml``)."""
+where Redis is the ``pdserve-redis`` Service (``deploy/k8s/base/redis.yaml``); ``pdserve
+chaos`` runs its own cluster with short leases so that its faults see leases expire (and
+stranded KV freed) within the run."""
 
 
 def default(name: str, command: str | None = None) -> Any:

@@ -80,9 +80,21 @@ def show_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
                    + "\n" for row in cells)
 
 
+def _leading_log_level(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split a ``--log-level X`` given before the subcommand from the rest of ``argv``."""
+    if argv[:1] == ["--log-level"] and len(argv) > 1:
+        return argv[:2], argv[2:]
+    if argv[:1] and argv[0].startswith("--log-level="):
+        return argv[:1], argv[1:]
+    return [], argv
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `pdserve` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    level, rest = _leading_log_level(argv)
+    if rest[:1] in (["router"], ["chaos"]):  # `--log-level X router` = `router --log-level X`
+        argv = [rest[0], *level, *rest[1:]]
     if argv[:1] == ["router"]:
         from router.main import main as router_main
 

@@ -23,6 +23,7 @@ import logging
 import random
 import statistics
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -30,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from router import settings as shared
+from router.errors import ConfigError
 from router.samples import total
 from router.state.registry import WorkerRegistry
 from router.state.worker_load import fetch_samples
@@ -57,7 +60,6 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--prompts", type=int, default=24, help="distinct prompts in the load")
     p.add_argument("--prompt-words", type=int, default=120)
-    p.add_argument("--lease-s", type=float, default=10.0)
     p.add_argument("--deadline-s", type=float, default=120.0,
                    help="a request with no end by then is lost (no head) or hung")
     p.add_argument("--redis-outage-s", type=float, default=10.0)
@@ -197,8 +199,9 @@ def summarize(faults: list[Injected], outcomes: list[Outcome], wrong: list[Outco
                        "recovered_s": None if f.recovered_s is None else round(f.recovered_s, 2)}
                       for f in faults],
         "duration_s": round(duration_s, 1),
-        "config": {k: getattr(args, k) for k in ("faults", "kinds", "seed", "prefill", "decode",
-                                                  "rate", "max_tokens", "lease_s", "deadline_s")},
+        "config": {**{k: getattr(args, k) for k in ("faults", "kinds", "seed", "prefill",
+                                                     "decode", "rate", "max_tokens", "deadline_s")},
+                   "lease_s": args.kv_lease_s},
     }
 
 
@@ -215,7 +218,7 @@ async def run_chaos(args: argparse.Namespace) -> int:
     settings = ClusterSettings(model=args.model, served_model_name=SERVED_NAME,
                                prefill=args.prefill, decode=args.decode, port=free_port(),
                                redis_url=f"redis://127.0.0.1:{free_port()}/0",
-                               lease_s=args.lease_s, cpu_layout=args.cpu_layout,
+                               lease_s=args.kv_lease_s, cpu_layout=args.cpu_layout,
                                ready_timeout_s=900.0)
     cluster = Cluster(settings)
     started = time.monotonic()
@@ -244,7 +247,7 @@ async def run_chaos(args: argparse.Namespace) -> int:
                          random.Random(args.seed + 1))
         stop_load = asyncio.Event()
         load_task = asyncio.create_task(load.run(stop_load))
-        injector = FaultInjector(cluster, load, rng, lease_s=args.lease_s,
+        injector = FaultInjector(cluster, load, rng, lease_s=args.kv_lease_s,
                                  redis_outage_s=args.redis_outage_s)
         await asyncio.sleep(3.0)  # load in flight before the first fault
         for i, kind in enumerate(plan):
@@ -262,7 +265,7 @@ async def run_chaos(args: argparse.Namespace) -> int:
         stop_load.set()
         await load_task
         outcomes = load.outcomes
-        stranded = await stranded_workers(cluster.redis_url, args.lease_s + 20.0)
+        stranded = await stranded_workers(cluster.redis_url, args.kv_lease_s + 20.0)
     finally:
         stop_supervising.set()
         if supervisor is not None:
@@ -287,13 +290,24 @@ async def run_chaos(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def parser() -> argparse.ArgumentParser:
+    """Flags of `pdserve chaos` (the log level and KV lease are the shared ``router.settings``;
+    the lease defaults shorter here, see its ``OVERRIDES``)."""
+    p = argparse.ArgumentParser(prog="pdserve chaos", description=__doc__.split("\n")[0])
+    add_chaos_args(p)
+    shared.add_arguments(p, "chaos")
+    return p
+
+
 def main(argv: list[str]) -> int:
     """Entry point of `pdserve chaos`."""
-    parser = argparse.ArgumentParser(prog="pdserve chaos", description=__doc__.split("\n")[0])
-    add_chaos_args(parser)
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    args = parser().parse_args(argv)
+    try:
+        shared.resolve_into(args, "chaos")
+    except ConfigError as exc:
+        print(f"pdserve chaos: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from router.main import quiet_http_clients
 

@@ -97,6 +97,12 @@ def _bench_parser() -> argparse.ArgumentParser:
     return build_parser()
 
 
+def _chaos_parser() -> argparse.ArgumentParser:
+    from serve.chaos.runner import parser
+
+    return parser()
+
+
 def _sim_parser() -> argparse.ArgumentParser:
     from bench.sim.cli import _parser
 
@@ -114,6 +120,7 @@ EXTRACT: dict[str, Extract] = {
                           ["replay", "--url", "u", "--trace", "t", "--out", "o"]),
     "sim": _resolved_by(_sim_parser, "sim", ["--trace", "t", "--prefill", "1", "--decode", "1",
                                              "--policies", "dualmap", "--out", "o"]),
+    "chaos": _resolved_by(_chaos_parser, "chaos", []),
 }
 
 
@@ -133,6 +140,7 @@ def _parsers() -> dict[str, list[argparse.ArgumentParser]]:
         "drain": [_drain_parser()],
         "bench": [_sub(bench, "replay"), _sub(bench, "sweep")],
         "sim": [_sim_parser()],
+        "chaos": [_chaos_parser()],
     }
 
 
@@ -223,7 +231,8 @@ def test_same_default_env_and_flag_everywhere(command: str,
 
 def test_overrides_are_the_only_per_command_defaults() -> None:
     assert shared.OVERRIDES == {("worker", "redis_url"): None,
-                                ("drain", "redis_url"): "redis://pdserve-redis:6379/0"}
+                                ("drain", "redis_url"): "redis://pdserve-redis:6379/0",
+                                ("chaos", "kv_lease_s"): 10.0}
 
 
 def test_typed_defaults_agree_with_the_table() -> None:
@@ -376,7 +385,7 @@ def test_config_show_json_for_one_command() -> None:
     assert rows["redis_url"]["source"] == "default"
     assert (rows["kv_lease_s"]["value"], rows["kv_lease_s"]["source"]) == (9.0,
                                                                             "flag --kv-lease-s")
-    assert rows["kv_lease_s"]["commands"] == ["worker", "up"]
+    assert rows["kv_lease_s"]["commands"] == ["worker", "up", "chaos"]
 
 
 def test_config_show_command_line(capsys: pytest.CaptureFixture[str],
@@ -410,5 +419,5 @@ def test_readme_table_matches_the_code() -> None:
         assert (flag, env) == (s.flag, s.env), name
         assert dflt == ("unset" if s.default is None else str(s.default)), name
         assert commands.split(", ") == [c for c in ("up", "router", "worker", "autoscale",
-                                                    "autoscale status", "bench", "sim")
+                                                    "autoscale status", "bench", "sim", "chaos")
                                         if c in shared.used_by(name)], name
