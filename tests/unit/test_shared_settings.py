@@ -421,3 +421,46 @@ def test_readme_table_matches_the_code() -> None:
         assert commands.split(", ") == [c for c in ("up", "router", "worker", "autoscale",
                                                     "autoscale status", "bench", "sim", "chaos")
                                         if c in shared.used_by(name)], name
+
+
+def test_up_child_command_lines_parse_in_the_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router, worker and autoscaler command lines `pdserve up --autoscale` builds are
+    accepted by those commands and carry the settings (no process is started)."""
+    from router.autoscale.service import settings_from_args as autoscale_settings
+    from router.config import load
+    from serve import supervisor
+    from serve.cli import _parser
+    from serve.worker import settings_from_args as worker_settings
+
+    cmds: list[list[str]] = []
+
+    class FakePopen:
+        def __init__(self, cmd: list[str], **_: Any) -> None:
+            cmds.append(cmd)
+
+        def poll(self) -> int | None:
+            return None
+
+    monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "s" * 32)
+    monkeypatch.setattr(supervisor.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(supervisor, "redis_reachable", lambda url: True)
+    monkeypatch.setattr(supervisor, "free_port", lambda host: 8123)
+    args = _parser().parse_args(["up", "--model", "m", "--autoscale", "--redis-url",
+                                 "redis://r:1/0", "--policy", "least_loaded", "--kv-lease-s",
+                                 "7", "--ttft-slo-s", "4", "--tpot-slo-s", "0.2",
+                                 "--request-timeout-s", "60"])
+    supervisor.Cluster(supervisor.settings_from_args(args)).start()
+    by_module = {cmd[2]: cmd[3:] for cmd in cmds}
+    assert set(by_module) == {"serve.cli", "router.main"}
+    router = load(by_module["router.main"], env={})
+    assert (router.redis_url, router.policy, router.ttft_slo_s, router.request_timeout_s) == (
+        "redis://r:1/0", "least_loaded", 4.0, 60.0)
+    workers = [c[3:] for c in cmds if c[3:4] == ["worker"]]
+    assert len(workers) == 2
+    for argv in workers:
+        w_args, extra = _parser().parse_known_args(argv)
+        w = worker_settings(w_args, extra)
+        assert (w.redis_url, w.lease_s, w.extra_vllm_args) == ("redis://r:1/0", 7.0, ())
+    scale_argv = next(c[3:] for c in cmds if c[3:4] == ["autoscale"])
+    planner = autoscale_settings(_parser().parse_args(scale_argv)).planner
+    assert (planner.ttft_slo_s, planner.tpot_slo_s) == (4.0, 0.2)
