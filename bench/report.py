@@ -26,9 +26,9 @@ logger = logging.getLogger(__name__)
 RUN_SCHEMA = "pdserve.bench.run/1"
 SWEEP_SCHEMA = "pdserve.bench.sweep/1"
 REQUEST_COLUMNS = ("index", "trace_line", "session_id", "scheduled_s", "sent_s", "lag_s",
-                   "prompt_tokens", "server_prompt_tokens", "max_tokens", "output_tokens", "ok",
-                   "error_type", "status_code", "ttft_s", "tpot_s", "e2e_s", "meets_slo",
-                   "token_times_s", "error")
+                   "queue_s", "prompt_tokens", "server_prompt_tokens", "max_tokens",
+                   "output_tokens", "ok", "error_type", "status_code", "ttft_s", "tpot_s",
+                   "e2e_s", "meets_slo", "token_times_s", "error")
 COMPARE_KEYS = ("requests_scheduled", "requests_completed", "requests_failed",
                 "request_throughput_rps", "output_token_throughput_tps", "ttft_p50", "ttft_p99",
                 "tpot_p50", "tpot_p99", "itl_p50", "e2e_p50", "e2e_p99", "slo_attainment",
@@ -61,7 +61,8 @@ def write_requests_csv(path: Path, results: Sequence[RequestResult],
         for r in results:
             m = meta.get(r.index, {})
             w.writerow([r.index, m.get("trace_line", ""), m.get("session_id") or "",
-                        _num(r.scheduled_s), _num(r.sent_s), _num(r.lag_s), r.prompt_tokens,
+                        _num(r.scheduled_s), _num(r.sent_s), _num(r.lag_s), _num(r.queue_s),
+                        r.prompt_tokens,
                         "" if r.server_prompt_tokens is None else r.server_prompt_tokens,
                         r.max_tokens, r.output_tokens, int(r.ok), r.error_type, r.status_code,
                         _num(r.ttft_s), _num(r.tpot_s), _num(r.e2e_s),
@@ -115,7 +116,10 @@ def markdown_summary(doc: dict[str, Any]) -> str:
              f"{_fmt(doc.get('slo_tpot_s'))} s): attainment {_fmt(doc['slo_attainment'])}, "
              f"goodput {_fmt(doc['goodput_rps'])} req/s",
              f"- schedule lag p99 {_fmt(doc['schedule_lag_p99'])} s, max "
-             f"{_fmt(doc.get('schedule_lag_max'))} s", "",
+             f"{_fmt(doc.get('schedule_lag_max'))} s: timing "
+             f"{'valid' if doc.get('timing_valid', True) else 'INVALID (the client fell behind)'}"
+             f"; waits for a --max-concurrency slot p99 {_fmt(doc.get('client_queue_p99'))} s",
+             "",
              "| metric (s) | mean | p50 | p90 | p99 |", "|---|---|---|---|---|"]
     for name in ("ttft", "tpot", "itl", "e2e"):
         lines.append(f"| {name.upper()} | " + " | ".join(

@@ -176,7 +176,11 @@ def test_synthetic_replay_cli(fake_url: str, tmp_path: Path) -> None:
     assert doc["failed"] == 0 and doc["total_output_tokens"] == 25 * 3
     assert doc["max_concurrency"] == 4 and doc["trace"]["source"] == "synthetic"
     assert doc["config"]["synthetic"] is True and doc["config"]["request_rate"] == 100
-    assert {r["max_tokens"] for r in read_requests_csv(out / "requests.csv")} == {"3"}
+    rows = read_requests_csv(out / "requests.csv")
+    assert len(rows) == 25 and {r["max_tokens"] for r in rows} == {"3"}
+    assert all(float(r["queue_s"]) >= 0 for r in rows)
+    report = (out / "report.md").read_text()
+    assert ("timing valid" if doc["timing_valid"] else "timing INVALID") in report
     assert doc["p99.9_ttft_ms"] is not None and doc["p50_e2el_ms"] is not None
     assert "p99_ttft_ms" not in doc
     assert doc["timing_valid"] in (True, False) and doc["schedule_lag_p99"] is not None
