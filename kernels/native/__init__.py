@@ -1,8 +1,10 @@
 """The `_ucxrma` C extension (one-sided UCX transport; sources and build in this directory).
 
-`make setup` builds it (`python -m kernels.native.build`, against the UCX chosen there); this
-package only loads it. `select(build_dir)` makes this process load a build from another directory
-(tests and benchmarks that compare UCX installs) and must come before the first `load()`.
+The package build compiles it (setup.py: `pip install .`, `pip wheel .`, editable installs) and
+`make setup` rebuilds it when its sources change (`python -m kernels.native.build`), each against
+the UCX chosen by PDSERVE_UCX / PDSERVE_UCX_PREFIX; this package only loads it.
+`select(build_dir)` makes this process load a build from another directory (tests and
+benchmarks that compare UCX installs) and must come before the first `load()`.
 """
 
 from __future__ import annotations

@@ -17,11 +17,14 @@ Which UCX: `--ucx wheel|nixl|prefix` (env `PDSERVE_UCX`), `--ucx-prefix DIR` (en
   prefix  a system UCX: `<prefix>/include/ucp/api/ucp.h` and libucp in `<prefix>/lib`,
           `lib64` or `lib/<multiarch>`.
 The module is compiled with gcc from ucx_core.c, pvm.c and module.c into
-`kernels/native/_ucxrma<EXT_SUFFIX>` (or `--out DIR`), with an rpath to the chosen libraries; a
-JSON record beside it (`_ucxrma.build.json`) says what it was built against. The build is
-skipped when the module is newer than every source and was built against the same choice;
-concurrent builders serialise on a lock file and publish with an atomic rename. Nothing builds at
-import time: `make setup` runs this.
+`kernels/native/_ucxrma<EXT_SUFFIX>` (or `--out DIR`), with rpaths to the chosen libraries (for
+the wheels: first the copy installed beside the package, then the one it was built with); a
+JSON record beside it (`_ucxrma.build.json`) says what it was built against and from which
+sources (their sha256). The build is skipped when the module was built from the same sources
+against the same choice; concurrent builders serialise on a lock file and publish with an atomic
+rename. Nothing builds at import time: the package build (setup.py: `pip install .`,
+`pip wheel .`, editable installs) and `make setup` run this; both the module and its record are
+build outputs, never committed.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import glob
+import hashlib
 import importlib.util
 import json
 import logging
@@ -46,6 +50,8 @@ HERE = Path(__file__).resolve().parent
 SOURCES = tuple(HERE / name for name in ("ucx_core.c", "pvm.c", "module.c"))
 HEADERS = (HERE / "ucxrma.h",)
 MODULE = "_ucxrma"
+DIGEST_KEY = "sources_sha256"
+"""Key of the build record holding :func:`sources_digest` of the sources it was built from."""
 CHOICES = ("wheel", "nixl", "prefix")
 
 
@@ -69,6 +75,11 @@ class UcxInstall:
     """UCP_API_MAJOR.UCP_API_MINOR of the headers."""
     note: str = ""
     """How headers and libraries relate when they come from different packages."""
+    site_libdir: str = ""
+    """``libdir`` relative to the site-packages holding it (wheels; "" for a system UCX): the
+    module's first rpaths (see :func:`rpaths`) look for it beside the installed module and in
+    this interpreter's site-packages, so a module compiled in pip's isolated build environment
+    still finds its UCX after that environment is gone."""
 
 
 def target_path(out_dir: Path | None = None) -> Path:
@@ -107,7 +118,7 @@ def wheel_install() -> UcxInstall:
     if not (include / "ucp" / "api" / "ucp.h").is_file():
         raise NativeBuildError(f"no UCX headers under {include}")
     return UcxInstall("wheel", str(include), str(root / "lib"), ("-lucp", "-lucs"),
-                      _header_api(include))
+                      _header_api(include), site_libdir=f"{root.name}/lib")
 
 
 def _library_version(path: str) -> str:
@@ -142,7 +153,7 @@ def nixl_install() -> UcxInstall:
             f"compatible within UCX 1.x)")
     return UcxInstall("nixl", headers.include, str(libdir),
                       tuple(f"-l:{Path(p).name}" for p in found.values()), headers.header_api,
-                      note)
+                      note, site_libdir=libdir.name)
 
 
 def prefix_install(prefix: str) -> UcxInstall:
@@ -183,15 +194,46 @@ def read_record(out_dir: Path | None = None) -> dict[str, object] | None:
     return data
 
 
+def sources_digest() -> str | None:
+    """sha256 over the names and bytes of the sources and headers (None: some are missing)."""
+    digest = hashlib.sha256()
+    try:
+        for path in (*SOURCES, *HEADERS):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    except FileNotFoundError:
+        return None
+    return digest.hexdigest()
+
+
 def is_stale(install: UcxInstall | None = None, out_dir: Path | None = None) -> bool:
-    """True when the module is missing, older than a source, or built against another UCX."""
+    """True when the module is missing, built from other sources, or against another UCX.
+
+    Sources are compared by content when the build record has their digest: installing a
+    wheel gives its files fresh, arbitrary mtimes. Records without it compare mtimes."""
     out = target_path(out_dir)
     if not out.exists():
         return True
-    newest = max(p.stat().st_mtime for p in (*SOURCES, *HEADERS))
-    if out.stat().st_mtime < newest:
+    record = read_record(out_dir) or {}
+    built_from = record.pop(DIGEST_KEY, None)
+    if built_from is not None:
+        current = sources_digest()
+        if current is not None and current != built_from:
+            return True
+    elif out.stat().st_mtime < max(p.stat().st_mtime for p in (*SOURCES, *HEADERS)):
         return True
-    return install is not None and read_record(out_dir) != json.loads(json.dumps(asdict(install)))
+    return install is not None and record != json.loads(json.dumps(asdict(install)))
+
+
+def rpaths(install: UcxInstall) -> list[str]:
+    """Where the module looks for libucp/libucs, first match wins: a wheel's UCX beside the
+    module in the same site-packages (kernels/native/ is two levels below it), then in this
+    interpreter's site-packages (an editable install: the module stays in the source tree), then
+    where it was built (gone after pip's isolated build; right for `--out` and other UCX)."""
+    paths = []
+    if install.site_libdir:
+        paths += [f"$ORIGIN/../../{install.site_libdir}",
+                  str(Path(sysconfig.get_paths()["platlib"]) / install.site_libdir)]
+    return list(dict.fromkeys([*paths, install.libdir]))
 
 
 def compile_command(install: UcxInstall, out: Path) -> list[str]:
@@ -201,7 +243,8 @@ def compile_command(install: UcxInstall, out: Path) -> list[str]:
         "-std=gnu11", f"-DPDSERVE_UCX_SOURCE=\"{install.source}\"",
         f"-I{sysconfig.get_paths()['include']}", f"-I{install.include}",
         *(str(s) for s in SOURCES), "-o", str(out),
-        f"-L{install.libdir}", f"-Wl,-rpath,{install.libdir}", *install.libs, "-ldl", "-lpthread",
+        f"-L{install.libdir}", *(f"-Wl,-rpath,{path}" for path in rpaths(install)),
+        *install.libs, "-ldl", "-lpthread",
     ]
 
 
@@ -228,7 +271,8 @@ def build(*, force: bool = False, install: UcxInstall | None = None,
             raise NativeBuildError(f"gcc failed ({proc.returncode}):\n{proc.stderr}")
         record = record_path(out_dir)
         tmp_record = record.with_name(f".{record.name}.{os.getpid()}.tmp")
-        tmp_record.write_text(json.dumps(asdict(install), indent=2) + "\n")
+        record_data = {**asdict(install), DIGEST_KEY: sources_digest()}
+        tmp_record.write_text(json.dumps(record_data, indent=2) + "\n")
         os.replace(tmp, out)
         os.replace(tmp_record, record)
     return out
