@@ -171,7 +171,10 @@ def write_run(out: Path, run: RunResult, wl: Workload, config: dict[str, Any],
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(run.results, run.duration_s, slo_ttft_s=slo_ttft_s,
                         slo_tpot_s=slo_tpot_s, percentiles=percentiles)
-    summary["max_concurrency"] = max_concurrency  # as `vllm bench serve` writes it
+    # the run parameters `vllm bench serve` writes beside its metrics, in its form
+    rate = config.get("request_rate") or wl.trace_meta.get("offered_rate_rps")
+    summary.update(max_concurrency=max_concurrency, num_prompts=len(wl.specs),
+                   request_rate="inf" if rate == float("inf") else rate)
     if not summary["timing_valid"]:
         logger.warning("the client fell behind its schedule (p99 send lag %.1f ms > %.0f ms): "
                        "this run's latencies include client delay; run the client on its own "

@@ -175,6 +175,7 @@ def test_synthetic_replay_cli(fake_url: str, tmp_path: Path) -> None:
     assert doc["requests_scheduled"] == doc["requests_completed"] == doc["completed"] == 25
     assert doc["failed"] == 0 and doc["total_output_tokens"] == 25 * 3
     assert doc["max_concurrency"] == 4 and doc["trace"]["source"] == "synthetic"
+    assert doc["num_prompts"] == 25 and doc["request_rate"] == 100
     assert doc["config"]["synthetic"] is True and doc["config"]["request_rate"] == 100
     rows = read_requests_csv(out / "requests.csv")
     assert len(rows) == 25 and {r["max_tokens"] for r in rows} == {"3"}
