@@ -1,0 +1,142 @@
+"""P/D with prefill and decode on different "hosts": the KV crosses a veth pair over UCX's tcp.
+
+`bench.netns.host_pair()` gives two network + pid namespaces joined by a veth pair. Host a runs
+Redis, the router and the prefill worker; host b runs the decode worker. Neither shared memory
+lanes (`UCX_TLS=tcp`, as between machines without RDMA), cma nor our process_vm_readv path
+(another pid namespace) can carry the KV, so every pull goes over the wire. A client inside
+host a sends the prompts (the test process cannot reach the namespaces' addresses); the outputs
+must equal plain vLLM's, token for token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.netns import Host, host_pair, unavailable_reason
+from router.samples import parse_samples
+from tests.e2e.conftest import SERVED_NAME, Plain
+from tests.e2e.test_pd_equivalence import MAX_TOKENS, complete
+from tests.support.metrics import value
+from tests.support.prompts import make_prompts
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+REDIS_PORT, ROUTER_PORT, PREFILL_PORT, DECODE_PORT = 6379, 8000, 8100, 8200
+LENGTHS = [3, 130, 700]  # one block, across a 128-token block boundary, several blocks
+CLIENT_TIMEOUT_S = 900
+
+
+def _start(host: Host, argv: list[str], log: Path, env: dict[str, str]
+           ) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(host.wrap(argv), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=ROOT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the wrapper's group; the pid namespace dies with its first process."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def _client(host: Host, spec: dict[str, Any], env: dict[str, str], logs: list[Path]
+            ) -> dict[str, Any]:
+    proc = subprocess.run(host.wrap([sys.executable, "-m", "tests.support.netns_client"]),
+                          input=json.dumps(spec), capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=CLIENT_TIMEOUT_S, check=False)
+    if proc.returncode != 0:
+        tails = "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs)
+        raise AssertionError(f"client in {host.netns} failed: {proc.stderr[-3000:]}{tails}")
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
+@pytest.fixture
+def hosts() -> Iterator[tuple[Host, Host]]:
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cross-host analog unavailable: {reason}")
+    with host_pair() as pair:
+        yield pair
+
+
+def test_pd_across_hosts_matches_plain(hosts: tuple[Host, Host], tiny_model_dir: Path,
+                                       plain: Plain, tmp_path: Path) -> None:
+    a, b = hosts
+    prompts = make_prompts(tiny_model_dir, LENGTHS, seed=7, tag="across-hosts")
+    keyring = tmp_path / "keyring"
+    keyring.write_text(secrets.token_urlsafe(32) + "\n")
+    keyring.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env.update({"PYTHONUNBUFFERED": "1", "PDSERVE_CLUSTER_SECRET_FILE": str(keyring),
+                "UCX_TLS": "tcp"})
+    redis_url = f"redis://{a.ip}:{REDIS_PORT}/0"
+
+    def worker(role: str, host: Host, port: int) -> list[str]:
+        return [sys.executable, "-m", "serve.cli", "worker", "--role", role,
+                "--model", str(tiny_model_dir), "--served-model-name", SERVED_NAME,
+                "--redis-url", redis_url, "--host", "0.0.0.0", "--port", str(port),
+                "--advertise-host", host.ip]
+
+    logs = {name: tmp_path / f"{name}.log" for name in ("redis", "prefill", "decode", "router")}
+    procs = []
+    try:
+        procs.append(_start(a, ["redis-server", "--bind", "0.0.0.0", "--port", str(REDIS_PORT),
+                                "--protected-mode", "no", "--save", "", "--appendonly", "no"],
+                            logs["redis"], env))
+        procs.append(_start(a, worker("prefill", a, PREFILL_PORT), logs["prefill"], env))
+        procs.append(_start(b, worker("decode", b, DECODE_PORT), logs["decode"], env))
+        procs.append(_start(a, [sys.executable, "-m", "router.main", "--host", "0.0.0.0",
+                                "--port", str(ROUTER_PORT), "--redis-url", redis_url],
+                            logs["router"], env))
+        prefill, decode = f"http://{a.ip}:{PREFILL_PORT}", f"http://{b.ip}:{DECODE_PORT}"
+        result = _client(a, {"router": f"http://127.0.0.1:{ROUTER_PORT}", "model": SERVED_NAME,
+                             "prompts": prompts, "max_tokens": MAX_TOKENS,
+                             "metrics": [prefill, decode]}, env, list(logs.values()))
+        # Control: host b reaches the prefill only over the veth, not on its own loopback.
+        probe = _client(b, {"probe": [["127.0.0.1", PREFILL_PORT], [a.ip, PREFILL_PORT]]}, env,
+                        [])
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+    assert probe["refused"] == [True, False]
+
+    for prompt, ours in zip(prompts, result["completions"], strict=True):
+        assert ours["status"] == 200, ours["body"]
+        ref = complete(plain.url, prompt)
+        assert ours["body"]["choices"][0]["text"] == ref["choices"][0]["text"]
+        assert ours["body"]["usage"] == ref["usage"]
+
+    def delta(url: str, name: str, **labels: str) -> float:
+        return (value(parse_samples(result["after"][url]), name, **labels)
+                - value(parse_samples(result["before"][url]), name, **labels))
+
+    n = len(prompts)
+    prompt_tokens = sum(c["body"]["usage"]["prompt_tokens"] for c in result["completions"])
+    assert delta(decode, "pdserve_kv_pulls_total") == n
+    assert delta(decode, "pdserve_kv_pulls_same_host_total") == 0  # every pull over the wire
+    assert delta(decode, "pdserve_kv_pull_failures_total") == 0
+    assert delta(decode, "pdserve_kv_pulled_bytes_total") > 0
+    assert delta(decode, "vllm:prompt_tokens_by_source_total",
+                 source="external_kv_transfer") >= prompt_tokens - n
+    assert delta(prefill, "pdserve_kv_leases_released_total") == n
+    assert delta(prefill, "pdserve_kv_leases_expired_total") == 0
