@@ -17,6 +17,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from kernels.native.ucx_modules import efa_module_skipped
+
 logger = logging.getLogger(__name__)
 
 MODULE_NAME = "kernels.native._ucxrma"
@@ -58,9 +60,12 @@ def load() -> ModuleType:
         spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
         if spec is None or spec.loader is None:
             raise NativeUnavailable(f"cannot load {path}")
-        module = importlib.util.module_from_spec(spec)
+        libdir = (build.read_record(_build_dir) or {}).get("libdir")
         try:
-            spec.loader.exec_module(module)
+            # libucs reads UCX_MODULES when it loads: module_from_spec dlopens the extension.
+            with efa_module_skipped(Path(str(libdir)) / "ucx" if libdir else None):
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
         except ImportError as exc:
             raise NativeUnavailable(f"cannot load {path}: {exc}") from exc
         sys.modules[MODULE_NAME] = module

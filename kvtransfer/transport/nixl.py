@@ -50,9 +50,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kernels.native.ucx_modules import efa_module_skipped, nixl_module_dir
 from kvtransfer.errors import PeerUnreachable, TransportError
 from kvtransfer.transport.base import TransferState
-from kvtransfer.transport.ucx_modules import skip_unusable_efa
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -319,13 +319,13 @@ class NixlEngine:
     def __init__(self, *, name: str = "pdserve",
                  reads_expected: Callable[[], bool] | None = None) -> None:
         api = _nixl_api()
-        skip_unusable_efa()
         self.agent_name = f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             config = api.nixl_agent_config(
                 enable_prog_thread=False, backends=["UCX"],
                 sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-            self._agent: Any = api.nixl_agent(self.agent_name, config)
+            with efa_module_skipped(nixl_module_dir()):  # loads and initialises its UCX
+                self._agent: Any = api.nixl_agent(self.agent_name, config)
         except Exception as exc:  # nixl raises RuntimeError / its bindings' errors
             raise TransportError(f"NIXL init failed: {exc}") from exc
         if "UCX" not in self._agent.backends:

@@ -58,7 +58,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from kvtransfer.errors import PeerUnreachable, TransferTimeout, TransportError
-from kvtransfer.transport.ucx_modules import skip_unusable_efa
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -317,7 +316,6 @@ class UcxEngine:
         spin_us: the progress thread keeps polling this long after the last event.
         """
         native = _load_native()
-        skip_unusable_efa()
         try:
             self._c = native.Engine(name, same_host=same_host, pvm_threads=pvm_threads,
                                     pvm_chunk_kib=pvm_chunk_kib, thp=thp, wakeup=wakeup,
