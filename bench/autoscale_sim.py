@@ -240,8 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration-s", type=float, default=Scenario.duration_s)
     ap.add_argument("--peak-rps", type=float, default=Scenario.peak_rps)
     ap.add_argument("--slowdown", type=float, default=Scenario.slowdown)
-    ap.add_argument("--slo-ttft", type=float, default=Scenario.ttft_slo_s)
-    ap.add_argument("--slo-tpot", type=float, default=Scenario.tpot_slo_s)
+    # The shared spelling (router.settings); --slo-ttft/--slo-tpot kept as aliases.
+    ap.add_argument("--ttft-slo-s", "--slo-ttft", dest="slo_ttft", type=float,
+                    default=Scenario.ttft_slo_s)
+    ap.add_argument("--tpot-slo-s", "--slo-tpot", dest="slo_tpot", type=float,
+                    default=Scenario.tpot_slo_s)
     ap.add_argument("--max-prefill", type=int, default=Scenario.max_prefill)
     ap.add_argument("--max-decode", type=int, default=Scenario.max_decode)
     ap.add_argument("--start-delay-s", type=float, default=Scenario.start_delay_s)

@@ -1,7 +1,7 @@
 """Goodput head-to-head: the highest request rate each setup serves at >= 90 % SLO attainment.
 
-    python -m bench.pd_goodput [--duration 120] [--rates 4,8,12,16,24] [--slo-ttft 1.0]
-                               [--slo-tpot 0.05] [--out DIR]
+    python -m bench.pd_goodput [--duration 120] [--rates 4,8,12,16,24] [--ttft-slo-s 1.0]
+                               [--tpot-slo-s 0.05] [--out DIR]
 
 One BurstGPT-shaped trace with long prompts (``pdserve bench synth``: median 1,000 prompt tokens,
 64 output tokens) is swept (``pdserve bench sweep``) on this machine against, in turn:
@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=120.0, help="trace seconds at 1 req/s")
     parser.add_argument("--rates", default="4,8,12,16,24", help="req/s tried in ascending order")
     parser.add_argument("--bisect-steps", type=int, default=2)
-    parser.add_argument("--slo-ttft", type=float, default=1.0)
-    parser.add_argument("--slo-tpot", type=float, default=0.05)
+    # The shared spelling (router.settings); --slo-ttft/--slo-tpot kept as aliases.
+    parser.add_argument("--ttft-slo-s", "--slo-ttft", dest="slo_ttft", type=float, default=1.0)
+    parser.add_argument("--tpot-slo-s", "--slo-tpot", dest="slo_tpot", type=float, default=0.05)
     parser.add_argument("--prompt-median", type=float, default=1000.0)
     parser.add_argument("--response-median", type=float, default=64.0)
     parser.add_argument("--min-prefill-tokens", type=int, default=512,
