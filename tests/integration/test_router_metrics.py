@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
 
 import httpx
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from router.samples import Samples
 from tests.fakes.fake_worker import DECODE_PIECES, FakeWorker
 from tests.support.metrics import scrape, value
-from tests.support.router import wait_metrics
+from tests.support.router import stream_request, wait_metrics
 
 FAKE_PROMPT_TOKENS = 7  # the usage record of tests.fakes.fake_worker
 FAKE_COMPLETION_TOKENS = len(DECODE_PIECES)
@@ -64,14 +63,8 @@ def test_stream_usage_chunk_and_inter_token_latency(
         client: httpx.Client) -> None:
     url = start_router()
     endpoint = "chat_completions" if chat else "completions"
-    body: dict[str, Any] = {"model": "tiny", "max_tokens": 6, "stream": True,
-                            "stream_options": {"include_usage": True}}
-    if chat:
-        body["messages"] = [{"role": "user", "content": "hello"}]
-    else:
-        body["prompt"] = "hello"
-    with client.stream("POST", url + ("/v1/chat/completions" if chat else "/v1/completions"),
-                       json=body) as resp:
+    path, body = stream_request(chat)
+    with client.stream("POST", url + path, json=body) as resp:
         assert resp.status_code == 200
         relayed = b"".join(resp.iter_raw())
     chunks = _content_events(relayed)

@@ -15,7 +15,7 @@ from router.config import RouterSettings
 from router.state.registry import WorkerRecord
 from serve.redis_server import RedisServer, start_redis
 from tests.fakes.fake_worker import DECODE_PIECES, FakeWorker, ServerThread
-from tests.support.router import calls, register, wait_metrics
+from tests.support.router import calls, register, stream_request, wait_metrics
 
 
 def _kv(worker: FakeWorker, rid: str) -> dict[str, Any]:
@@ -65,13 +65,7 @@ def test_stream_relay_is_byte_identical(
         chat: bool, fakes: dict[str, FakeWorker], start_router: Callable[..., str],
         client: httpx.Client) -> None:
     url = start_router()
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    body: dict[str, Any] = {"model": "tiny", "max_tokens": 6, "stream": True,
-                            "stream_options": {"include_usage": True}}
-    if chat:
-        body["messages"] = [{"role": "user", "content": "hello"}]
-    else:
-        body["prompt"] = "hello"
+    path, body = stream_request(chat)
     with client.stream("POST", url + path, json=body, headers={"x-request-id": "s-1"}) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
+from typing import Any
 
 import httpx
 
@@ -13,6 +14,17 @@ from tests.fakes.fake_worker import FakeWorker
 
 PREFIX = "proxytest"
 MAX_MODEL_LEN = 64
+
+
+def stream_request(chat: bool) -> tuple[str, dict[str, Any]]:
+    """Path and body of a streamed request for the fakes' model ``tiny`` asking for usage."""
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 6, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "hello"}]
+        return "/v1/chat/completions", body
+    body["prompt"] = "hello"
+    return "/v1/completions", body
 
 
 def register(url: str, records: list[WorkerRecord], prefix: str = PREFIX) -> None:
