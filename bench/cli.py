@@ -47,7 +47,6 @@ from bench.report import (
 from bench.synth import SynthConfig, fixed_shape_rows, synth_rows
 from bench.trace import TraceError, TraceRow, TraceStats, read_trace, schedule, write_trace
 from router import settings as shared
-from router.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -478,12 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pdserve bench``."""
     args = build_parser().parse_args(argv)
-    if args.command in ("replay", "sweep"):
-        try:
-            shared.resolve_into(args, "bench")
-        except ConfigError as exc:
-            print(f"pdserve bench: {exc}", file=sys.stderr)
-            return 2
+    if args.command in ("replay", "sweep") and not shared.resolve_for_cli(args, "bench",
+                                                                           "pdserve bench"):
+        return 2
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")

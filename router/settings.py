@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -285,6 +286,17 @@ def resolve_into(args: argparse.Namespace, command: str,
     for name, r in resolved.items():
         setattr(args, name, r.value)
     return resolved
+
+
+def resolve_for_cli(args: argparse.Namespace, command: str, prog: str) -> bool:
+    """:func:`resolve_into` for a command's ``main``: False, after printing ``prog: reason`` to
+    stderr, when an env var holds a bad value (the caller then exits with status 2)."""
+    try:
+        resolve_into(args, command)
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def to_flags(command: str, values: Mapping[str, Any]) -> list[str]:

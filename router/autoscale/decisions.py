@@ -27,7 +27,6 @@ from redis.exceptions import RedisError
 from router import settings as shared
 from router.autoscale.actuators import decisions_key
 from router.autoscale.planner import Decision
-from router.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -132,10 +131,7 @@ def status_parser() -> argparse.ArgumentParser:
 def status_main(argv: list[str] | None = None) -> int:
     """``pdserve autoscale status``: print the recent decisions; 2 if Redis is unreachable."""
     args = status_parser().parse_args(argv)
-    try:
-        shared.resolve_into(args, "autoscale status")
-    except ConfigError as exc:
-        print(f"pdserve autoscale status: {exc}", file=sys.stderr)
+    if not shared.resolve_for_cli(args, "autoscale status", "pdserve autoscale status"):
         return 2
     try:
         records = asyncio.run(_status(args))

@@ -23,7 +23,6 @@ import logging
 import random
 import statistics
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -32,7 +31,6 @@ from typing import Any
 import httpx
 
 from router import settings as shared
-from router.errors import ConfigError
 from router.samples import total
 from router.state.registry import WorkerRegistry
 from router.state.worker_load import fetch_samples
@@ -302,10 +300,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """Entry point of `pdserve chaos`."""
     args = parser().parse_args(argv)
-    try:
-        shared.resolve_into(args, "chaos")
-    except ConfigError as exc:
-        print(f"pdserve chaos: {exc}", file=sys.stderr)
+    if not shared.resolve_for_cli(args, "chaos", "pdserve chaos"):
         return 2
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
