@@ -31,7 +31,7 @@ from router.api.first_token import (
 from router.api.rewrite import decode_body, encode, prefill_body
 from router.api.schemas import Endpoint
 from router.api.timeline import PhaseClock
-from router.api.usage import StreamWatch, Usage, body_usage
+from router.api.usage import StreamWatch, Usage, body_usage, has_content, split_events
 from router.config import RouterSettings
 from router.errors import APIError, UpstreamError
 from router.metrics import RouterMetrics
@@ -120,7 +120,7 @@ class _FirstToken:
         if self.found:
             return True
         self._buf = (self._buf + chunk)[-self._LIMIT:]
-        *events, self._buf = self._buf.replace(b"\r\n", b"\n").split(b"\n\n")
+        events, self._buf = split_events(self._buf)
         for event in events:
             for line in event.split(b"\n"):
                 if line.startswith(b"data:") and self._has_output(line[5:].strip()):
@@ -138,17 +138,10 @@ class _FirstToken:
             return False
         if not isinstance(data, dict):
             return False
-        if "error" in data:
+        if "error" in data or has_content(data):
             return True
-        for choice in data.get("choices") or []:
-            if not isinstance(choice, dict):
-                continue
-            delta = choice.get("delta") or {}
-            if (choice.get("text") or choice.get("finish_reason")
-                    or (isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")
-                                                     or delta.get("reasoning_content")))):
-                return True
-        return False
+        return any(isinstance(c, dict) and c.get("finish_reason")
+                   for c in data.get("choices") or [])
 
 
 class RelayResponse(StreamingResponse):

@@ -43,6 +43,12 @@ def body_usage(body: bytes) -> Usage | None:
         return None
 
 
+def split_events(buf: bytes) -> tuple[list[bytes], bytes]:
+    """Complete SSE events in ``buf`` (``\r\n`` framing normalised) and the unfinished rest."""
+    *events, rest = buf.replace(b"\r\n", b"\n").split(b"\n\n")
+    return events, rest
+
+
 def has_content(data: dict[str, Any]) -> bool:
     """True when a stream event carries generated output (text, content, reasoning, tools)."""
     for choice in data.get("choices") or ():
@@ -77,7 +83,7 @@ class StreamWatch:
             if len(self._buf) > self._LIMIT:
                 self._buf = b""
             return
-        *events, self._buf = self._buf.replace(b"\r\n", b"\n").split(b"\n\n")
+        events, self._buf = split_events(self._buf)
         for event in events:
             self._event(event, now)
 
