@@ -55,6 +55,17 @@ def _log_level(raw: str) -> str:
     return level
 
 
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def _redis_url(raw: str) -> str:
+    scheme = raw.partition("://")[0].lower() if "://" in raw else ""
+    if scheme not in REDIS_SCHEMES:
+        raise ValueError(f"not a Redis URL: {raw!r} (the scheme must be one of "
+                         f"{', '.join(x + '://' for x in REDIS_SCHEMES)})")
+    return raw
+
+
 def _optional_str(raw: str) -> str | None:
     return raw or None
 
@@ -86,7 +97,7 @@ class Setting:
 
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
-    Setting("redis_url", "redis://127.0.0.1:6379/0", str,
+    Setting("redis_url", "redis://127.0.0.1:6379/0", _redis_url,
             "Redis holding the worker registry", ("--redis",), ("PDSERVE_ROUTER_REDIS",), "URL"),
     Setting("log_level", "INFO", _log_level, "log level (DEBUG, INFO, WARNING, ERROR)",
             deprecated_envs=("PDSERVE_ROUTER_LOG_LEVEL",), metavar="LEVEL"),

@@ -318,6 +318,25 @@ def test_bad_env_value_names_the_variable() -> None:
         shared.resolve(None, "router", {"PDSERVE_LOG_LEVEL": "loud"})
 
 
+
+@pytest.mark.parametrize("url", ["redis-host:6379", "foo://bar", "http://redis:6379/0"])
+def test_a_redis_url_without_a_redis_scheme_is_refused(url: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused at parse time (exit 2 with the reason), not as redis-py's traceback later."""
+    from serve.cli import main as cli_main
+
+    with pytest.raises(ConfigError, match="not a Redis URL"):
+        shared.resolve(None, "autoscale status", {"PDSERVE_REDIS_URL": url})
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["autoscale", "status", "--redis-url", url])
+    assert exc.value.code == 2
+    assert "not a Redis URL" in capsys.readouterr().err
+
+
+def test_redis_urls_of_every_redis_scheme_are_taken() -> None:
+    for url in ("redis://r:6379/0", "rediss://:pw@r:6380/1", "unix:///run/redis.sock"):
+        assert shared.resolve(None, "router", {"PDSERVE_REDIS_URL": url})["redis_url"].value == url
+
 # ---- pdserve up passes its settings on ---------------------------------------------------
 
 def test_up_passes_shared_settings_to_its_children(monkeypatch: pytest.MonkeyPatch) -> None:
