@@ -187,8 +187,11 @@ def test_decode_pulls_instead_of_recomputing(pd_cluster: Cluster, plain: Plain,
     assert delta("vllm:prompt_tokens_by_source_total",
                  source="external_kv_transfer") >= prompt_tokens - n
 
-    # The prefill worker freed every leased block once the pulls were released.
-    p1 = scrape(workers["prefill"])
+    # The prefill worker freed every leased block once the pulls were released. A release
+    # reaches the prefill's /metrics with its next engine step, after the decode answered.
+    released = "pdserve_kv_leases_released_total"
+    p1 = eventually(lambda: scrape(workers["prefill"]),
+                    lambda s: value(s, released) - value(p0, released) >= n, timeout_s=60)
     assert value(p1, "pdserve_kv_leases_released_total") - \
         value(p0, "pdserve_kv_leases_released_total") == n
     expired = "pdserve_kv_leases_expired_total"

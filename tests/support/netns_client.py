@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from router.samples import parse_samples, total
+
 
 def _wait_ready(router: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
@@ -34,8 +36,20 @@ def _refused(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) != 0
 
 
+def _settled(before: dict[str, str], now: dict[str, str],
+             settle: dict[str, dict[str, float]]) -> bool:
+    """Every counter in ``settle`` ({url: {sample: delta}}) grew by at least its delta."""
+    return all(total(parse_samples(now[url]), name) - total(parse_samples(before[url]), name)
+               >= want for url, wants in settle.items() for name, want in wants.items())
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    """Wait for the router, read metrics, send the prompts one by one, read metrics again."""
+    """Wait for the router, read metrics, send the prompts one by one, read metrics again.
+
+    A worker's transfer counters reach its /metrics with the engine step that follows the event,
+    in the API server's own time (a lease release lands after the prefill's answer was sent), so
+    the second read waits up to ``settle_timeout_s`` for the counters ``settle`` names to grow
+    by what they should; the test then checks exact values."""
     out: dict[str, Any] = {}
     if "probe" in spec:  # reachability checks only
         return {"refused": [_refused(h, p) for h, p in spec["probe"]]}
@@ -53,6 +67,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             resp = client.post(f"{router}/v1/completions", json=body)
             out["completions"].append({"status": resp.status_code, "body": resp.json()})
         out["after"] = metrics()
+        deadline = time.monotonic() + spec.get("settle_timeout_s", 60)
+        while not _settled(out["before"], out["after"], spec.get("settle", {})) \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+            out["after"] = metrics()
     return out
 
 
