@@ -2,15 +2,14 @@
 
 - :class:`RedisActuator` writes the desired counts to Redis; the local `pdserve up` supervisor
   reconciles its worker processes against them, like a controller.
-- :class:`ComposeActuator` runs ``docker compose up -d --no-recreate --scale ...``.
+- The compose actuator (``router.autoscale.compose``) creates and removes service replicas
+  through the Docker Engine API, draining each before it goes.
 - The Kubernetes actuator (``router.autoscale.kubernetes``) patches the scale subresource.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
-import subprocess
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -67,28 +66,3 @@ class DesiredReplicas:
 
     async def close(self) -> None:
         await self._redis.aclose()
-
-
-class ComposeActuator:
-    """Scales the compose services with ``docker compose --scale`` (or docker-compose 1.x)."""
-
-    def __init__(self, compose_file: str, services: dict[str, str] | None = None) -> None:
-        self.compose_file = compose_file
-        self.services = services or {"prefill": "prefill", "decode": "decode"}
-        self.base = (["docker", "compose"] if shutil.which("docker") else ["docker-compose"])
-
-    def command(self, decisions: Sequence[Decision]) -> list[str]:
-        """The exact command for these decisions."""
-        cmd = [*self.base, "-f", self.compose_file, "up", "-d", "--no-recreate"]
-        for d in decisions:
-            cmd += ["--scale", f"{self.services[d.pool]}={d.desired}"]
-        return cmd + [self.services[d.pool] for d in decisions]
-
-    async def apply(self, decisions: Sequence[Decision], now_s: float) -> None:
-        if all(d.desired == d.current for d in decisions):
-            return
-        cmd = self.command(decisions)
-        logger.info("scaling: %s", " ".join(cmd))
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-        if done.returncode != 0:
-            logger.error("compose scale failed (%d): %s", done.returncode, done.stderr[-2000:])

@@ -32,7 +32,7 @@ from redis.asyncio.lock import Lock
 from redis.exceptions import LockError
 
 from router import settings as shared
-from router.autoscale.actuators import Actuator, ComposeActuator, RedisActuator
+from router.autoscale.actuators import Actuator, RedisActuator
 from router.autoscale.capacity import DecodeModel, PrefillModel, load_profile
 from router.autoscale.decisions import DecisionLog
 from router.autoscale.planner import Decision, Planner, PlannerConfig
@@ -53,7 +53,8 @@ class AutoscalerSettings:
     interval_s: float = 10.0
     profile: str | None = None
     actuator: str = "redis"
-    compose_file: str | None = None
+    compose_project: str = ""
+    drain_timeout_s: float = 150.0
     metrics_port: int = 0
     prefix: str = "pdserve"
     namespace: str = "pdserve"
@@ -219,7 +220,13 @@ def add_autoscale_args(parser: argparse.ArgumentParser) -> None:
                         help="EWMA weight of the online model fits (0: the profile as is)")
     parser.add_argument("--actuator", default=env("PDSERVE_AUTOSCALE_ACTUATOR", "redis"),
                         choices=["redis", "compose", "kubernetes"])
-    parser.add_argument("--compose-file", default=env("PDSERVE_AUTOSCALE_COMPOSE_FILE"))
+    parser.add_argument("--compose-project", default=env("PDSERVE_AUTOSCALE_COMPOSE_PROJECT", ""),
+                        help="compose project the compose actuator scales (default: the "
+                             "autoscaler container's own, else $COMPOSE_PROJECT_NAME)")
+    parser.add_argument("--drain-timeout-s", type=float,
+                        default=float(env("PDSERVE_AUTOSCALE_DRAIN_TIMEOUT_S", "150")),
+                        help="compose actuator: stop a replica being removed after this long "
+                             "even if it is not idle")
     parser.add_argument("--namespace", default=env("PDSERVE_AUTOSCALE_NAMESPACE", "pdserve"))
     parser.add_argument("--prefill-deployment", default="pdserve-prefill")
     parser.add_argument("--decode-deployment", default="pdserve-decode")
@@ -240,7 +247,8 @@ def settings_from_args(args: argparse.Namespace) -> AutoscalerSettings:
                             correction_alpha=args.correction_alpha)
     return AutoscalerSettings(redis_url=args.redis_url, router_url=args.router,
                               interval_s=args.interval_s, profile=args.profile,
-                              actuator=args.actuator, compose_file=args.compose_file,
+                              actuator=args.actuator, compose_project=args.compose_project,
+                              drain_timeout_s=args.drain_timeout_s,
                               metrics_port=args.metrics_port, planner=planner,
                               namespace=args.namespace,
                               prefill_deployment=args.prefill_deployment,
@@ -261,9 +269,11 @@ async def run_autoscaler(settings: AutoscalerSettings) -> int:
     """Run until SIGTERM/SIGINT."""
     actuator: Actuator
     if settings.actuator == "compose":
-        if not settings.compose_file:
-            raise SystemExit("--actuator compose needs --compose-file")
-        actuator = ComposeActuator(settings.compose_file)
+        from router.autoscale.compose import ComposeActuatorConfig, DockerComposeActuator
+
+        actuator = DockerComposeActuator(ComposeActuatorConfig(
+            redis_url=settings.redis_url, prefix=settings.prefix,
+            project=settings.compose_project, drain_timeout_s=settings.drain_timeout_s))
     elif settings.actuator == "kubernetes":
         from router.autoscale.kubernetes import KubernetesActuator, KubernetesActuatorConfig
 
