@@ -16,6 +16,7 @@ from bench.sim.engine import simulate
 from bench.sim.sweep import attainment
 from bench.sim.trace_input import iter_synth_rows
 from bench.sim.workload import WorkloadConfig, iter_requests
+from router.policy.context import PolicyContext
 from router.policy.registry import create_prefill_policy
 
 
@@ -32,11 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     rate = args.rate or 3.0 * args.prefill
     rows = iter_synth_rows(args.requests, rate_rps=rate, seed=0, session_ids=False)
     reqs = iter_requests(rows, WorkloadConfig(open_sessions=20 * args.prefill), seed=0)
-    policy = create_prefill_policy(args.policy) if args.policy != "dualmap" else \
-        create_prefill_policy("dualmap", ttft_slo_s=args.slo_ttft)
+    policy = create_prefill_policy(args.policy, PolicyContext(ttft_slo_s=args.slo_ttft))
     t0 = time.perf_counter()
-    res = simulate(reqs, policy, args.prefill, args.decode,
-                   rebalance_threshold_s=args.slo_ttft if args.policy == "dualmap" else None)
+    res = simulate(reqs, policy, args.prefill, args.decode, rebalance_threshold_s=args.slo_ttft)
     wall = time.perf_counter() - t0
     print(f"requests={args.requests} prefill={args.prefill} decode={args.decode} "
           f"rate={rate:.0f}/s policy={args.policy}")

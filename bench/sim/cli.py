@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", default=None, help="measured perf profile (JSON)")
     p.add_argument("--hot-share", type=float, default=0.0,
                    help="share of requests on one system prompt (default 0)")
-    p.add_argument("--no-rebalance", action="store_true", help="disable DualMap rebalancing")
+    p.add_argument("--no-rebalance", action="store_true",
+                   help="never move queued requests to their alternate candidate")
     p.add_argument("--autoscale", default=None,
                    help=f"size the pools during one replay: {', '.join(AUTOSCALERS)} "
                         "(default: no replay, a rate sweep on fixed pools)")
@@ -167,7 +168,7 @@ def _replay(names: list[str], reqs: list[SimRequest], cfg: SweepConfig,
     for name in names:
         controller = make_controller(settings, cfg.ttft_slo_s, cfg.tpot_slo_s, cfg.prefill,
                                      cfg.decode, ctx)
-        threshold = cfg.ttft_slo_s if (cfg.rebalance and name == "dualmap") else None
+        threshold = cfg.ttft_slo_s if cfg.rebalance else None
         res = simulate(reqs, make_policy(name, cfg), cfg.n_prefill, cfg.n_decode, cfg.prefill,
                        cfg.decode, rebalance_threshold_s=threshold, controller=controller,
                        start_delay_s=settings.start_delay_s)

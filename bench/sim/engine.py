@@ -1,18 +1,24 @@
-"""The discrete-event simulation of one run: N prefill + M decode instances, one policy.
+"""The discrete-event simulation of one run: N prefill + M decode instances, one placement.
+
+Placement is the router's own object (:class:`router.placement.Placement`): its prefill pool
+chooses and books every prefill, its decode pool every decode, with the same ``choose`` /
+``begin`` / ``end`` / ``sync`` calls the router's proxy makes. The policies see what the router
+would: candidates with in-flight counts and *estimated* uncached tokens pending (the policy's
+own cache estimate when it is prefix-aware, else the full prompt).
 
 Prefill instances serve a FIFO queue in batches (:class:`~bench.sim.perf.PrefillPerf`); their
-true prefix cache is an LRU of block hashes, filled when a batch finishes. The policy sees what
-the router would: candidates with in-flight counts and *estimated* uncached tokens pending (the
-policy's own cache estimate when it is prefix-aware, else the full prompt). Decode instances
-admit up to ``max_running`` sequences (least running first, the rule of
-``router.policy.decode_choice``); a request's decode runs ``output_tokens`` steps at the step
-time of the batch it joined. TTFT = prefill done + KV transfer + one decode step (+ any wait for
-a decode slot). With ``rebalance`` (DualMap only) queued requests of an instance predicted past
-the SLO move to their alternate candidate (``router.policy.rebalance``).
+true prefix cache is an LRU of block hashes, filled when a batch finishes. Decode instances are
+chosen by the decode policy, by default the router's ``kv_aware`` with ``max_running`` from
+:class:`~bench.sim.perf.DecodePerf` and ``strict`` (when every instance is full the request waits
+for a slot); a request's decode runs ``output_tokens`` steps at the step time of the batch it
+joined. TTFT = prefill done + KV transfer + one decode step (+ any wait for a decode slot). With
+``rebalance_threshold_s``, queued requests of an instance predicted past it move to the
+alternate candidate placement named for them (``router.policy.rebalance``; only policies that
+name one, i.e. DualMap, ever move anything).
 
 Dynamic pools: with a :class:`PoolController` the pools are resized every
 ``controller.interval_s`` of simulated time. An added instance is billed from the decision on
-and serves after ``start_delay_s`` (a worker start); a removed one drains: the policy is told at
+and serves after ``start_delay_s`` (a worker start); a removed one drains: placement is told at
 once (``Membership``), so it gets no new work, finishes what it holds, then stops, and is billed
 until then. Scale-down cancels instances still starting first (they stop at once), then drains
 the least loaded serving ones.
@@ -22,157 +28,37 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, cast
 
+from bench.sim.meter import IntervalMeter, IntervalStats
 from bench.sim.perf import DecodePerf, PrefillPerf
-from bench.sim.workload import SimRequest
-from router.policy.base import (
-    Candidate,
-    Dispatched,
-    Finished,
-    Membership,
-    PlacementPolicy,
-    PrefixAware,
-    RouteRequest,
+from bench.sim.pools import (
+    DRAINING,
+    READY,
+    STARTING,
+    STOPPED,
+    DecodeInstance,
+    DecodePool,
+    Instance,
+    Job,
+    PrefillInstance,
+    PrefillPool,
 )
-from router.policy.cache_model import PrefixCacheModel
-from router.policy.dualmap import DualMapPolicy
+from bench.sim.workload import SimRequest
+from router.placement import Placement, Pool
+from router.policy.base import PlacementPolicy, PolicyEvent, RouteRequest
 from router.policy.load_model import LoadModel
 from router.policy.rebalance import QueuedRequest, plan_rebalance
+from router.policy.registry import create_decode_policy
+
+__all__ = ["IntervalStats", "PoolController", "ReplicaPoint", "RunResult", "simulate",
+           "sim_placement"]
 
 MODEL = "sim"
-
-# instance life cycle
-STARTING, READY, DRAINING, STOPPED = 0, 1, 2, 3
-
-
-class _Job:
-    __slots__ = ("req", "route", "est", "alt", "arrival", "cached", "uncached", "worker")
-
-    def __init__(self, req: SimRequest, route: RouteRequest, arrival: float) -> None:
-        self.req = req
-        self.route = route
-        self.arrival = arrival
-        self.est = 0
-        self.alt: str | None = None
-        self.cached = 0
-        self.uncached = 0
-        self.worker = ""
-
-
-class _Instance:
-    """Billing and life cycle shared by both roles."""
-
-    __slots__ = ("wid", "state", "start_s", "stop_s")
-
-    def __init__(self, wid: str, state: int, start_s: float) -> None:
-        self.wid = wid
-        self.state = state
-        self.start_s = start_s
-        self.stop_s: float | None = None
-
-    def billed_s(self, end_s: float) -> float:
-        return (end_s if self.stop_s is None else self.stop_s) - self.start_s
-
-
-class _Prefill(_Instance):
-    __slots__ = ("queue", "busy", "batch", "cache", "pending", "in_flight", "busy_s",
-                 "batch_est", "batch_start")
-
-    def __init__(self, wid: str, cache_blocks: int, state: int = READY,
-                 start_s: float = 0.0) -> None:
-        super().__init__(wid, state, start_s)
-        self.queue: deque[_Job] = deque()
-        self.busy = False
-        self.batch: list[_Job] = []
-        self.batch_est = 0
-        self.batch_start = 0.0
-        self.cache = PrefixCacheModel(cache_blocks)
-        self.pending = 0  # router's estimate of uncached tokens dispatched, not finished
-        self.in_flight = 0
-        self.busy_s = 0.0
-
-
-class _Decode(_Instance):
-    __slots__ = ("index", "running", "ctx")
-
-    def __init__(self, index: int, state: int = READY, start_s: float = 0.0) -> None:
-        super().__init__(f"d{index:04d}", state, start_s)
-        self.index = index
-        self.running = 0
-        self.ctx = 0
-
-
-class _LazyIndex(Mapping[str, Candidate]):
-    """``worker_id -> Candidate`` built on access, so a 1,000-instance pool costs nothing until
-    a policy looks at a member."""
-
-    def __init__(self, inst: dict[str, _Prefill]) -> None:
-        self._inst = inst
-
-    def __getitem__(self, wid: str) -> Candidate:
-        p = self._inst[wid]
-        return Candidate(wid, p.in_flight, False, p.pending)
-
-    def __contains__(self, wid: object) -> bool:
-        return wid in self._inst
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._inst)
-
-    def __len__(self) -> int:
-        return len(self._inst)
-
-
-class _LazyPool(Sequence[Candidate]):
-    any_failed = False
-
-    def __init__(self, inst: dict[str, _Prefill]) -> None:
-        self.by_id = _LazyIndex(inst)
-        self._ids = list(inst)
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def __getitem__(self, i):  # type: ignore[no-untyped-def,override]
-        if isinstance(i, slice):
-            return [self.by_id[w] for w in self._ids[i]]
-        return self.by_id[self._ids[i]]
-
-    def __iter__(self) -> Iterator[Candidate]:
-        return (self.by_id[w] for w in self._ids)
-
-
-@dataclass(frozen=True)
-class IntervalStats:
-    """What one control interval saw: the simulator's equivalent of a metrics scrape."""
-
-    now_s: float
-    interval_s: float
-    arrivals: int
-    uncached_tokens: int
-    """Prompt tokens prefilled (prefix-cache hits excluded) in the interval."""
-    output_tokens: int
-    """Output tokens of the requests that started decoding in the interval."""
-    ttft_s: tuple[float, ...]
-    """TTFT of each request whose first token came in the interval."""
-    tpot_s: tuple[float, ...]
-    """TPOT of the same requests (those with more than one output token)."""
-    prefill_replicas: int
-    """Prefill instances serving or starting (what the last decision asked for)."""
-    decode_replicas: int
-    prefill_ready: int
-    decode_ready: int
-    prefill_busy: float
-    """Busy fraction of the serving prefill instances (0..1, time-weighted)."""
-    decode_slots: float
-    """Running sequences / ``max_running`` over the serving decode instances (0..1)."""
-    uncached_per_request: tuple[int, ...] = ()
-    """Uncached prompt tokens of each request prefilled in the interval."""
-    prompt_tokens: int = 0
-    """Whole prompt tokens (cached ones too) of the requests prefilled in the interval."""
+# event kinds
+DONE_P, DONE_D, READY_P, READY_D, TICK = 1, 2, 3, 4, 5
 
 
 class PoolController(Protocol):
@@ -223,106 +109,115 @@ class RunResult:
     """Pool sizes over time, one point per change (the first at time 0)."""
 
 
-def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill: int,
-             n_decode: int, prefill: PrefillPerf | None = None,
-             decode: DecodePerf | None = None, rate_scale: float = 1.0,
-             rebalance_threshold_s: float | None = None, warmup: int = 0,
-             controller: PoolController | None = None,
-             start_delay_s: float = 30.0) -> RunResult:
-    """Replay ``requests`` (arrival times multiplied by ``rate_scale``) through ``policy``.
+def sim_placement(policy: PlacementPolicy, decode_policy: PlacementPolicy,
+                  prefill: PrefillPool, decode: DecodePool,
+                  observer: Callable[[str, PolicyEvent], None] | None = None) -> Placement:
+    """The router's placement object over simulated pools: ``policy`` places prefills,
+    ``decode_policy`` decodes; each pool is its own ledger. ``observer(role, event)`` hears
+    every event placement sends a policy."""
+    def tap(role: str) -> tuple[Callable[[PolicyEvent], None], ...]:
+        return () if observer is None else (lambda event: observer(role, event),)
 
-    Requests with index < ``warmup`` run but are left out of the TTFT/TPOT lists. With a
-    ``controller`` the pools start at ``controller.initial()`` and ``n_prefill``/``n_decode``
-    are ignored; added instances serve ``start_delay_s`` after the decision.
-    """
-    pp = prefill or PrefillPerf()
-    dp = decode or DecodePerf()
-    if controller is not None:
-        n_prefill, n_decode = controller.initial()
-    if n_prefill < 1 or n_decode < 1:
-        raise ValueError("need at least one prefill and one decode instance")
-    allp: dict[str, _Prefill] = {}  # every prefill instance ever started (for busy_s)
-    inst: dict[str, _Prefill] = {}  # the routable ones
-    for _ in range(n_prefill):
-        wid = f"p{len(allp):04d}"
-        allp[wid] = inst[wid] = _Prefill(wid, pp.cache_blocks)
-    pool = _LazyPool(inst)
-    policy.observe(Membership(MODEL, tuple(inst)))
-    prefix_aware = isinstance(policy, PrefixAware)
-    dualmap = policy if isinstance(policy, DualMapPolicy) else None
-    load = dualmap.load if dualmap is not None else LoadModel(pp.per_token_s)
-    bt = pp.block_tokens
-    # decode: heap of (running, index) with lazy invalidation (stale count or not READY)
-    dec = [_Decode(i) for i in range(n_decode)]
-    d_heap = [(0, i) for i in range(n_decode)]
-    d_wait: deque[tuple[float, _Job]] = deque()
-    res = RunResult()
-    events: list[tuple[float, int, int, object]] = []  # (time, seq, kind, payload)
-    seq = 0
-    DONE_P, DONE_D, READY_P, READY_D, TICK = 1, 2, 3, 4, 5
-    # interval counters for the controller
-    last_tick = 0.0
-    n_arr = unc_tok = out_tok = prompt_tok = 0
-    iv_ttft: list[float] = []
-    iv_tpot: list[float] = []
-    iv_unc: list[int] = []
-    p_busy = 0.0
-    p_area = d_area = run_area = 0.0  # integrals of serving instances and running sequences
-    area_t = 0.0
+    return Placement({"prefill": Pool("prefill", policy, prefill, tap("prefill")),
+                      "decode": Pool("decode", decode_policy, decode, tap("decode"))})
 
-    def counts() -> tuple[int, int, int, int, int, int]:
-        ps = [p.state for p in allp.values()]
-        ds = [d.state for d in dec]
+
+class _Run:
+    """One simulation: the pools, the placement driving them, the event queue, the meter."""
+
+    def __init__(self, policy: PlacementPolicy, decode_policy: PlacementPolicy | None,
+                 n_prefill: int, n_decode: int, pp: PrefillPerf, dp: DecodePerf,
+                 rebalance_threshold_s: float | None, warmup: int,
+                 controller: PoolController | None, start_delay_s: float,
+                 observer: Callable[[str, PolicyEvent], None] | None) -> None:
+        self.pp, self.dp = pp, dp
+        self.threshold = rebalance_threshold_s
+        self.warmup = warmup
+        self.controller = controller
+        self.metered = controller is not None
+        self.start_delay_s = start_delay_s
+        self.prefill = PrefillPool(pp.cache_blocks)
+        for _ in range(n_prefill):
+            self.prefill.add()
+        self.prefill.refresh()
+        self.decode = DecodePool(n_decode)
+        if decode_policy is None:
+            decode_policy = create_decode_policy("kv_aware", max_running=dp.max_running,
+                                                 strict=True)
+        self.placement = sim_placement(policy, decode_policy, self.prefill, self.decode,
+                                       observer)
+        self.p_place = self.placement.pool("prefill")
+        self.d_place = self.placement.pool("decode")
+        self.p_place.sync(MODEL, self.prefill.routable)
+        self.d_place.sync(MODEL, self.decode.ready_ids())
+        self.load = LoadModel(pp.per_token_s)
+        self.d_wait: deque[tuple[float, Job]] = deque()
+        self.res = RunResult()
+        self.events: list[tuple[float, int, int, object]] = []  # (time, seq, kind, payload)
+        self.seq = 0
+        self.meter = IntervalMeter(n_prefill, n_decode)
+        self.record(0.0)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def push(self, t: float, kind: int, payload: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, payload))
+
+    def counts(self) -> tuple[int, int, int, int, int, int]:
+        ps = [p.state for p in self.prefill.all.values()]
+        ds = [d.state for d in self.decode.instances]
         return (ps.count(READY), ps.count(READY) + ps.count(STARTING),
                 len(ps) - ps.count(STOPPED), ds.count(READY),
                 ds.count(READY) + ds.count(STARTING), len(ds) - ds.count(STOPPED))
 
-    def record(now: float) -> None:
-        point = ReplicaPoint(now, *counts())
-        if res.replicas and res.replicas[-1][1:] == point[1:]:
+    def record(self, now: float) -> None:
+        replicas = self.res.replicas
+        point = ReplicaPoint(now, *self.counts())
+        if replicas and replicas[-1][1:] == point[1:]:
             return
-        if res.replicas and res.replicas[-1].t_s == now:
-            res.replicas[-1] = point
+        if replicas and replicas[-1].t_s == now:
+            replicas[-1] = point
         else:
-            res.replicas.append(point)
+            replicas.append(point)
 
-    record(0.0)
-    serving_p, serving_d, running_all = n_prefill, n_decode, 0
-
-    def advance(now: float) -> None:
-        """Accumulate the time integrals up to ``now`` (only needed with a controller)."""
-        nonlocal p_area, d_area, run_area, area_t
-        dt = now - area_t
-        if dt > 0:
-            p_area += serving_p * dt
-            d_area += serving_d * dt
-            run_area += running_all * dt
-            area_t = now
-
-    def push(t: float, kind: int, payload: object) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, payload))
-
-    def stop(x: _Instance, now: float) -> None:
-        nonlocal serving_p, serving_d
-        if controller is not None:
-            advance(now)
+    def stop(self, x: Instance, now: float) -> None:
+        if self.metered:
+            self.meter.advance(now)
         if x.state in (READY, DRAINING):
-            if isinstance(x, _Prefill):
-                serving_p -= 1
+            if isinstance(x, PrefillInstance):
+                self.meter.serving_p -= 1
             else:
-                serving_d -= 1
+                self.meter.serving_d -= 1
         x.state, x.stop_s = STOPPED, now
 
-    def membership_changed() -> None:
-        nonlocal pool
-        pool = _LazyPool(inst)
-        policy.observe(Membership(MODEL, tuple(inst)))
+    def prefill_members_changed(self) -> None:
+        self.prefill.refresh()
+        self.p_place.sync(MODEL, self.prefill.routable)
 
-    def start_batch(p: _Prefill, now: float) -> None:
-        nonlocal unc_tok, prompt_tok
-        batch: list[_Job] = []
+    # -- prefill -----------------------------------------------------------------------------
+
+    def arrive(self, req: SimRequest, now: float) -> None:
+        """Place a new request on a prefill instance (and maybe rebalance that one)."""
+        self.meter.arrivals += 1
+        route = RouteRequest(str(req.index), MODEL, block_hashes=req.block_hashes,
+                             num_prompt_tokens=req.prompt_tokens)
+        job = Job(req, route, now)
+        choice = self.p_place.choose(route, self.prefill.candidates)
+        assert choice is not None
+        p = self.prefill.routable[choice.worker]
+        job.worker, job.alt = choice.worker, choice.alternate
+        job.est = self.p_place.begin(route, choice.worker)
+        p.queue.append(job)
+        if self.threshold is not None and choice.alternate is not None:
+            self.maybe_rebalance(p)
+        if not p.busy:
+            self.start_batch(p, now)
+
+    def start_batch(self, p: PrefillInstance, now: float) -> None:
+        pp, m = self.pp, self.meter
+        bt = pp.block_tokens
+        batch: list[Job] = []
         tokens = 0
         cached_sum = 0
         while p.queue:
@@ -334,8 +229,8 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
                 break
             p.queue.popleft()
             job.cached, job.uncached = hit, unc
-            iv_unc.append(unc)
-            prompt_tok += n
+            m.unc.append(unc)
+            m.prompt += n
             batch.append(job)
             tokens += unc
             cached_sum += hit
@@ -344,95 +239,112 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
         p.batch_est = sum(j.est for j in batch)
         p.busy_s += dur
         p.batch_start = now
-        unc_tok += tokens
-        push(now + dur, DONE_P, p)
+        m.uncached += tokens
+        self.push(now + dur, DONE_P, p)
 
-    def least_running() -> _Decode | None:
-        while d_heap:
-            running, i = d_heap[0]
-            d = dec[i]
-            if d.state != READY:
-                heapq.heappop(d_heap)
-            elif running != d.running:
-                heapq.heapreplace(d_heap, (d.running, i))
-            else:
-                return d if running < dp.max_running else None
-        return None
+    def prefill_done(self, p: PrefillInstance, now: float) -> None:
+        if self.metered:
+            self.meter.p_busy += now - max(p.batch_start, self.meter.last_tick)
+        kv_s = self.dp.kv_transfer_s_per_token
+        for job in p.batch:
+            p.cache.insert(job.route.block_hashes)
+            self.p_place.end(job.route, p.wid)
+            ready = now + kv_s * job.req.prompt_tokens
+            if self.d_wait or not self.admit_decode(job, ready):
+                self.d_wait.append((ready, job))
+        p.busy, p.batch, p.batch_est = False, [], 0
+        if p.queue:
+            self.start_batch(p, now)
+        elif p.state == DRAINING:
+            self.stop(p, now)
+            self.record(now)
 
-    def admit_decode(job: _Job, ready: float) -> bool:
-        """Start ``job``'s decode, or return False when every serving instance is full."""
-        nonlocal out_tok, running_all
-        d = least_running()
-        if d is None:
-            return False
-        if controller is not None:
-            advance(ready)
-        ctx = job.req.prompt_tokens
-        d.running += 1
-        d.ctx += ctx
-        running_all += 1
-        heapq.heapreplace(d_heap, (d.running, d.index))
-        step = dp.step_time_s(d.running, d.ctx)
-        ttft = ready + step - job.arrival
-        out = job.req.output_tokens
-        out_tok += out
-        iv_ttft.append(ttft)
-        if out > 1:
-            iv_tpot.append(step)
-        if job.req.index >= warmup:
-            res.ttft_s.append(ttft)
-            res.req_tpot_s.append(step if out > 1 else 0.0)
-            if out > 1:
-                res.tpot_s.append(step)
-            res.prompt_tokens += job.req.prompt_tokens
-            res.cached_tokens += job.cached
-        push(ready + step * max(out, 1), DONE_D, (d, ctx))
-        return True
-
-    def serve_waiting(now: float) -> None:
-        while d_wait:
-            ready, job = d_wait[0]
-            if not admit_decode(job, max(ready, now)):
-                return
-            d_wait.popleft()
-
-    def maybe_rebalance(p: _Prefill) -> None:
-        assert dualmap is not None and rebalance_threshold_s is not None
-        if load.queue_s(p.pending) <= rebalance_threshold_s or len(p.queue) < 2:
+    def maybe_rebalance(self, p: PrefillInstance) -> None:
+        """Move queued requests of ``p`` to their alternates when ``p`` is a hotspot."""
+        threshold, load = cast(float, self.threshold), self.load
+        if load.queue_s(p.pending) <= threshold or len(p.queue) < 2:
             return
+        routable, place = self.prefill.routable, self.p_place
         queued = []
         for job in p.queue:
-            alt = job.alt if job.alt in inst else None  # never move work onto a draining one
+            alt = job.alt if job.alt in routable else None  # never move onto a draining one
             alt_tokens = 0
             if alt is not None:
-                alt_tokens = job.req.prompt_tokens - dualmap.cached_prefix_tokens(job.route, alt)
+                alt_tokens = job.req.prompt_tokens - place.cached_tokens(job.route, alt)
             queued.append(QueuedRequest(job.route.request_id, job.est, alt, alt_tokens))
-        tails = {q.alternate: inst[q.alternate].pending for q in queued if q.alternate}
-        moves = plan_rebalance(p.wid, queued, p.batch_est, tails, load, rebalance_threshold_s)
+        tails = {q.alternate: routable[q.alternate].pending for q in queued if q.alternate}
+        moves = plan_rebalance(p.wid, queued, p.batch_est, tails, load, threshold)
         if not moves:
             return
         by_rid = {j.route.request_id: j for j in p.queue}
         for mv in moves:
             job = by_rid[mv.request_id]
             p.queue.remove(job)
-            target = inst[mv.target]
-            p.pending -= job.est
-            p.in_flight -= 1
-            policy.observe(Finished(job.route.request_id, p.wid, MODEL, ok=False))
-            job.est = job.req.prompt_tokens - dualmap.cached_prefix_tokens(job.route, target.wid)
+            target = routable[mv.target]
+            place.end(job.route, p.wid, ok=False)
+            job.est = place.begin(job.route, target.wid)
             job.alt, job.worker = p.wid, target.wid
-            policy.observe(Dispatched(job.route.request_id, target.wid, MODEL, job.route))
-            target.pending += job.est
-            target.in_flight += 1
             target.queue.append(job)
-            res.migrations += 1
+            self.res.migrations += 1
 
-    def resize_prefill(want: int, now: float) -> bool:
-        live = [p for p in allp.values() if p.state in (STARTING, READY)]
+    # -- decode ------------------------------------------------------------------------------
+
+    def admit_decode(self, job: Job, ready: float) -> bool:
+        """Start ``job``'s decode, or return False when the decode policy finds no room."""
+        choice = self.d_place.choose(job.route, self.decode.candidates)
+        if choice is None:
+            return False
+        d = self.decode.of(choice.worker)
+        m, res = self.meter, self.res
+        if self.metered:
+            m.advance(ready)
+        ctx = job.req.prompt_tokens
+        self.d_place.begin(job.route, d.wid)
+        d.ctx += ctx
+        m.running += 1
+        step = self.dp.step_time_s(d.running, d.ctx)
+        ttft = ready + step - job.arrival
+        out = job.req.output_tokens
+        m.output += out
+        m.ttft.append(ttft)
+        if out > 1:
+            m.tpot.append(step)
+        if job.req.index >= self.warmup:
+            res.ttft_s.append(ttft)
+            res.req_tpot_s.append(step if out > 1 else 0.0)
+            if out > 1:
+                res.tpot_s.append(step)
+            res.prompt_tokens += job.req.prompt_tokens
+            res.cached_tokens += job.cached
+        self.push(ready + step * max(out, 1), DONE_D, (d, ctx, job))
+        return True
+
+    def serve_waiting(self, now: float) -> None:
+        wait = self.d_wait
+        while wait:
+            ready, job = wait[0]
+            if not self.admit_decode(job, max(ready, now)):
+                return
+            wait.popleft()
+
+    def decode_done(self, d: DecodeInstance, ctx: int, job: Job, now: float) -> None:
+        if self.metered:
+            self.meter.advance(now)
+        self.d_place.end(job.route, d.wid)
+        d.ctx -= ctx
+        self.meter.running -= 1
+        if d.state == DRAINING and d.running == 0:
+            self.stop(d, now)
+            self.record(now)
+        self.serve_waiting(now)
+
+    # -- pool sizes --------------------------------------------------------------------------
+
+    def resize_prefill(self, want: int, now: float) -> bool:
+        pool = self.prefill
+        live = [p for p in pool.all.values() if p.state in (STARTING, READY)]
         for _ in range(want - len(live)):
-            wid = f"p{len(allp):04d}"
-            p = allp[wid] = _Prefill(wid, pp.cache_blocks, STARTING, now)
-            push(now + start_delay_s, READY_P, p)
+            self.push(now + self.start_delay_s, READY_P, pool.add(STARTING, now))
         if want >= len(live):
             return False
         starting = [p for p in reversed(live) if p.state == STARTING]
@@ -441,147 +353,126 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
         changed = False
         for p in (starting + ready)[:len(live) - want]:
             if p.state == STARTING:
-                stop(p, now)
+                self.stop(p, now)
                 continue
-            del inst[p.wid]
+            del pool.routable[p.wid]
             p.state, changed = DRAINING, True
             if not p.busy and not p.queue:
-                stop(p, now)
+                self.stop(p, now)
         return changed
 
-    def resize_decode(want: int, now: float) -> None:
-        live = [d for d in dec if d.state in (STARTING, READY)]
+    def resize_decode(self, want: int, now: float) -> bool:
+        pool = self.decode
+        live = [d for d in pool.instances if d.state in (STARTING, READY)]
         for _ in range(want - len(live)):
-            d = _Decode(len(dec), STARTING, now)
-            dec.append(d)
-            push(now + start_delay_s, READY_D, d)
+            self.push(now + self.start_delay_s, READY_D, pool.add(STARTING, now))
         if want >= len(live):
-            return
+            return False
         starting = [d for d in reversed(live) if d.state == STARTING]
-        ready = sorted((d for d in live if d.state == READY),
-                       key=lambda d: (d.running, -d.index))
+        ready = sorted((d for d in live if d.state == READY), key=lambda d: (d.running, -d.index))
+        changed = False
         for d in (starting + ready)[:len(live) - want]:
             if d.state == STARTING:
-                stop(d, now)
+                self.stop(d, now)
                 continue
-            d.state = DRAINING
+            d.state, changed = DRAINING, True
             if d.running == 0:
-                stop(d, now)
+                self.stop(d, now)
+        return changed
 
-    def tick(now: float) -> None:
-        nonlocal last_tick, n_arr, unc_tok, out_tok, iv_ttft, iv_tpot, iv_unc, p_busy, prompt_tok
-        nonlocal p_area, d_area, run_area
-        assert controller is not None
-        advance(now)
-        for p in allp.values():
+    def tick(self, now: float) -> None:
+        controller, m = cast(PoolController, self.controller), self.meter
+        m.advance(now)
+        for p in self.prefill.all.values():
             if p.busy:
-                p_busy += now - max(p.batch_start, last_tick)
-        interval = now - last_tick
-        pr, pt, _, dr, dt, _ = counts()
-        stats = IntervalStats(
-            now, interval, n_arr, unc_tok, out_tok, tuple(iv_ttft), tuple(iv_tpot), pt, dt,
-            pr, dr, min(1.0, p_busy / p_area) if p_area > 0 else 0.0,
-            min(1.0, run_area / (d_area * dp.max_running)) if d_area > 0 else 0.0, tuple(iv_unc),
-            prompt_tok)
-        last_tick, n_arr, unc_tok, out_tok, prompt_tok = now, 0, 0, 0, 0
-        iv_ttft, iv_tpot, iv_unc, p_busy, p_area, d_area, run_area = [], [], [], 0.0, 0.0, 0.0, 0.0
-        want_p, want_d = controller.decide(stats)
-        if resize_prefill(max(1, want_p), now):
-            membership_changed()
-        resize_decode(max(1, want_d), now)
-        record(now)
+                m.p_busy += now - max(p.batch_start, m.last_tick)
+        want_p, want_d = controller.decide(m.snapshot(now, self.counts(), self.dp.max_running))
+        if self.resize_prefill(max(1, want_p), now):
+            self.prefill_members_changed()
+        if self.resize_decode(max(1, want_d), now):
+            self.d_place.sync(MODEL, self.decode.ready_ids())
+        self.record(now)
 
-    if controller is not None:
-        push(controller.interval_s, TICK, None)
-    it = iter(requests)
-    nxt = next(it, None)
-    now = 0.0
-    while nxt is not None or events:
-        if nxt is not None and (not events or nxt.arrival_s * rate_scale <= events[0][0]):
-            req = nxt
-            nxt = next(it, None)
-            now = req.arrival_s * rate_scale
-            n_arr += 1
-            route = RouteRequest(str(req.index), MODEL, block_hashes=req.block_hashes,
-                                 num_prompt_tokens=req.prompt_tokens)
-            job = _Job(req, route, now)
-            if dualmap is not None:
-                decision = dualmap.decide(route, pool)
-                assert decision is not None
-                wid, job.alt = decision.chosen, decision.alternate
+    def ready_prefill(self, p: PrefillInstance, now: float) -> None:
+        if p.state == STARTING:
+            self.meter.advance(now)
+            p.state = READY
+            self.meter.serving_p += 1
+            self.prefill.routable[p.wid] = p
+            self.prefill_members_changed()
+            self.record(now)
+
+    def ready_decode(self, d: DecodeInstance, now: float) -> None:
+        if d.state == STARTING:
+            self.meter.advance(now)
+            d.state = READY
+            self.meter.serving_d += 1
+            self.decode.ready(d)
+            self.d_place.sync(MODEL, self.decode.ready_ids())
+            self.record(now)
+            self.serve_waiting(now)
+
+    # -- the event loop ----------------------------------------------------------------------
+
+    def run(self, requests: Iterable[SimRequest], rate_scale: float) -> RunResult:
+        events = self.events
+        interval_s = self.controller.interval_s if self.controller is not None else 0.0
+        if self.controller is not None:
+            self.push(interval_s, TICK, None)
+        it = iter(requests)
+        nxt = next(it, None)
+        now = 0.0
+        while nxt is not None or events:
+            if nxt is not None and (not events or nxt.arrival_s * rate_scale <= events[0][0]):
+                req, nxt = nxt, next(it, None)
+                now = req.arrival_s * rate_scale
+                self.arrive(req, now)
+                continue
+            now, _, kind, payload = heapq.heappop(events)
+            if kind == DONE_P:
+                self.prefill_done(cast(PrefillInstance, payload), now)
+            elif kind == DONE_D:
+                d, ctx, job = cast(tuple[DecodeInstance, int, Job], payload)
+                self.decode_done(d, ctx, job, now)
+            elif kind == TICK:
+                self.tick(now)
+                if nxt is not None:
+                    self.push(now + interval_s, TICK, None)
+            elif kind == READY_P:
+                self.ready_prefill(cast(PrefillInstance, payload), now)
             else:
-                choice = policy.select(route, pool)
-                assert choice is not None
-                wid = choice.worker_id
-            p = inst[wid]
-            job.worker = wid
-            job.est = req.prompt_tokens - (
-                policy.cached_prefix_tokens(route, wid) if prefix_aware else 0)  # type: ignore[attr-defined]
-            policy.observe(Dispatched(route.request_id, wid, MODEL, route))
-            p.pending += job.est
-            p.in_flight += 1
-            p.queue.append(job)
-            if rebalance_threshold_s is not None and dualmap is not None:
-                maybe_rebalance(p)
-            if not p.busy:
-                start_batch(p, now)
-            continue
-        now, _, kind, payload = heapq.heappop(events)
-        if kind == DONE_P:
-            p = cast(_Prefill, payload)
-            if controller is not None:
-                p_busy += now - max(p.batch_start, last_tick)
-            for job in p.batch:
-                p.cache.insert(job.route.block_hashes)
-                p.pending -= job.est
-                p.in_flight -= 1
-                policy.observe(Finished(job.route.request_id, p.wid, MODEL))
-                ready = now + dp.kv_transfer_s_per_token * job.req.prompt_tokens
-                if d_wait or not admit_decode(job, ready):
-                    d_wait.append((ready, job))
-            p.busy, p.batch, p.batch_est = False, [], 0
-            if p.queue:
-                start_batch(p, now)
-            elif p.state == DRAINING:
-                stop(p, now)
-                record(now)
-        elif kind == DONE_D:
-            d, ctx = cast(tuple[_Decode, int], payload)
-            if controller is not None:
-                advance(now)
-            d.running -= 1
-            d.ctx -= ctx
-            running_all -= 1
-            if d.state == READY:
-                heapq.heappush(d_heap, (d.running, d.index))
-            elif d.state == DRAINING and d.running == 0:
-                stop(d, now)
-                record(now)
-            serve_waiting(now)
-        elif kind == TICK:
-            tick(now)
-            if nxt is not None:
-                push(now + controller.interval_s, TICK, None)  # type: ignore[union-attr]
-        elif kind == READY_P:
-            p = cast(_Prefill, payload)
-            if p.state == STARTING:
-                advance(now)
-                p.state = READY
-                serving_p += 1
-                inst[p.wid] = p
-                membership_changed()
-                record(now)
-        else:
-            d = cast(_Decode, payload)
-            if d.state == STARTING:
-                advance(now)
-                d.state = READY
-                serving_d += 1
-                heapq.heappush(d_heap, (0, d.index))
-                record(now)
-                serve_waiting(now)
-    res.busy_s = {w: p.busy_s for w, p in allp.items()}
-    res.sim_end_s = now
-    res.instance_s = {"prefill": sum(p.billed_s(now) for p in allp.values()),
-                      "decode": sum(d.billed_s(now) for d in dec)}
-    return res
+                self.ready_decode(cast(DecodeInstance, payload), now)
+        res = self.res
+        res.busy_s = {w: p.busy_s for w, p in self.prefill.all.items()}
+        res.sim_end_s = now
+        res.instance_s = {"prefill": sum(p.billed_s(now) for p in self.prefill.all.values()),
+                          "decode": sum(d.billed_s(now) for d in self.decode.instances)}
+        return res
+
+
+def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill: int,
+             n_decode: int, prefill: PrefillPerf | None = None,
+             decode: DecodePerf | None = None, rate_scale: float = 1.0,
+             rebalance_threshold_s: float | None = None, warmup: int = 0,
+             controller: PoolController | None = None,
+             start_delay_s: float = 30.0, decode_policy: PlacementPolicy | None = None,
+             observer: Callable[[str, PolicyEvent], None] | None = None) -> RunResult:
+    """Replay ``requests`` (arrival times multiplied by ``rate_scale``), placing prefills with
+    ``policy`` and decodes with ``decode_policy`` (default: ``kv_aware`` at the decode
+    instances' ``max_running``, strict) through one :class:`router.placement.Placement`.
+
+    Requests with index < ``warmup`` run but are left out of the TTFT/TPOT lists. With a
+    ``controller`` the pools start at ``controller.initial()`` and ``n_prefill``/``n_decode``
+    are ignored; added instances serve ``start_delay_s`` after the decision.
+    ``observer(role, event)`` hears
+    every placement event (membership, dispatch, finish) of both pools, in order.
+    """
+    pp = prefill or PrefillPerf()
+    dp = decode or DecodePerf()
+    if controller is not None:
+        n_prefill, n_decode = controller.initial()
+    if n_prefill < 1 or n_decode < 1:
+        raise ValueError("need at least one prefill and one decode instance")
+    run = _Run(policy, decode_policy, n_prefill, n_decode, pp, dp, rebalance_threshold_s,
+               warmup, controller, start_delay_s, observer)
+    return run.run(requests, rate_scale)

@@ -16,6 +16,7 @@ from bench.sim.engine import RunResult, simulate
 from bench.sim.perf import DecodePerf, PrefillPerf
 from bench.sim.workload import SimRequest
 from router.policy.base import PlacementPolicy
+from router.policy.context import PolicyContext
 from router.policy.registry import create_prefill_policy
 
 
@@ -35,23 +36,22 @@ class SweepConfig:
     rebalance: bool = True
 
 
+def policy_context(cfg: SweepConfig) -> PolicyContext:
+    """What every policy may know: the TTFT SLO and the simulated prefill's cost and cache."""
+    return PolicyContext(ttft_slo_s=cfg.ttft_slo_s, per_token_s=cfg.prefill.per_token_s,
+                         block_tokens=cfg.prefill.block_tokens,
+                         cache_capacity_blocks=cfg.prefill.cache_blocks)
+
+
 def make_policy(name: str, cfg: SweepConfig) -> PlacementPolicy:
-    """A fresh policy; DualMap gets the SLO and the cost model."""
-    if name == "dualmap":
-        return create_prefill_policy(name, ttft_slo_s=cfg.ttft_slo_s,
-                                     per_token_s=cfg.prefill.per_token_s,
-                                     cache_capacity_blocks=cfg.prefill.cache_blocks,
-                                     block_tokens=cfg.prefill.block_tokens)
-    if name == "prefix_only":
-        return create_prefill_policy(name, block_tokens=cfg.prefill.block_tokens,
-                                     cache_capacity_blocks=cfg.prefill.cache_blocks)
-    return create_prefill_policy(name)
+    """A fresh policy built by its factory from the run's :func:`policy_context`."""
+    return create_prefill_policy(name, policy_context(cfg))
 
 
 def run_at(name: str, reqs: Sequence[SimRequest], cfg: SweepConfig, rate_rps: float,
            native_rps: float) -> RunResult:
     """One run of ``name`` at ``rate_rps``."""
-    threshold = cfg.ttft_slo_s if (cfg.rebalance and name == "dualmap") else None
+    threshold = cfg.ttft_slo_s if cfg.rebalance else None
     return simulate(reqs, make_policy(name, cfg), cfg.n_prefill, cfg.n_decode, cfg.prefill,
                     cfg.decode, rate_scale=native_rps / rate_rps,
                     rebalance_threshold_s=threshold,

@@ -37,11 +37,12 @@ from router.api.tracing import RequestTracer
 from router.config import RouterSettings
 from router.errors import APIError, InvalidRequestError
 from router.metrics import RouterMetrics
+from router.placement import Placement
 from router.policy.admission import AdmissionLimits, admit
 from router.policy.base import RouteRequest
+from router.policy.context import PolicyContext
 from router.policy.disagg import SelectiveDisaggregation
 from router.policy.hashing import block_hashes
-from router.policy.registry import create_decode_policy, create_prefill_policy
 from router.state.cluster import ClusterSource, ClusterView
 from router.state.load import LoadTracker
 from router.state.registry import WorkerRecord, WorkerRegistry
@@ -68,14 +69,11 @@ class RouterService:
                 cluster, lambda: self.client, self.tracker.in_flight,
                 interval_s=settings.load_poll_interval_s,
                 on_failure=lambda role: self.metrics.load_scrape_failures.labels(role=role).inc())
-        params: dict[str, Any] = {}
-        if settings.policy == "dualmap":
-            params = {"ttft_slo_s": settings.ttft_slo_s,
-                      "per_token_s": settings.prefill_s_per_token}
-        self._prefill_policy = create_prefill_policy(settings.policy, **params)
-        self._aggregated_policy = create_prefill_policy(settings.policy, **params)
-        self._decode_policy = create_decode_policy(settings.decode_policy)
         self.disagg = SelectiveDisaggregation(settings.disagg_min_prefill_tokens)
+        context = PolicyContext(ttft_slo_s=settings.ttft_slo_s,
+                                per_token_s=settings.prefill_s_per_token)
+        self.placement = Placement.create(settings.policy, settings.decode_policy, context,
+                                          self.tracker, decode_observers=(self.disagg.observe,))
         self.limits = AdmissionLimits(settings.max_in_flight_per_worker,
                                       settings.admission_queue_slo_factor, settings.ttft_slo_s,
                                       settings.prefill_s_per_token)
@@ -92,13 +90,10 @@ class RouterService:
                               keepalive_expiry=3.0)
         # trust_env=False: workers are reached directly, never through an HTTP(S)_PROXY.
         self.client = httpx.AsyncClient(limits=limits, trust_env=False)
-        self.proxy = PDProxy(self.settings, self.cluster, self.metrics, self._prefill_policy,
-                             self._decode_policy, self.tracker, self.client,
+        self.proxy = PDProxy(self.settings, self.cluster, self.metrics, self.placement,
+                             self.tracker, self.client,
                              self.loads.loads if self.loads is not None else dict,
-                             on_done=self._timeline_done,
-                             aggregated_policy=self._aggregated_policy,
-                             decode_observers=(self.disagg.observe,),
-                             keyring=self.keyring)
+                             on_done=self._timeline_done, keyring=self.keyring)
         await self.cluster.start()
         if self.loads is not None:
             self.loads.start()

@@ -35,16 +35,8 @@ from router.api.usage import StreamWatch, Usage, body_usage, has_content, split_
 from router.config import RouterSettings
 from router.errors import APIError, UpstreamError
 from router.metrics import RouterMetrics
-from router.policy.base import (
-    Candidate,
-    Dispatched,
-    Finished,
-    Membership,
-    PlacementPolicy,
-    PolicyEvent,
-    PrefixAware,
-    RouteRequest,
-)
+from router.placement import Placement
+from router.policy.base import Candidate, RouteRequest
 from router.state.cluster import ClusterSource
 from router.state.load import LoadTracker
 from router.state.registry import WorkerRecord
@@ -79,27 +71,6 @@ def _allow_same_worker_retry(exc: Exception, worker: WorkerRecord, tried: set[st
     if isinstance(exc, _STALE_CONNECTION) and worker.worker_id not in retried:
         retried.add(worker.worker_id)
         tried.discard(worker.worker_id)
-
-
-def _select_with_reason(policy: Any, route: RouteRequest,
-                        candidates: list[Candidate]) -> tuple[Candidate | None, str]:
-    """The policy's choice and a bounded reason label for the decisions metric."""
-    decide = getattr(policy, "decide", None)
-    if decide is None:
-        return policy.select(route, candidates), str(getattr(policy, "name", "policy"))
-    decision = decide(route, candidates)
-    if decision is None:
-        return None, "none"
-    chosen = next(c for c in candidates if c.worker_id == decision.chosen)
-    if decision.alternate is None:
-        reason = "single_candidate"
-    elif decision.switched:
-        reason = "slo_switch"
-    elif decision.cached_tokens[decision.chosen] > decision.cached_tokens[decision.alternate]:
-        reason = "cache_affinity"
-    else:
-        reason = "load"
-    return chosen, reason
 
 
 def _relay_body(resp_content: bytes, status: int, content_type: str | None) -> Response:
@@ -168,46 +139,33 @@ class PDProxy:
         settings: RouterSettings,
         cluster: ClusterSource,
         metrics: RouterMetrics,
-        prefill_policy: PlacementPolicy,
-        decode_policy: PlacementPolicy,
+        placement: Placement,
         tracker: LoadTracker,
         client: httpx.AsyncClient,
         reported_loads: Callable[[], Mapping[str, WorkerLoad]] = dict,
         on_done: Callable[[PhaseClock, int], None] = lambda clock, status: None,
-        aggregated_policy: PlacementPolicy | None = None,
-        decode_observers: tuple[Callable[[PolicyEvent], None], ...] = (),
         keyring: Keyring | KeyringFile | None = None,
     ) -> None:
         self.settings = settings
         self.cluster = cluster
         self.metrics = metrics
-        self.prefill_policy = prefill_policy
-        self.decode_policy = decode_policy
+        self.placement = placement
+        """Chooses and books every worker (its ledger is ``tracker``); the prefill pool places
+        prefill and aggregated workers together, the aggregated pool aggregated ones alone."""
         self.tracker = tracker
         self.client = client
         self.reported_loads = reported_loads
         """Workers' own fresh load reports (:class:`WorkerLoadPoller.loads`)."""
         self.on_done = on_done
         """Called once when a relayed stream ends (its timeline is complete)."""
-        self.aggregated_policy = aggregated_policy or prefill_policy
-        """Places requests among aggregated (plain) workers: a prefix-aware policy instance of
-        its own, so its rings hold only aggregated workers."""
-        self.decode_observers = decode_observers
-        """Also told of decode dispatches and membership (selective disaggregation's cache)."""
         self.keyring = keyring
         """Signs every ``kv_transfer_params`` sent to a worker (None: unsigned)."""
         self._prefill_timeout = httpx.Timeout(settings.prefill_timeout_s,
                                               connect=settings.connect_timeout_s)
         self._decode_timeout = httpx.Timeout(settings.decode_timeout_s,
                                              connect=settings.connect_timeout_s)
-        # (role, model) -> worker ids last announced to the policy (ring membership)
-        self._members: dict[tuple[str, str], tuple[str, ...]] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------
-
-    def _policy(self, role: str) -> PlacementPolicy:
-        return {"prefill": self.prefill_policy, "decode": self.decode_policy,
-                "aggregated": self.aggregated_policy}[role]
 
     def _live(self, role: str, model: str) -> list[WorkerRecord]:
         """Workers placed by ``role``'s policy; in a mixed fleet the prefill policy places
@@ -217,37 +175,33 @@ class PDProxy:
             live += self.cluster.workers("aggregated", model)
         return live
 
-    def _choose(self, role: str, route: RouteRequest, tried: set[str]) -> WorkerRecord | None:
+    def choose(self, role: str, route: RouteRequest, tried: set[str]) -> WorkerRecord | None:
+        """The ``role`` worker placement picks for ``route`` among the live ones not in
+        ``tried`` (added to it); None when there is none. Nothing is booked (``begin``)."""
         live = self._live(role, route.model)
-        policy = self._policy(role)
-        members = tuple(sorted(r.worker_id for r in live))
-        if self._members.get((role, route.model)) != members:
-            self._members[(role, route.model)] = members
-            policy.observe(Membership(route.model, members))
-            if role == "decode":
-                for observe in self.decode_observers:
-                    observe(Membership(route.model, members))
+        pool = self.placement.pool(role)
+        pool.sync(route.model, (r.worker_id for r in live))
         records = [r for r in live if r.worker_id not in tried]
         candidates = self.tracker.candidates(records, self.reported_loads())
-        choice, reason = _select_with_reason(policy, route, candidates)
+        choice = pool.choose(route, candidates)
         if choice is None:
             return None
-        self.metrics.routing_decisions.labels(role=role, reason=reason).inc()
-        worker = next(r for r in records if r.worker_id == choice.worker_id)
+        self.metrics.routing_decisions.labels(role=role, reason=choice.reason).inc()
+        worker = next(r for r in records if r.worker_id == choice.worker)
         tried.add(worker.worker_id)
         return worker
 
     async def _choose_or_wait(self, role: str, route: RouteRequest,
                               tried: set[str]) -> WorkerRecord | None:
-        """``_choose``; when the pool is empty (a membership blip: an evicted worker, a restart)
+        """``choose``; when the pool is empty (a membership blip: an evicted worker, a restart)
         wait up to ``no_worker_wait_s`` for one instead of failing an admitted request."""
-        worker = self._choose(role, route, tried)
+        worker = self.choose(role, route, tried)
         if worker is not None or tried:
             return worker
         deadline = time.monotonic() + self.settings.no_worker_wait_s
         while time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-            worker = self._choose(role, route, tried)
+            worker = self.choose(role, route, tried)
             if worker is not None:
                 return worker
         return None
@@ -260,31 +214,17 @@ class PDProxy:
         """The decode worker the decode policy would pick now (nothing is recorded)."""
         live = self._live("decode", route.model)
         candidates = self.tracker.candidates(live, self.reported_loads())
-        choice, _ = _select_with_reason(self.decode_policy, route, candidates)
-        return None if choice is None else next(r for r in live
-                                                if r.worker_id == choice.worker_id)
+        choice = self.placement.pool("decode").choose(route, candidates)
+        return None if choice is None else next(r for r in live if r.worker_id == choice.worker)
 
-    def _begin(self, role: str, route: RouteRequest, worker: WorkerRecord) -> None:
-        policy = self._policy(role)
-        tokens = 0
-        if role in ("prefill", "aggregated"):
-            # uncached tokens: asked before Dispatched, which records the prompt as cached there
-            cached = (policy.cached_prefix_tokens(route, worker.worker_id)
-                      if isinstance(policy, PrefixAware) else 0)
-            tokens = max(route.prompt_len - cached, 0)
-        dispatched = Dispatched(route.request_id, worker.worker_id, route.model, route)
-        policy.observe(dispatched)
-        if role == "decode":
-            for observe in self.decode_observers:
-                observe(dispatched)
-        self.tracker.start(worker.worker_id, route.request_id, tokens,
-                           prefill=role in ("prefill", "aggregated"))
+    def begin(self, role: str, route: RouteRequest, worker: WorkerRecord) -> None:
+        """``route`` is being sent to ``worker``: placement and the in-flight gauge count it."""
+        self.placement.pool(role).begin(route, worker.worker_id)
         self.metrics.in_flight.labels(role=role).inc()
 
-    def _end(self, role: str, route: RouteRequest, worker: WorkerRecord, ok: bool) -> None:
-        policy = self._policy(role)
-        policy.observe(Finished(route.request_id, worker.worker_id, route.model, ok))
-        self.tracker.finish(worker.worker_id, route.request_id)
+    def end(self, role: str, route: RouteRequest, worker: WorkerRecord, ok: bool) -> None:
+        """``worker`` is done with ``route`` (``ok``: it answered)."""
+        self.placement.pool(role).end(route, worker.worker_id, ok)
         self.metrics.in_flight.labels(role=role).dec()
 
     def _account(self, model: str, usage: Usage | None, gaps: list[float] | None = None
@@ -349,7 +289,7 @@ class PDProxy:
             if attempt:
                 self.metrics.upstream_retries.labels(role="prefill").inc()
             logger.debug("prefill on %s (attempt %d)", worker.worker_id, attempt + 1)
-            self._begin("prefill", route, worker)
+            self.begin("prefill", route, worker)
             started = time.perf_counter()
             ok = False
             try:
@@ -362,7 +302,7 @@ class PDProxy:
                 _allow_same_worker_retry(exc, worker, tried, retried)
                 continue
             finally:
-                self._end("prefill", route, worker, ok)
+                self.end("prefill", route, worker, ok)
             if resp.status_code >= 500:
                 last = UpstreamError(
                     f"prefill worker {worker.worker_id} answered {resp.status_code}: "
@@ -421,7 +361,7 @@ class PDProxy:
             if attempt:
                 self.metrics.upstream_retries.labels(role=role).inc()
             logger.debug("%s on %s (attempt %d)", role, worker.worker_id, attempt + 1)
-            self._begin(role, route, worker)
+            self.begin(role, route, worker)
             request = self.client.build_request("POST", worker.http_url + endpoint.path,
                                                 content=content, headers=headers,
                                                 timeout=self._decode_timeout)
@@ -465,7 +405,7 @@ class PDProxy:
                 continue
             finally:
                 if not handed_over:
-                    self._end(role, route, worker, ok=ok)
+                    self.end(role, route, worker, ok=ok)
         if last is None:
             raise _no_workers(role, route.model)
         raise last
@@ -523,7 +463,7 @@ class PDProxy:
                 clock.mark("decode_chosen")
                 if attempt:
                     metrics.upstream_retries.labels(role="decode").inc()
-                self._begin("decode", route, worker)
+                self.begin("decode", route, worker)
                 relayed = ok = False
                 try:
                     async for out in decode_once(worker):
@@ -545,7 +485,7 @@ class PDProxy:
                     if isinstance(exc, httpx.HTTPError):
                         _allow_same_worker_retry(exc, worker, tried, retried)
                 finally:
-                    self._end("decode", route, worker, ok=ok)
+                    self.end("decode", route, worker, ok=ok)
             state["status"] = last.status if last is not None else 503
             message = last.message if last is not None else \
                 f"no live decode worker for model '{route.model}'"
@@ -612,7 +552,7 @@ class PDProxy:
                 return
             state["done"] = True
             # Bookkeeping first: the await below may be interrupted by cancellation.
-            self._end(role, route, worker, ok=state["ok"])
+            self.end(role, route, worker, ok=state["ok"])
             clock.mark("done")
             metrics.requests.labels(endpoint=endpoint.name, status=str(resp.status_code),
                                     model_name=route.model).inc()

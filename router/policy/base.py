@@ -109,6 +109,24 @@ class PlacementPolicy(Protocol):
     def observe(self, event: PolicyEvent) -> None: ...
 
 
+@dataclass(frozen=True)
+class Choice:
+    """A placement decision: the worker, why (a bounded metric label), and the runner-up the
+    policy would move the request to (DualMap's other candidate; None when it has none)."""
+
+    worker: str
+    reason: str
+    alternate: str | None = None
+
+
+@runtime_checkable
+class Explaining(Protocol):
+    """Optional extension: a policy that says why it chose (``Choice.reason``) and which
+    candidate came second (``Choice.alternate``). Pure, like ``select``."""
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice | None: ...
+
+
 @runtime_checkable
 class PrefixAware(Protocol):
     """Optional extension: a policy that models what each worker has cached.
@@ -119,6 +137,17 @@ class PrefixAware(Protocol):
     """
 
     def cached_prefix_tokens(self, request: RouteRequest, worker_id: str) -> int: ...
+
+
+@runtime_checkable
+class LoadOrdered(Protocol):
+    """Optional extension of a candidate sequence that keeps itself ordered by load (the
+    simulator's heap-ordered decode pool: 1,000 instances, one choice per request). Its
+    candidates are never in cool-down and report no KV usage."""
+
+    def least_loaded(self) -> Candidate | None:
+        """The candidate with the lowest ``(max(running, in_flight), in_flight, worker_id)``;
+        None when empty."""
 
 
 def index_candidates(candidates: Sequence[Candidate]) -> Mapping[str, Candidate]:

@@ -14,7 +14,8 @@ a hot prefix overflows onto its ring successors instead of piling up. Load is co
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from router.errors import ConfigError
 from router.policy._rings import ModelRings, allowed_ids
@@ -25,6 +26,7 @@ from router.policy.base import (
     RouteRequest,
     index_candidates,
 )
+from router.policy.context import PolicyContext, checked
 from router.policy.hashing import block_hashes
 from router.policy.hot_prefix import PrefixKeyer
 
@@ -42,6 +44,14 @@ class BoundedLoadHashPolicy:
         self.block_tokens = block_tokens
         self._keyer = PrefixKeyer(block_tokens, level_tokens, adaptive=False)
         self._rings = ModelRings(vnodes)
+
+    @classmethod
+    def from_context(cls, context: PolicyContext, params: Mapping[str, Any]
+                     ) -> BoundedLoadHashPolicy:
+        """The factory: ``epsilon``, ``vnodes``, ``level_tokens``; ``block_tokens`` from the
+        context."""
+        own = checked(cls.name, params, ("epsilon", "vnodes", "block_tokens", "level_tokens"))
+        return cls(**{"block_tokens": context.block_tokens, **own})
 
     def bound(self, total_in_flight: int, n: int) -> int:
         """Most requests one instance may hold once this request is placed."""

@@ -11,7 +11,8 @@ No load term: a hot prefix pins all its traffic on one instance (the reference c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from router.policy._rings import ModelRings, allowed_ids
 from router.policy.base import (
@@ -21,6 +22,7 @@ from router.policy.base import (
     RouteRequest,
     index_candidates,
 )
+from router.policy.context import PolicyContext, checked
 from router.policy.hashing import block_hashes
 from router.policy.hot_prefix import PrefixKeyer
 
@@ -35,6 +37,13 @@ class ConsistentHashPolicy:
         self.block_tokens = block_tokens
         self._keyer = PrefixKeyer(block_tokens, level_tokens, adaptive=False)
         self._rings = ModelRings(vnodes)
+
+    @classmethod
+    def from_context(cls, context: PolicyContext, params: Mapping[str, Any]
+                     ) -> ConsistentHashPolicy:
+        """The factory: ``vnodes``, ``level_tokens``; ``block_tokens`` from the context."""
+        own = checked(cls.name, params, ("vnodes", "block_tokens", "level_tokens"))
+        return cls(**{"block_tokens": context.block_tokens, **own})
 
     def routing_key(self, request: RouteRequest) -> int:
         """The fixed-depth prefix key."""

@@ -14,10 +14,12 @@ every worker is full the least-loaded full one is returned (the engine queues it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from router.errors import ConfigError
-from router.policy.base import Candidate, PolicyEvent, RouteRequest, preferred
+from router.policy.base import Candidate, LoadOrdered, PolicyEvent, RouteRequest, preferred
+from router.policy.context import PolicyContext, checked
 
 
 class DecodeChoicePolicy:
@@ -33,6 +35,12 @@ class DecodeChoicePolicy:
         self.max_kv_usage = max_kv_usage
         self.strict = strict
 
+    @classmethod
+    def from_context(cls, context: PolicyContext, params: Mapping[str, Any]
+                     ) -> DecodeChoicePolicy:
+        """The factory: ``max_running``, ``max_kv_usage``, ``strict`` (the context has none)."""
+        return cls(**checked(cls.name, params, ("max_running", "max_kv_usage", "strict")))
+
     def score(self, c: Candidate) -> float:
         """Load in [0, 2]; lower is better."""
         return max(c.running, c.in_flight) / self.max_running + c.kv_usage
@@ -43,6 +51,12 @@ class DecodeChoicePolicy:
 
     def select(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None:
         """The least-loaded candidate with room."""
+        if isinstance(candidates, LoadOrdered):
+            # kept in load order by the caller: the least loaded has room or nobody has
+            least = candidates.least_loaded()
+            if least is None or self.has_room(least):
+                return least
+            return None if self.strict else least
         pool = preferred(candidates)
         if not pool:
             return None

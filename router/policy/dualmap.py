@@ -31,12 +31,14 @@ detector; ``observe(Membership)`` updates both rings. Hotspot rebalancing of que
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from router.errors import ConfigError
 from router.policy._rings import ModelRings, allowed_ids
 from router.policy.base import (
     Candidate,
+    Choice,
     Dispatched,
     Membership,
     PolicyEvent,
@@ -44,6 +46,7 @@ from router.policy.base import (
     index_candidates,
 )
 from router.policy.cache_model import ClusterCacheModel
+from router.policy.context import PolicyContext, checked
 from router.policy.hashing import block_hashes
 from router.policy.hot_prefix import PrefixKeyer
 from router.policy.load_model import LoadModel
@@ -124,6 +127,16 @@ class DualMapPolicy:
         # the key of a model no request was dispatched for yet: depth 1, nothing expanded
         self._fresh = PrefixKeyer(config.block_tokens, config.level_tokens, adaptive=False)
 
+    @classmethod
+    def from_context(cls, context: PolicyContext, params: Mapping[str, Any]) -> DualMapPolicy:
+        """The factory: the SLO, the per-token cost and the cache geometry come from the
+        context; ``params`` override them and set any other :class:`DualMapConfig` field."""
+        own = checked(cls.name, params, [f.name for f in fields(DualMapConfig)])
+        return cls(DualMapConfig(**{  # type: ignore[arg-type]
+            "ttft_slo_s": context.ttft_slo_s, "per_token_s": context.per_token_s,
+            "block_tokens": context.block_tokens,
+            "cache_capacity_blocks": context.cache_capacity_blocks, **own}))
+
     # -- pure queries ------------------------------------------------------------------------
 
     def _keyer(self, model: str) -> PrefixKeyer:
@@ -193,6 +206,22 @@ class DualMapPolicy:
         chosen, other = (lo, hi) if switched else (hi, lo)
         return Decision(chosen, other, hi, switched, {a: ttft_a, b: ttft_b},
                         {a: cached_a, b: cached_b})
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice | None:
+        """The decision as a :class:`Choice`: reason ``single_candidate``, ``slo_switch``,
+        ``cache_affinity`` (more cached tokens won) or ``load`` (equal caches, less load)."""
+        d = self.decide(request, candidates)
+        if d is None:
+            return None
+        if d.alternate is None:
+            reason = "single_candidate"
+        elif d.switched:
+            reason = "slo_switch"
+        elif d.cached_tokens[d.chosen] > d.cached_tokens[d.alternate]:
+            reason = "cache_affinity"
+        else:
+            reason = "load"
+        return Choice(d.chosen, reason, d.alternate)
 
     def select(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None:
         """The chosen candidate (pure)."""

@@ -12,9 +12,11 @@ sequential requests instead of piling them on the first worker.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from router.policy.base import Candidate, PolicyEvent, RouteRequest, preferred
+from router.policy.context import PolicyContext, checked
 from router.policy.round_robin import RoundRobinPolicy
 
 
@@ -23,6 +25,13 @@ class LeastLoadedPolicy:
 
     def __init__(self) -> None:
         self._ties = RoundRobinPolicy()
+
+    @classmethod
+    def from_context(cls, context: PolicyContext, params: Mapping[str, Any]
+                     ) -> LeastLoadedPolicy:
+        """The factory: no parameters."""
+        checked(cls.name, params, ())
+        return cls()
 
     def select(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None:
         pool = preferred(candidates)

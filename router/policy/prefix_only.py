@@ -11,7 +11,8 @@ No load term beyond ties, so a hot prefix stays where it was first cached.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from router.policy._rings import allowed_ids
 from router.policy.base import (
@@ -22,6 +23,7 @@ from router.policy.base import (
     index_candidates,
 )
 from router.policy.cache_model import ClusterCacheModel
+from router.policy.context import PolicyContext, checked
 from router.policy.hashing import block_hashes
 
 
@@ -33,6 +35,15 @@ class PrefixOnlyPolicy:
     def __init__(self, block_tokens: int = 16, cache_capacity_blocks: int = 20_000) -> None:
         self.block_tokens = block_tokens
         self.cache = ClusterCacheModel(cache_capacity_blocks)
+
+    @classmethod
+    def from_context(cls, context: PolicyContext, params: Mapping[str, Any]
+                     ) -> PrefixOnlyPolicy:
+        """The factory: ``block_tokens`` and ``cache_capacity_blocks`` from the context unless
+        given."""
+        own = checked(cls.name, params, ("block_tokens", "cache_capacity_blocks"))
+        return cls(**{"block_tokens": context.block_tokens,
+                      "cache_capacity_blocks": context.cache_capacity_blocks, **own})
 
     def hashes(self, request: RouteRequest) -> Sequence[int]:
         """The request's block hashes (given, or computed from its token ids)."""

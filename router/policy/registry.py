@@ -1,8 +1,10 @@
 """Policy names -> factories. New policies register here under a stable name.
 
 The names are the same everywhere (router ``--policy``, simulator ``--policies``, JSON, plots).
-Factories take keyword parameters (the simulator passes the SLO and the cost model); the router
-calls them with the settings it has.
+A factory is the policy's own ``from_context(context, params)``: it takes what it needs from
+the :class:`~router.policy.context.PolicyContext` (SLO, per-token cost, cache geometry) and
+parses its own parameters, rejecting unknown ones, as llm-d's scheduler plugins do. Callers
+never special-case a policy by name.
 """
 
 from __future__ import annotations
@@ -14,49 +16,51 @@ from router.errors import ConfigError
 from router.policy.base import PlacementPolicy
 from router.policy.bounded_load_hash import BoundedLoadHashPolicy
 from router.policy.consistent_hash import ConsistentHashPolicy
+from router.policy.context import PolicyContext
 from router.policy.decode_choice import DecodeChoicePolicy
 from router.policy.dualmap import DualMapPolicy
 from router.policy.least_loaded import LeastLoadedPolicy
 from router.policy.prefix_only import PrefixOnlyPolicy
 from router.policy.round_robin import RoundRobinPolicy
 
-PolicyFactory = Callable[..., PlacementPolicy]
+PolicyFactory = Callable[[PolicyContext, Mapping[str, Any]], PlacementPolicy]
 
 PREFILL_POLICIES: Mapping[str, PolicyFactory] = {
-    "dualmap": DualMapPolicy,
-    "round_robin": RoundRobinPolicy,
-    "least_loaded": LeastLoadedPolicy,
-    "consistent_hash": ConsistentHashPolicy,
-    "bounded_load_hash": BoundedLoadHashPolicy,
-    "prefix_only": PrefixOnlyPolicy,
+    "dualmap": DualMapPolicy.from_context,
+    "round_robin": RoundRobinPolicy.from_context,
+    "least_loaded": LeastLoadedPolicy.from_context,
+    "consistent_hash": ConsistentHashPolicy.from_context,
+    "bounded_load_hash": BoundedLoadHashPolicy.from_context,
+    "prefix_only": PrefixOnlyPolicy.from_context,
 }
 DECODE_POLICIES: Mapping[str, PolicyFactory] = {
-    "least_loaded": LeastLoadedPolicy,
-    "round_robin": RoundRobinPolicy,
-    "kv_aware": DecodeChoicePolicy,
+    "least_loaded": LeastLoadedPolicy.from_context,
+    "round_robin": RoundRobinPolicy.from_context,
+    "kv_aware": DecodeChoicePolicy.from_context,
 }
 BASELINES = ("round_robin", "least_loaded", "consistent_hash", "bounded_load_hash",
              "prefix_only")
 """The prefill baselines DualMap is compared against, in report order."""
 
 
-def create_prefill_policy(name: str, **params: Any) -> PlacementPolicy:
-    """A new prefill policy; ``params`` go to its constructor (DualMap takes the SLO etc.)."""
+def _create(kind: str, table: Mapping[str, PolicyFactory], name: str,
+            context: PolicyContext | None, params: Mapping[str, Any]) -> PlacementPolicy:
     try:
-        factory = PREFILL_POLICIES[name]
+        factory = table[name]
     except KeyError:
         raise ConfigError(
-            f"unknown prefill policy {name!r}; allowed: {', '.join(sorted(PREFILL_POLICIES))}"
-        ) from None
-    return factory(**params)
+            f"unknown {kind} policy {name!r}; allowed: {', '.join(sorted(table))}") from None
+    return factory(context or PolicyContext(), params)
 
 
-def create_decode_policy(name: str, **params: Any) -> PlacementPolicy:
-    """A new decode policy."""
-    try:
-        factory = DECODE_POLICIES[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown decode policy {name!r}; allowed: {', '.join(sorted(DECODE_POLICIES))}"
-        ) from None
-    return factory(**params)
+def create_prefill_policy(name: str, context: PolicyContext | None = None,
+                          **params: Any) -> PlacementPolicy:
+    """A new prefill policy built by its factory from ``context`` (default: the defaults)
+    and its own ``params``."""
+    return _create("prefill", PREFILL_POLICIES, name, context, params)
+
+
+def create_decode_policy(name: str, context: PolicyContext | None = None,
+                         **params: Any) -> PlacementPolicy:
+    """A new decode policy built by its factory from ``context`` and its own ``params``."""
+    return _create("decode", DECODE_POLICIES, name, context, params)

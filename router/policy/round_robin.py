@@ -9,9 +9,11 @@ rotation fair when workers join or leave, and two routers fed the same events pi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from router.policy.base import Candidate, Dispatched, PolicyEvent, RouteRequest, preferred
+from router.policy.context import PolicyContext, checked
 
 
 class RoundRobinPolicy:
@@ -19,6 +21,13 @@ class RoundRobinPolicy:
 
     def __init__(self) -> None:
         self._last: dict[str, str] = {}  # model -> id of the last dispatched worker
+
+    @classmethod
+    def from_context(cls, context: PolicyContext, params: Mapping[str, Any]
+                     ) -> RoundRobinPolicy:
+        """The factory: no parameters."""
+        checked(cls.name, params, ())
+        return cls()
 
     def select(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None:
         pool = sorted(preferred(candidates), key=lambda c: c.worker_id)

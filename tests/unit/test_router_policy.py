@@ -132,6 +132,7 @@ FORBIDDEN_MODULES = {"asyncio", "httpx", "redis", "fastapi", "starlette", "time"
 PURE_MODULES = {
     # files -> the packages of ours they may import
     "router/policy/*.py": ("router.policy", "router.errors"),
+    "router/placement.py": ("router.policy",),
     "router/autoscale/planner.py": ("router.autoscale", "router.errors"),
     "router/autoscale/predictors.py": ("router.autoscale", "router.errors"),
     "router/autoscale/capacity.py": ("router.autoscale", "router.errors"),
