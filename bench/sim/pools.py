@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 
 from bench.sim.workload import SimRequest
-from router.policy.base import Candidate, RouteRequest
+from router.policy.base import Candidate, LoadOrdered, RouteRequest
 from router.policy.cache_model import PrefixCacheModel
 
 # instance life cycle
@@ -172,7 +172,7 @@ class PrefillPool:
             p.pending -= self._tokens.pop(request_id, 0)
 
 
-class _DecodeCandidates(Sequence[Candidate]):
+class _DecodeCandidates(LoadOrdered):
     """The ready decode instances as candidates, least loaded first on request."""
 
     def __init__(self, pool: DecodePool) -> None:

@@ -19,7 +19,8 @@ from router.api import first_token
 from router.api.auth import ApiKeyMiddleware, ApiKeys
 from router.api.context import SCOPE_KEY, RequestIdMiddleware, new_request_id
 from router.api.errors import error_response, install_error_handlers
-from router.api.proxy import PDProxy, RelayResponse
+from router.api.proxy import PDProxy
+from router.api.relay import RelayResponse
 from router.api.schemas import (
     CHAT_COMPLETIONS,
     COMPLETIONS,

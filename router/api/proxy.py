@@ -1,5 +1,8 @@
 """The prefill -> decode proxy: worker choice, the two upstream calls, retries and SSE relay.
 
+Workers are chosen and booked through :class:`router.placement.Placement`; relaying answers is
+:mod:`router.api.relay`, upstream errors and the same-worker retry rule :mod:`router.api.upstream`.
+
 Prefill failures (connect, timeout, 5xx, no ``kv_transfer_params``) are retried on another prefill
 worker; decode failures are retried on another decode worker with the same ``kv_transfer_params``
 as long as no byte reached the client. Once a stream has started, an upstream failure becomes one
@@ -14,12 +17,11 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httpx
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
 
 from kvtransfer.signing import Keyring, KeyringFile, current, strip_signature
 from router.api.first_token import (
@@ -28,12 +30,14 @@ from router.api.first_token import (
     continuation_body,
     first_events,
 )
+from router.api.relay import FirstOutput, RelayResponse, relay_body
 from router.api.rewrite import decode_body, encode, prefill_body
 from router.api.schemas import Endpoint
 from router.api.timeline import PhaseClock
-from router.api.usage import StreamWatch, Usage, body_usage, has_content, split_events
+from router.api.upstream import allow_same_worker_retry, no_workers, upstream_error
+from router.api.usage import StreamWatch, Usage, body_usage
 from router.config import RouterSettings
-from router.errors import APIError, UpstreamError
+from router.errors import UpstreamError
 from router.metrics import RouterMetrics
 from router.placement import Placement
 from router.policy.base import Candidate, RouteRequest
@@ -45,90 +49,6 @@ from router.state.worker_load import WorkerLoad
 logger = logging.getLogger(__name__)
 
 _FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate")
-
-
-def _no_workers(role: str, model: str) -> APIError:
-    return APIError(f"no live {role} worker for model '{model}'", status=503,
-                    code="no_workers_available", type="service_unavailable")
-
-
-def _upstream_error(role: str, worker: WorkerRecord, exc: Exception) -> UpstreamError:
-    if isinstance(exc, httpx.TimeoutException):
-        return UpstreamError(f"{role} worker {worker.worker_id} timed out: {exc!r}", role=role,
-                             kind="timeout", status=504, code="upstream_timeout")
-    kind = "connect" if isinstance(exc, httpx.ConnectError) else "protocol"
-    return UpstreamError(f"{role} worker {worker.worker_id} failed: {exc!r}", role=role,
-                         kind=kind)
-
-
-# Errors of a pooled keep-alive connection the worker closed just as we reused it: the worker
-# may be fine, so one retry on the same worker is allowed (useful when it is the only one).
-_STALE_CONNECTION = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
-
-
-def _allow_same_worker_retry(exc: Exception, worker: WorkerRecord, tried: set[str],
-                             retried: set[str]) -> None:
-    if isinstance(exc, _STALE_CONNECTION) and worker.worker_id not in retried:
-        retried.add(worker.worker_id)
-        tried.discard(worker.worker_id)
-
-
-def _relay_body(resp_content: bytes, status: int, content_type: str | None) -> Response:
-    return Response(content=resp_content, status_code=status,
-                    media_type=content_type or "application/json")
-
-
-class _FirstToken:
-    """Finds the first SSE event that carries generated output (or ends the stream)."""
-
-    _LIMIT = 1 << 20
-
-    def __init__(self) -> None:
-        self._buf = b""
-        self.found = False
-
-    def feed(self, chunk: bytes) -> bool:
-        if self.found:
-            return True
-        self._buf = (self._buf + chunk)[-self._LIMIT:]
-        events, self._buf = split_events(self._buf)
-        for event in events:
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:") and self._has_output(line[5:].strip()):
-                    self.found = True
-                    return True
-        return False
-
-    @staticmethod
-    def _has_output(payload: bytes) -> bool:
-        if payload == b"[DONE]":
-            return True
-        try:
-            data = json.loads(payload)
-        except ValueError:
-            return False
-        if not isinstance(data, dict):
-            return False
-        if "error" in data or has_content(data):
-            return True
-        return any(isinstance(c, dict) and c.get("finish_reason")
-                   for c in data.get("choices") or [])
-
-
-class RelayResponse(StreamingResponse):
-    """A streaming response whose cleanup runs even when the body is never iterated
-    (client gone before the first byte)."""
-
-    def __init__(self, content: AsyncIterator[bytes], *, status_code: int, media_type: str,
-                 cleanup: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(content, status_code=status_code, media_type=media_type)
-        self._cleanup = cleanup
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._cleanup()
 
 
 class PDProxy:
@@ -297,9 +217,9 @@ class PDProxy:
                                               headers=headers, timeout=self._prefill_timeout)
                 ok = resp.status_code < 500
             except httpx.HTTPError as exc:
-                last = _upstream_error("prefill", worker, exc)
+                last = upstream_error("prefill", worker, exc)
                 self._failed(worker, last)
-                _allow_same_worker_retry(exc, worker, tried, retried)
+                allow_same_worker_retry(exc, worker, tried, retried)
                 continue
             finally:
                 self.end("prefill", route, worker, ok)
@@ -312,7 +232,7 @@ class PDProxy:
             if resp.status_code >= 400:
                 logger.info("prefill worker %s rejected the request with %d",
                             worker.worker_id, resp.status_code)
-                return _relay_body(resp.content, resp.status_code,
+                return relay_body(resp.content, resp.status_code,
                                    resp.headers.get("content-type"))
             data = _json(resp)
             params = _kv_transfer_params(data)
@@ -330,7 +250,7 @@ class PDProxy:
             clock.mark("prefill_answered")
             return params, worker, data
         if last is None:
-            raise _no_workers("prefill", route.model)
+            raise no_workers("prefill", route.model)
         raise last
 
     # -- decode ------------------------------------------------------------------------------
@@ -383,7 +303,7 @@ class PDProxy:
                         if resp.status_code < 400:
                             self.tracker.mark_ok(worker.worker_id)
                             self._account(route.model, body_usage(data))
-                        return _relay_body(data, resp.status_code,
+                        return relay_body(data, resp.status_code,
                                            resp.headers.get("content-type"))
                     chunks = resp.aiter_raw()
                     first = b""
@@ -399,15 +319,15 @@ class PDProxy:
                     if not handed_over:
                         await resp.aclose()
             except httpx.HTTPError as exc:
-                last = _upstream_error(role, worker, exc)
+                last = upstream_error(role, worker, exc)
                 self._failed(worker, last)
-                _allow_same_worker_retry(exc, worker, tried, retried)
+                allow_same_worker_retry(exc, worker, tried, retried)
                 continue
             finally:
                 if not handed_over:
                     self.end(role, route, worker, ok=ok)
         if last is None:
-            raise _no_workers(role, route.model)
+            raise no_workers(role, route.model)
         raise last
 
     def continue_stream(
@@ -477,13 +397,13 @@ class PDProxy:
                     return
                 except (httpx.HTTPError, UpstreamError) as exc:
                     err = exc if isinstance(exc, UpstreamError) else \
-                        _upstream_error("decode", worker, exc)
+                        upstream_error("decode", worker, exc)
                     self._failed(worker, err)
                     last = err
                     if relayed:
                         break
                     if isinstance(exc, httpx.HTTPError):
-                        _allow_same_worker_retry(exc, worker, tried, retried)
+                        allow_same_worker_retry(exc, worker, tried, retried)
                 finally:
                     self.end("decode", route, worker, ok=ok)
             state["status"] = last.status if last is not None else 503
@@ -515,7 +435,7 @@ class PDProxy:
         role: str = "decode",
     ) -> RelayResponse:
         state = {"done": False, "ok": True}
-        detector = _FirstToken()
+        detector = FirstOutput()
         watch = StreamWatch()
         metrics = self.metrics
 
@@ -539,7 +459,7 @@ class PDProxy:
                         yield chunk
             except httpx.HTTPError as exc:
                 state["ok"] = False
-                err = _upstream_error(role, worker, exc)
+                err = upstream_error(role, worker, exc)
                 self._failed(worker, err)
                 event = {"error": {"message": f"decode failed mid-stream: {err.message}",
                                    "type": "upstream_error", "param": None,

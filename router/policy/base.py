@@ -139,15 +139,16 @@ class PrefixAware(Protocol):
     def cached_prefix_tokens(self, request: RouteRequest, worker_id: str) -> int: ...
 
 
-@runtime_checkable
-class LoadOrdered(Protocol):
-    """Optional extension of a candidate sequence that keeps itself ordered by load (the
-    simulator's heap-ordered decode pool: 1,000 instances, one choice per request). Its
-    candidates are never in cool-down and report no KV usage."""
+class LoadOrdered(Sequence[Candidate]):
+    """A candidate sequence that keeps itself ordered by load (the simulator's heap-ordered
+    decode pool: 1,000 instances, one choice per request). Its candidates are never in
+    cool-down and report no KV usage. A base class, not a protocol: the decode policy checks
+    it on every choice and a runtime protocol check costs ~20 us."""
 
     def least_loaded(self) -> Candidate | None:
         """The candidate with the lowest ``(max(running, in_flight), in_flight, worker_id)``;
         None when empty."""
+        raise NotImplementedError
 
 
 def index_candidates(candidates: Sequence[Candidate]) -> Mapping[str, Candidate]:

@@ -1,0 +1,72 @@
+"""Relaying a worker's answer to the client: whole bodies, and streams whose cleanup always runs
+and whose first output is detected (the router's TTFT)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from router.api.usage import has_content, split_events
+
+
+def relay_body(resp_content: bytes, status: int, content_type: str | None) -> Response:
+    """A worker's whole (non-streamed) answer, relayed as it came."""
+    return Response(content=resp_content, status_code=status,
+                    media_type=content_type or "application/json")
+
+
+class FirstOutput:
+    """Finds the first SSE event that carries generated output (or ends the stream)."""
+
+    _LIMIT = 1 << 20
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.found = False
+
+    def feed(self, chunk: bytes) -> bool:
+        """True once the stream so far holds the first output (or its end)."""
+        if self.found:
+            return True
+        self._buf = (self._buf + chunk)[-self._LIMIT:]
+        events, self._buf = split_events(self._buf)
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:") and self._has_output(line[5:].strip()):
+                    self.found = True
+                    return True
+        return False
+
+    @staticmethod
+    def _has_output(payload: bytes) -> bool:
+        if payload == b"[DONE]":
+            return True
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return False
+        if not isinstance(data, dict):
+            return False
+        if "error" in data or has_content(data):
+            return True
+        return any(isinstance(c, dict) and c.get("finish_reason")
+                   for c in data.get("choices") or [])
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming response whose cleanup runs even when the body is never iterated
+    (client gone before the first byte)."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, status_code: int, media_type: str,
+                 cleanup: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, status_code=status_code, media_type=media_type)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
