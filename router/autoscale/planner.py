@@ -8,6 +8,8 @@ ahead (a worker's start time: an instance asked for now serves only then), times
 for bursts learned from this trace's own history (``predictors.BurstHeadroom``: the
 ``burst_quantile`` of how far the rate overshot the forecast within a start time plus an
 interval), plus any backlog (arrived, not yet prefilled) drained within ``backlog_drain_s``.
+Before the trace has shown any burst, a cold-start headroom (``cold_headroom``, decaying over
+``cold_s``) stands in for the learned one.
 The prefill model's TTFT holds the handoff to decode (KV transfer of the whole context and the
 first decode step, ``capacity.PrefillModel.with_handoff``). The models are
 fitted online: each interval the planner compares the latency it observed with what its model
@@ -80,6 +82,12 @@ class PlannerConfig:
     """Headroom up to this factor applies even above the highest rate seen (a ramp's
     forecast lags its rise); beyond it the plan stops at the ``burst_quantile`` of the rates
     seen (a 10x factor at a quiet level asks for the peak, not 10x the peak)."""
+    cold_headroom: float = 1.0
+    """Headroom before the trace has shown its bursts: the planned rate is at least the level
+    times this factor, decaying linearly to 1 over ``cold_s`` from the first observation (a
+    step before any history lands on the few instances of a quiet start, and their queue
+    outlives the step: the instances added later do not take it). 1 disables it."""
+    cold_s: float = 300.0
     decode_headroom: bool = True
     """Apply the burst headroom to decode as well (else decode sizes for the forecast)."""
     backlog_drain_s: float = 30.0
@@ -105,6 +113,8 @@ class PlannerConfig:
             raise ValueError("need 0 <= burst_quantile < 1 and max_headroom >= 1")
         if self.backlog_drain_s <= 0 or self.max_scale_down_step < 1:
             raise ValueError("need backlog_drain_s > 0 and max_scale_down_step >= 1")
+        if self.cold_headroom < 1 or self.cold_s < 0:
+            raise ValueError("need cold_headroom >= 1 and cold_s >= 0")
 
 
 @dataclass(frozen=True)
@@ -186,6 +196,7 @@ class Planner:
     _burst: BurstHeadroom | None = field(init=False, default=None)
     _backlog: float = field(init=False, default=0.0)
     _ctx: Predictor = field(init=False)
+    _first_s: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self._rate = make_predictor(self.config.predictor)
@@ -291,7 +302,11 @@ class Planner:
         # beyond free_headroom, never plan above a rate this trace has shown (request-weighted)
         ceiling_rate = self._burst.rate_quantile(horizon, cfg.burst_quantile)
         base = max(rate_hat, self._level.predict())
-        planned_rate = max(rate_hat, base * min(factor, cfg.free_headroom),
+        if self._first_s is None:
+            self._first_s = obs.now_s - obs.interval_s
+        cold = 1.0 + (cfg.cold_headroom - 1.0) * max(
+            0.0, 1.0 - (obs.now_s - self._first_s) / cfg.cold_s) if cfg.cold_s > 0 else 1.0
+        planned_rate = max(rate_hat, base * min(factor, cfg.free_headroom), base * cold,
                            min(base * factor, ceiling_rate)) if rate > 0 or rate_hat > 0 else 0.0
         headroom = planned_rate / rate_hat if rate_hat > 0 else 1.0
         if obs.prefilled is not None:

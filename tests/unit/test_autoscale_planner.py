@@ -291,3 +291,20 @@ def test_planner_keeps_capacity_for_bursts_it_has_seen() -> None:
     # a 20 req/s burst needs 4 instances (20k tokens/s over 6182 usable per instance)
     assert quiet[0.0] == 1
     assert quiet[0.9] >= 4
+
+
+def test_cold_headroom_holds_capacity_before_any_burst_and_decays() -> None:
+    """A quiet start at 2 req/s: with a 6x cold-start headroom over 300 s the planner holds
+    the pool a 12 req/s step needs (12k tokens/s over 6182 usable per instance: 2) from its
+    first decisions, and is back at one instance once the 300 s have passed; without it
+    (cold_headroom 1, the negative control) it never leaves one instance."""
+    sizes: dict[float, list[int]] = {}
+    for cold in (6.0, 1.0):
+        p = planner(cold_headroom=cold, cold_s=300.0, max_scale_up_factor=100.0,
+                    burst_quantile=0.0)
+        sizes[cold] = [pd for pd, _ in run(p, [2.0] * 45)]
+    assert sizes[1.0] == [1] * 45
+    assert min(sizes[6.0][:10]) >= 2  # the first 100 s: ready for a 6x step
+    assert sizes[6.0][-1] == 1  # decayed: 440 s in, the cold headroom is gone
+    with pytest.raises(ValueError):
+        PlannerConfig(cold_headroom=0.5)
