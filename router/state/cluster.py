@@ -196,12 +196,24 @@ class ClusterView:
         return sorted({r.model for r in self._records})
 
 
+CANCEL_RETRY_S = 0.1
+
+
 async def cancel_task(task: asyncio.Task[None] | None) -> None:
-    """Cancel a background loop and wait until it has stopped (no-op for None)."""
-    if task is not None:
+    """Cancel a background loop and wait until it has stopped (no-op for None).
+
+    The cancellation is repeated every :data:`CANCEL_RETRY_S` until the task ends: one can be
+    lost inside a library (Python 3.11's ``asyncio.wait_for`` drops a cancellation that arrives
+    as its inner future completes, and redis-py's reads use it), and a loop that lost it would
+    run on while this waited forever: the router's shutdown hung that way."""
+    if task is None:
+        return
+    while not task.done():
         task.cancel()
+        await asyncio.wait({task}, timeout=CANCEL_RETRY_S)
+    if not task.cancelled():
         with contextlib.suppress(asyncio.CancelledError):
-            await task
+            task.result()  # a loop that ended with an error: re-raise it here
 
 
 class StaticCluster:

@@ -8,7 +8,9 @@ to fail on demand. Runs under uvicorn in a thread on a free loopback port.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -43,6 +45,13 @@ class Recorded:
     body: dict[str, Any]
 
 
+STOP_TIMEOUT_S = 3.0
+"""How long :meth:`ServerThread.stop` waits for uvicorn's shutdown (lifespan included)."""
+STUCK_SERVERS: list[str] = []
+"""Servers whose shutdown did not finish in time, with their event loop's tasks; the
+integration conftest prints them at the end of the session (they are left running)."""
+
+
 class ServerThread:
     """uvicorn serving ``app`` on 127.0.0.1:``port`` in a daemon thread."""
 
@@ -54,8 +63,15 @@ class ServerThread:
                                 log_config=None, lifespan="on", timeout_graceful_shutdown=1,
                                 access_log=False)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True,
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True,
                                        name=f"uvicorn-{self.port}")
+
+    def _run(self) -> None:
+        """uvicorn's ``Server.run`` with the loop kept for :meth:`_tasks`."""
+        with asyncio.Runner(loop_factory=self.server.config.get_loop_factory()) as runner:
+            self.loop = runner.get_loop()
+            runner.run(self.server.serve())
 
     @property
     def url(self) -> str:
@@ -71,8 +87,43 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
+        """Ask uvicorn to shut down; a shutdown still running after :data:`STOP_TIMEOUT_S` is
+        recorded in :data:`STUCK_SERVERS` (it never finished in 10 s either when this waited
+        that long) and left to the daemon thread."""
         self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=STOP_TIMEOUT_S)
+        if self.thread.is_alive():
+            STUCK_SERVERS.append(f"uvicorn on port {self.port} (test "
+                                 f"{_current_test()}):\n{self._tasks()}")
+
+    def _tasks(self) -> str:
+        """The stacks of the server loop's pending tasks (read from another thread: best
+        effort, for diagnosis only)."""
+        if self.loop is None:
+            return "(no loop)"
+        for _ in range(5):
+            try:
+                tasks = list(asyncio.all_tasks(self.loop))
+                break
+            except RuntimeError:  # the set changed while we copied it
+                continue
+        else:
+            return "(tasks unreadable)"
+        out = io.StringIO()
+        for task in tasks:
+            print(f"task {task.get_name()}:", file=out)
+            coro: Any = task.get_coro()
+            while coro is not None:  # the await chain, outermost first
+                frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+                if frame is not None:
+                    print(f"  {frame.f_code.co_filename}:{frame.f_lineno} "
+                          f"{frame.f_code.co_name}", file=out)
+                coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        return out.getvalue() or "(no pending task: the loop thread is blocked)"
+
+
+def _current_test() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "?")
 
 
 @dataclass

@@ -12,7 +12,7 @@ import pytest
 from router.api.app import create_app
 from router.config import RouterSettings
 from serve.redis_server import RedisServer, start_redis
-from tests.fakes.fake_worker import FakeWorker, ServerThread, build_tiny_tokenizer
+from tests.fakes.fake_worker import STUCK_SERVERS, FakeWorker, ServerThread, build_tiny_tokenizer
 from tests.support.router import MAX_MODEL_LEN, PREFIX, register, wait_healthy
 
 
@@ -87,3 +87,11 @@ def start_router(redis_server: RedisServer) -> Iterator[Callable[..., str]]:
 def client() -> Iterator[httpx.Client]:
     with httpx.Client(trust_env=False, timeout=30.0) as c:
         yield c
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """In-process uvicorn servers whose shutdown hung (left running), with their tasks."""
+    if STUCK_SERVERS:
+        terminalreporter.section(f"{len(STUCK_SERVERS)} in-process servers did not shut down")
+        for entry in STUCK_SERVERS:
+            terminalreporter.write_line(entry[-4000:])
