@@ -16,7 +16,8 @@ offline model) with the prefill publishing its events, and sends prompts that sh
 each request it compares, for that prompt:
 
 - ``estimate``: the tokens the router's cache model expects the prefill to reuse (the same
-  model, hashing and capacity the router's DualMap uses, fed the same request sequence), and
+  model, hashing and capacity the router's prefix-aware policies use, fed the same request
+  sequence), and
 - ``events``: the tokens of the prompt's leading full blocks that vLLM's events say are cached
   (the cache state rebuilt from the events received so far; vLLM's own token ids, from the
   worker's ``/tokenize``).
@@ -49,7 +50,7 @@ import httpx
 
 from bench.placement import placement_of
 from router.policy.cache_model import PrefixCacheModel
-from router.policy.dualmap import DualMapConfig
+from router.policy.context import PolicyContext
 from router.policy.hashing import block_hashes
 from router.samples import parse_samples, total
 from serve.redis_server import free_port, start_redis
@@ -234,7 +235,7 @@ def run_one(model: Path, prompts: Sequence[str], kv_blocks: int, tmp: Path) -> R
     from transformers import AutoTokenizer
 
     router_tok = AutoTokenizer.from_pretrained(str(model))
-    cfg = DualMapConfig()
+    cfg = PolicyContext()  # the router's cache geometry defaults (block size, blocks per worker)
     estimate = PrefixCacheModel(cfg.cache_capacity_blocks)
     replica = CacheReplica()
     port = free_port()
