@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.sim.sweep import SweepConfig, effective_capacity
+from bench.sim.sweep import SweepConfig, effective_capacity, starting_rate
 from bench.sim.trace_input import native_rate, synth_rows
 from bench.sim.workload import WorkloadConfig, build_requests
 from router.policy.registry import PREFILL_POLICIES
@@ -60,7 +60,7 @@ def one(shape: str, seed: int, n: int, instances: int, ttft_slo_s: float
     reqs = build_requests(rows, workload, seed)
     native = native_rate(rows)
     mean_prompt = sum(r.prompt_tokens for r in reqs) / len(reqs)
-    start = instances / (cfg.prefill.overhead_s + mean_prompt * cfg.prefill.per_token_s)
+    start = starting_rate(reqs, cfg)
     started = time.monotonic()
     caps = {name: effective_capacity(name, reqs, cfg, native, start)[0]
             for name in PREFILL_POLICIES}

@@ -40,7 +40,14 @@ from bench.sim.autoscale import (
 from bench.sim.engine import RunResult, simulate
 from bench.sim.perf import DecodePerf, PrefillPerf, load_calibration
 from bench.sim.report import write_autoscale_report, write_report, write_summary
-from bench.sim.sweep import SweepConfig, effective_capacity, make_policy, run_at, summarize
+from bench.sim.sweep import (
+    SweepConfig,
+    effective_capacity,
+    make_policy,
+    run_at,
+    starting_rate,
+    summarize,
+)
 from bench.sim.trace_input import TraceError, native_rate, read_trace
 from bench.sim.workload import SimRequest, WorkloadConfig, build_requests
 from router import settings as shared
@@ -132,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings is not None:
         return _replay(names, reqs, cfg, settings, out, args)
     native = native_rate(rows)
-    # a starting guess: all prefill capacity busy on a mean prompt with no cache reuse
-    mean_prompt = sum(r.prompt_tokens for r in reqs) / len(reqs)
-    start = args.prefill / (prefill.overhead_s + mean_prompt * prefill.per_token_s)
+    start = starting_rate(reqs, cfg)
     caps: dict[str, float] = {}
     curves: dict[str, list[tuple[float, float]]] = {}
     for name in names:

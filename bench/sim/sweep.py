@@ -63,6 +63,13 @@ def attainment(res: RunResult, slo_s: float) -> float:
     return sum(t <= slo_s for t in res.ttft_s) / len(res.ttft_s) if res.ttft_s else 0.0
 
 
+def starting_rate(reqs: Sequence[SimRequest], cfg: SweepConfig) -> float:
+    """A first guess for :func:`effective_capacity`: every prefill instance busy on the mean
+    prompt with no cache reuse (req/s)."""
+    mean_prompt = sum(r.prompt_tokens for r in reqs) / len(reqs)
+    return cfg.n_prefill / (cfg.prefill.overhead_s + mean_prompt * cfg.prefill.per_token_s)
+
+
 def effective_capacity(name: str, reqs: Sequence[SimRequest], cfg: SweepConfig,
                        native_rps: float, start_rps: float,
                        progress: Callable[[str], None] | None = None
