@@ -1,4 +1,5 @@
-"""The `pdserve` command: `up`, `worker`, `router`, `autoscale`, `config show`, `model tiny`."""
+"""The `pdserve` command: `up`, `worker`, `router`, `autoscale`, `config show`, `model tiny`,
+`chaos`, `doctor`, and the commands other packages register (serve.commands: `bench`, `sim`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 
 from router import settings as shared
 from router.errors import ConfigError
+from serve.commands import plugin_commands, summary
+from serve.commands import run as run_plugin
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,9 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_worker_args(w)
     sub.add_parser("router", help="run the OpenAI-compatible router (see `pdserve router -h`)",
                    add_help=False)
-    sub.add_parser("bench", help="load-test harness: replay/synth/sweep/compare/profile "
-                   "(see `pdserve bench -h`)", add_help=False)
-    sub.add_parser("sim", help="cluster simulator (see `pdserve sim -h`)", add_help=False)
+    for name, ep in plugin_commands().items():
+        sub.add_parser(name, help=summary(ep), add_help=False)
     sub.add_parser("chaos", help="inject faults into a real local cluster under load and prove "
                    "nothing is lost (see `pdserve chaos -h`)", add_help=False)
     sub.add_parser("doctor", help="what the KV transport can use here (UCX, RDMA, CUDA, "
@@ -99,14 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         from router.main import main as router_main
 
         return router_main(argv[1:])
-    if argv[:1] == ["bench"]:
-        from bench.cli import main as bench_main
-
-        return bench_main(argv[1:])
-    if argv[:1] == ["sim"]:
-        from bench.sim.cli import main as sim_main
-
-        return sim_main(argv[1:])
+    plugins = plugin_commands()
+    if argv[:1] and argv[0] in plugins:
+        return run_plugin(plugins[argv[0]], argv[1:])
     if argv[:1] == ["doctor"]:
         from serve.doctor import main as doctor_main
 
