@@ -1,0 +1,366 @@
+"""The proxy's retries, SSE relay and placement bookkeeping, through its seams, in-process.
+
+:class:`PDProxy` is built as the router builds it, with an in-memory ``ClusterSource`` and an
+``httpx.AsyncClient`` whose transport (``httpx.MockTransport``) plays the workers: each call
+takes the next scripted behaviour of the worker it reached (an answer, a status, an SSE stream
+that may break, or the httpx error a dead or stale connection raises). Streamed answers are
+played through the ASGI interface, as uvicorn would send them, by a client that may hang up.
+No uvicorn, no Redis, no sockets.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+from starlette.types import Message, Scope
+
+from router.api.proxy import PDProxy
+from router.api.schemas import COMPLETIONS
+from router.api.timeline import PhaseClock
+from router.config import RouterSettings
+from router.errors import UpstreamError
+from router.metrics import RouterMetrics
+from router.placement import Placement
+from router.policy.base import RouteRequest
+from router.policy.context import PolicyContext
+from router.samples import parse_samples, total
+from router.state.load import LoadTracker
+from router.state.registry import WorkerRecord
+
+MODEL = "tiny"
+KV = {"remote_engine_id": "engine-p", "remote_block_ids": [1, 2], "remote_request_id": "r"}
+BODY: dict[str, Any] = {"model": MODEL, "prompt": "hello there", "max_tokens": 4, "stream": True}
+EVENTS = [b'data: {"choices":[{"index":0,"text":"a"}]}\n\n',
+          b'data: {"choices":[{"index":0,"text":"b"}]}\n\n',
+          b'data: {"choices":[{"index":0,"text":"c","finish_reason":"length"}]}\n\n',
+          b"data: [DONE]\n\n"]
+STALE = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+"""What a keep-alive connection the worker closed as it was reused raises (router.api.upstream):
+the only errors retried on the same worker."""
+
+
+# ---- the seams: an in-memory cluster and scripted workers behind httpx.MockTransport --------
+
+class MemoryCluster:
+    """A ``ClusterSource`` over a list of records; ``evict`` drops a worker, as ClusterView."""
+
+    def __init__(self, records: list[WorkerRecord]) -> None:
+        self.records = records
+        self.evicted: list[str] = []
+
+    @property
+    def redis_ok(self) -> bool:
+        return True
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def workers(self, role: str | None = None, model: str | None = None) -> list[WorkerRecord]:
+        return [r for r in self.records
+                if (role is None or r.role == role) and (model is None or r.model == model)]
+
+    def models(self) -> list[str]:
+        return sorted({r.model for r in self.records})
+
+    def evict(self, worker_id: str) -> None:
+        self.evicted.append(worker_id)
+        self.records = [r for r in self.records if r.worker_id != worker_id]
+
+
+class Script:
+    """A broken (or complete) SSE body: ``chunks``, then ``error`` raised if given."""
+
+    def __init__(self, chunks: list[bytes],
+                 error: type[httpx.TransportError] | None = None) -> None:
+        self.chunks = chunks
+        self.error = error
+
+
+class ScriptedStream(httpx.AsyncByteStream):
+    """An upstream body that yields its chunks, may fail like a dropped connection, and
+    remembers whether the proxy closed it."""
+
+    def __init__(self, script: Script, request: httpx.Request) -> None:
+        self.script = script
+        self.request = request
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in self.script.chunks:
+            yield chunk
+        if self.script.error is not None:
+            raise self.script.error("connection dropped mid-stream", request=self.request)
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+Behaviour = type[httpx.TransportError] | int | dict[str, Any] | Script
+"""An httpx error class (raised at the call), a status code (an error body), a JSON answer,
+or an SSE stream."""
+
+
+@dataclass
+class Workers:
+    """Scripted workers, by worker id (the URL host); records every call."""
+
+    scripts: dict[str, list[Behaviour]]
+    calls: list[str] = field(default_factory=list)
+    streams: list[ScriptedStream] = field(default_factory=list)
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        worker = request.url.host
+        self.calls.append(worker)
+        step = self.scripts[worker].pop(0)
+        if isinstance(step, type):
+            raise step(f"{worker}: scripted failure", request=request)
+        if isinstance(step, int):
+            return httpx.Response(step, json={"error": {"message": "scripted"}})
+        if isinstance(step, Script):
+            stream = ScriptedStream(step, request)
+            self.streams.append(stream)
+            return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                  stream=stream)
+        return httpx.Response(200, json=step)
+
+
+def record(worker_id: str, role: str) -> WorkerRecord:
+    return WorkerRecord(worker_id=worker_id, role=role,  # type: ignore[arg-type]
+                        model=MODEL, model_path="/nonexistent", http_url=f"http://{worker_id}",
+                        engine_id=f"engine-{worker_id}", ucx_address="", max_model_len=4096,
+                        started_at=0.0)
+
+
+@dataclass
+class Rig:
+    proxy: PDProxy
+    cluster: MemoryCluster
+    workers: Workers
+    tracker: LoadTracker
+    metrics: RouterMetrics
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests booked and not yet ended: per worker (the placement ledger) and per role
+        (the router's gauge), nonzero entries only."""
+        samples = parse_samples(self.metrics.render().decode())
+        per_worker = {w: self.tracker.in_flight(w) for w in self.workers.scripts}
+        per_role = {f"role:{r}": int(total(samples, "pdserve_router_in_flight_requests", role=r))
+                    for r in ("prefill", "decode")}
+        return {k: v for k, v in {**per_worker, **per_role}.items() if v}
+
+    def retries(self, role: str) -> float:
+        return total(parse_samples(self.metrics.render().decode()),
+                     "pdserve_router_upstream_retries_total", role=role)
+
+
+@pytest.fixture
+async def rig_of() -> AsyncIterator[Callable[..., Rig]]:
+    """Builds a proxy over ``prefill`` and ``decode`` workers with the given scripts."""
+    clients: list[httpx.AsyncClient] = []
+
+    def build(**scripts: list[Behaviour]) -> Rig:
+        settings = RouterSettings(policy="round_robin", decode_policy="round_robin",
+                                  prefill_retries=2, decode_retries=2, no_worker_wait_s=0.0)
+        records = [record(w, "prefill" if w.startswith("p") else "decode") for w in scripts]
+        workers = Workers(dict(scripts))
+        client = httpx.AsyncClient(transport=httpx.MockTransport(workers.handle))
+        clients.append(client)
+        tracker, metrics = LoadTracker(), RouterMetrics()
+        placement = Placement.create(settings.policy, settings.decode_policy, PolicyContext(),
+                                     tracker)
+        cluster = MemoryCluster(records)
+        proxy = PDProxy(settings, cluster, metrics, placement, tracker, client)
+        return Rig(proxy, cluster, workers, tracker, metrics)
+
+    yield build
+    for client in clients:
+        await client.aclose()
+
+
+def route() -> tuple[RouteRequest, PhaseClock]:
+    return RouteRequest(request_id="req-1", model=MODEL, prompt_token_ids=(1, 2, 3)), \
+        PhaseClock.start("req-1")
+
+
+async def prefill(rig: Rig) -> Any:
+    request, clock = route()
+    return await rig.proxy.prefill(COMPLETIONS, BODY, request, {}, clock)
+
+
+async def decode(rig: Rig, *, stream: bool) -> Response:
+    request, clock = route()
+    return await rig.proxy.decode(COMPLETIONS, BODY, KV, request, {}, stream=stream,
+                                  clock=clock)
+
+
+async def play(response: Response, *, hang_up_after: int | None = None,
+               on_chunk: Callable[[], None] = lambda: None) -> bytes:
+    """Send ``response`` through ASGI (spec 2.4, as uvicorn) to a client that receives the
+    body, or hangs up once ``hang_up_after`` body chunks arrived; returns what it received."""
+    received: list[bytes] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        if message["type"] != "http.response.body":
+            return
+        if hang_up_after is not None and len(received) == hang_up_after:
+            raise OSError("client went away")
+        if message.get("body"):
+            received.append(message["body"])
+            on_chunk()
+
+    scope: Scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}}
+    await response(scope, receive, send)
+    return b"".join(received)
+
+
+# ---- (a) retries ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("error", STALE)
+async def test_prefill_stale_connection_is_retried_once_on_the_same_worker(
+        rig_of: Callable[..., Rig], error: type[httpx.TransportError]) -> None:
+    rig = rig_of(p1=[error, {"kv_transfer_params": KV}], d1=[])
+    params, worker, _ = await prefill(rig)
+    assert rig.workers.calls == ["p1", "p1"]
+    assert worker.worker_id == "p1" and params == KV
+    assert rig.retries("prefill") == 1 and rig.cluster.evicted == []
+    assert rig.in_flight() == {}
+
+
+async def test_same_worker_retry_happens_only_once(rig_of: Callable[..., Rig]) -> None:
+    rig = rig_of(p1=[httpx.ReadError, httpx.ReadError, {"kv_transfer_params": KV}], d1=[])
+    with pytest.raises(UpstreamError) as raised:
+        await prefill(rig)
+    assert rig.workers.calls == ["p1", "p1"]  # the third answer is never asked for
+    assert raised.value.kind == "protocol" and raised.value.status == 502
+    assert rig.in_flight() == {}
+
+
+@pytest.mark.parametrize(("error", "kind", "status"), [
+    (httpx.ConnectError, "connect", 502),
+    (httpx.ConnectTimeout, "timeout", 504),
+    (httpx.ReadTimeout, "timeout", 504),
+    (500, "status", 502),
+])
+async def test_other_failures_are_not_retried_on_the_same_worker(
+        rig_of: Callable[..., Rig], error: Behaviour, kind: str, status: int) -> None:
+    """Negative control: a dead, slow or failing worker is not asked again (one worker: the
+    request fails with the mapped error after one call)."""
+    rig = rig_of(p1=[error, {"kv_transfer_params": KV}], d1=[])
+    with pytest.raises(UpstreamError) as raised:
+        await prefill(rig)
+    assert rig.workers.calls == ["p1"]
+    assert (raised.value.kind, raised.value.status) == (kind, status)
+    assert rig.retries("prefill") == 0
+    # nobody listened: out of routing (a timeout or a 5xx keeps the worker in the rings)
+    assert rig.cluster.evicted == (["p1"] if kind == "connect" else [])
+    assert rig.in_flight() == {}
+
+
+async def test_connect_failure_evicts_and_moves_to_another_worker(
+        rig_of: Callable[..., Rig]) -> None:
+    rig = rig_of(p1=[httpx.ConnectError], p2=[{"kv_transfer_params": KV}], d1=[])
+    _, worker, _ = await prefill(rig)
+    assert rig.workers.calls == ["p1", "p2"] and worker.worker_id == "p2"
+    assert rig.cluster.evicted == ["p1"]
+    assert rig.in_flight() == {}
+
+
+@pytest.mark.parametrize("error", STALE)
+async def test_decode_stale_connection_is_retried_on_the_same_worker(
+        rig_of: Callable[..., Rig], error: type[httpx.TransportError]) -> None:
+    answer = {"choices": [{"text": "abc"}], "usage": {"prompt_tokens": 3,
+                                                      "completion_tokens": 3}}
+    rig = rig_of(p1=[], d1=[error, answer])
+    response = await decode(rig, stream=False)
+    assert response.status_code == 200 and json.loads(bytes(response.body)) == answer
+    assert rig.workers.calls == ["d1", "d1"] and rig.retries("decode") == 1
+    assert rig.in_flight() == {}
+
+
+async def test_decode_connect_failure_is_not_retried_on_the_same_worker(
+        rig_of: Callable[..., Rig]) -> None:
+    rig = rig_of(p1=[], d1=[httpx.ConnectError, Script(EVENTS)])
+    with pytest.raises(UpstreamError) as raised:
+        await decode(rig, stream=True)
+    assert rig.workers.calls == ["d1"] and raised.value.kind == "connect"
+    assert rig.in_flight() == {}
+
+
+# ---- (b) the SSE relay ---------------------------------------------------------------------
+
+async def test_stream_is_relayed_in_order_and_ends_with_done(
+        rig_of: Callable[..., Rig]) -> None:
+    rig = rig_of(p1=[], d1=[Script(EVENTS)])
+    response = await decode(rig, stream=True)
+    booked: list[dict[str, int]] = []
+    body = await play(response, on_chunk=lambda: booked.append(rig.in_flight()))
+    assert body == b"".join(EVENTS) and body.endswith(b"data: [DONE]\n\n")
+    # booked while it streamed (not vacuous), released once it ended
+    assert booked == [{"d1": 1, "role:decode": 1}] * len(EVENTS)
+    assert rig.in_flight() == {} and rig.workers.streams[0].closed
+
+
+@pytest.mark.parametrize("error", [httpx.ReadError, httpx.RemoteProtocolError,
+                                   httpx.ReadTimeout])
+async def test_upstream_failure_mid_stream_becomes_one_error_event(
+        rig_of: Callable[..., Rig], error: type[httpx.TransportError]) -> None:
+    rig = rig_of(p1=[], d1=[Script(EVENTS[:2], error), Script(EVENTS)])
+    response = await decode(rig, stream=True)
+    body = await play(response)
+    head, tail = body[:len(b"".join(EVENTS[:2]))], body[len(b"".join(EVENTS[:2])):]
+    assert head == b"".join(EVENTS[:2])  # what was relayed stays, in order
+    events = [e for e in tail.split(b"\n\n") if e]
+    assert len(events) == 2 and events[1] == b"data: [DONE]"
+    err = json.loads(events[0].removeprefix(b"data: "))["error"]
+    assert err["type"] == "upstream_error" and err["code"] == "upstream_stream_error"
+    assert err["param"] is None and "decode failed mid-stream" in err["message"]
+    # bytes reached the client: no retry, not even a stale-connection one on the same worker
+    assert rig.workers.calls == ["d1"] and rig.retries("decode") == 0
+    assert rig.in_flight() == {}
+
+
+async def test_failure_before_the_first_byte_is_retried_not_relayed(
+        rig_of: Callable[..., Rig]) -> None:
+    """Control of the above: with nothing relayed yet the stream is retried (stale: on the same
+    worker), and the client sees one clean stream."""
+    rig = rig_of(p1=[], d1=[Script([], httpx.ReadError), Script(EVENTS)])
+    body = await play(await decode(rig, stream=True))
+    assert body == b"".join(EVENTS)
+    assert rig.workers.calls == ["d1", "d1"] and rig.retries("decode") == 1
+    assert rig.in_flight() == {}
+
+
+# ---- (c) bookkeeping after a client hang-up ------------------------------------------------
+
+async def test_client_hang_up_ends_the_booking_and_closes_upstream(
+        rig_of: Callable[..., Rig]) -> None:
+    rig = rig_of(p1=[], d1=[Script(EVENTS)])
+    response = await decode(rig, stream=True)
+    with pytest.raises(ClientDisconnect):
+        await play(response, hang_up_after=1)
+    assert rig.in_flight() == {}
+    assert rig.workers.streams[0].closed
+
+
+async def test_hang_up_before_the_body_still_ends_the_booking(
+        rig_of: Callable[..., Rig]) -> None:
+    rig = rig_of(p1=[], d1=[Script(EVENTS)])
+    response = await decode(rig, stream=True)
+    assert rig.in_flight() == {"d1": 1, "role:decode": 1}  # booked until the relay ends
+    with pytest.raises(ClientDisconnect):
+        await play(response, hang_up_after=0)
+    assert rig.in_flight() == {}
+    assert rig.workers.streams[0].closed
