@@ -36,9 +36,10 @@ from router.state.registry import WorkerRegistry
 from router.state.worker_load import fetch_samples
 from serve.chaos.faults import KINDS, POOL_OF, FaultInjector, Injected
 from serve.chaos.load import OUTCOMES, ChaosLoad, LoadConfig, Outcome, prompt_pool
+from serve.plain_vllm import start_plain_vllm
 from serve.redis_server import free_port
 from serve.supervisor import Cluster, ClusterSettings
-from serve.worker import stop_process, vllm_command, vllm_env, wait_healthy
+from serve.worker import stop_process, wait_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -140,10 +141,7 @@ async def stranded_workers(redis_url: str, timeout_s: float) -> dict[str, dict[s
 
 async def references(model: str, prompts: dict[int, str], max_tokens: int) -> dict[int, str]:
     """Greedy outputs of a plain vLLM server (no connector) for ``prompts``."""
-    port = free_port()
-    proc = subprocess.Popen(vllm_command(model, "127.0.0.1", port, SERVED_NAME, None, None),
-                            env=vllm_env(1), start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_plain_vllm(model, SERVED_NAME)
     try:
         await wait_healthy(url, proc, 600.0)
         out: dict[int, str] = {}

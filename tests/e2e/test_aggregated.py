@@ -24,7 +24,7 @@ import pytest
 from router.state.registry import WorkerRecord, WorkerRegistry
 from serve.redis_server import free_port, start_redis
 from serve.worker import stop_process
-from tests.e2e.conftest import SERVED_NAME, Cluster, Plain
+from tests.support.cluster import SERVED_NAME, Cluster, Plain
 from tests.support.metrics import scrape, value
 from tests.support.prompts import make_prompts
 from tests.support.router import register, wait_healthy

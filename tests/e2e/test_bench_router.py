@@ -11,7 +11,7 @@ import pytest
 from bench.cli import main
 from bench.synth import SynthConfig, synth_rows
 from bench.trace import TraceStats, read_trace, write_trace
-from tests.e2e.conftest import Cluster
+from tests.support.cluster import Cluster
 from tests.support.metrics import scrape, value
 
 pytestmark = pytest.mark.vllm

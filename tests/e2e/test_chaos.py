@@ -18,7 +18,7 @@ import pytest
 
 from serve.chaos.faults import KINDS
 from serve.chaos.runner import stranded_workers
-from tests.e2e.conftest import SERVED_NAME, Cluster
+from tests.support.cluster import SERVED_NAME, Cluster
 
 pytestmark = pytest.mark.vllm
 

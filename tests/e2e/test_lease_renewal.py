@@ -12,8 +12,9 @@ import pytest
 
 from kvtransfer.protocol import RELEASE_OK, Handshake, renew_message
 from kvtransfer.transport.ucx import UcxEngine
-from tests.e2e.conftest import LEASE_S, SERVED_NAME, Cluster, Plain
+from tests.e2e.conftest import LEASE_S
 from tests.e2e.test_pd_equivalence import complete
+from tests.support.cluster import SERVED_NAME, Cluster, Plain
 from tests.support.metrics import scrape, value
 from tests.support.prompts import make_prompts
 

@@ -25,8 +25,8 @@ import pytest
 
 from bench.netns import Host, host_pair, unavailable_reason
 from router.samples import parse_samples
-from tests.e2e.conftest import SERVED_NAME, Plain
 from tests.e2e.test_pd_equivalence import MAX_TOKENS, complete
+from tests.support.cluster import SERVED_NAME, Plain
 from tests.support.metrics import value
 from tests.support.prompts import make_prompts
 

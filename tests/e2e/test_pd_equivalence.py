@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import SERVED_NAME, Cluster, Plain
+from tests.support.cluster import SERVED_NAME, Cluster, Plain
 from tests.support.metrics import scrape, value
 from tests.support.prompts import make_prompts
 from tests.support.waiting import eventually

@@ -7,8 +7,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import LEASE_S, SERVED_NAME, Cluster, Plain
+from tests.e2e.conftest import LEASE_S
 from tests.e2e.test_pd_equivalence import complete
+from tests.support.cluster import SERVED_NAME, Cluster, Plain
 from tests.support.metrics import scrape, value
 from tests.support.prompts import make_prompts
 from tests.support.waiting import eventually

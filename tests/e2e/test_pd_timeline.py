@@ -12,7 +12,7 @@ import pytest
 
 from kvtransfer.timeline import PHASES as KV_PHASES
 from router.api.timeline import PHASES as ROUTER_PHASES
-from tests.e2e.conftest import SERVED_NAME, Cluster
+from tests.support.cluster import SERVED_NAME, Cluster
 from tests.support.metrics import scrape, value
 from tests.support.prompts import make_prompts
 from tests.support.waiting import eventually

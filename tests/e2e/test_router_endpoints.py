@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.conftest import SERVED_NAME, Cluster, Plain
+from tests.support.cluster import SERVED_NAME, Cluster, Plain
 
 pytestmark = pytest.mark.vllm
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.conftest import SERVED_NAME, Cluster
+from tests.support.cluster import SERVED_NAME, Cluster
 
 pytestmark = pytest.mark.vllm
 

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import SERVED_NAME, Cluster
+from tests.support.cluster import SERVED_NAME, Cluster
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.vllm
