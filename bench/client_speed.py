@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.metrics import percentile
+
 logger = logging.getLogger(__name__)
 
 _MODELS = json.dumps({"object": "list", "data": [
@@ -163,8 +165,8 @@ def measure(url: str, rate: float, n: int, tokens: int) -> dict[str, Any]:
     return {"target_rate_rps": rate, "requests": n, "completed": ok,
             "send_rate_rps": (n - 1) / sent_span if sent_span > 0 else None,
             "completion_rate_rps": ok / wall, "wall_s": wall,
-            "lag_p50_ms": float(np.percentile(lags, 50) * 1e3),
-            "lag_p99_ms": float(np.percentile(lags, 99) * 1e3),
+            "lag_p50_ms": percentile(lags, 50) * 1e3,
+            "lag_p99_ms": percentile(lags, 99) * 1e3,
             "lag_max_ms": float(lags.max() * 1e3)}
 
 

@@ -4,6 +4,8 @@ TTFT: send -> first content chunk. E2E: send -> last content chunk. TPOT: (E2E -
 (output tokens - 1), for outputs of 2+ tokens. ITL: every gap between consecutive chunks.
 Percentiles interpolate linearly (numpy's default), as ``vllm bench serve`` does; which ones
 are reported is configurable (``--percentiles``, vLLM's ``--metric-percentiles``).
+:func:`percentile` is the one percentile of the package: real runs and the simulator's reports
+(``bench.sim``) both use it, so their numbers compare.
 
 SLO attainment: the share of *scheduled* requests that completed with TTFT <= ``slo_ttft_s``
 and TPOT <= ``slo_tpot_s`` (an SLO left unset always holds; a one-token output meets any TPOT
@@ -15,11 +17,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bench.client import RequestResult
+if TYPE_CHECKING:  # a type only: the simulator imports this module without the HTTP client
+    from bench.client import RequestResult
 
 PERCENTILES: tuple[float, ...] = (50, 90, 99)
 """Percentiles every summary reports under our names (``ttft_p99``); reports and ``compare``
@@ -43,6 +46,21 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
     return tuple(dict.fromkeys(values))
 
 
+def percentile(values: Sequence[float] | np.ndarray, p: float, *,
+               empty: float | None = None) -> float:
+    """The ``p``-th percentile (0..100) of ``values``, linearly interpolated between the two
+    nearest ranks: exactly ``numpy.percentile``'s default. No values give ``empty`` when
+    given, else ValueError; so does ``p`` outside [0, 100]."""
+    if not 0.0 <= p <= 100.0:
+        raise ValueError(f"percentile p must be in [0, 100], got {p}")
+    arr = np.asarray(values, dtype=float)
+    if arr.size == 0:
+        if empty is None:
+            raise ValueError("percentile of no values (pass empty= for a default)")
+        return empty
+    return float(np.percentile(arr, p))
+
+
 SCHEDULE_LAG_LIMIT_S = 0.01
 """A run whose p99 send lag (actual send minus scheduled time) exceeds this did not keep its
 arrival schedule: the client was starved or blocked, so its latencies are not the server's."""
@@ -57,7 +75,7 @@ def distribution(values: Sequence[float], percentiles: Sequence[float] = PERCENT
     arr = np.asarray(values, dtype=float)
     out: dict[str, float | None] = {"mean": float(arr.mean())}
     for key, p in zip(keys, percentiles, strict=True):
-        out[key] = float(np.percentile(arr, p))
+        out[key] = percentile(arr, p)
     return out
 
 
@@ -145,5 +163,5 @@ def vllm_bench_keys(summary: dict[str, Any], samples: dict[str, Sequence[float]]
         out[f"std_{name}_ms"] = None if empty else float(arr.std())
         for p in percentiles:
             out[f"p{percentile_word(p)}_{name}_ms"] = \
-                None if empty else float(np.percentile(arr, p))
+                None if empty else percentile(arr, p)
     return out

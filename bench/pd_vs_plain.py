@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import numpy as np
 
+from bench.metrics import percentile
 from bench.placement import placement_of
 from bench.prompts import PromptSynthesizer, load_tokenizer
 from kvtransfer.config import TRANSPORTS
@@ -261,7 +261,7 @@ def bench_nixl(model: Path, prompts: list[str], max_tokens: int) -> SetupResult 
 
 
 def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else float("nan")
+    return percentile(values, q, empty=float("nan"))
 
 
 def summary(result: SetupResult) -> dict[str, float]:

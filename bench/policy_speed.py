@@ -15,6 +15,7 @@ import random
 import statistics
 import time
 
+from bench.metrics import percentile
 from router.policy.base import Candidate, CandidatePool, Dispatched, Membership, RouteRequest
 from router.policy.hashing import hash_int
 from router.policy.registry import create_prefill_policy
@@ -44,8 +45,7 @@ def measure(name: str, n_instances: int, decisions: int, seed: int = 0) -> dict[
         lat.append(time.perf_counter_ns() - t0)
         assert choice is not None
         policy.observe(Dispatched(req.request_id, choice.worker_id, "m", req))
-    lat.sort()
-    return {"p50_us": lat[len(lat) // 2] / 1e3, "p99_us": lat[int(len(lat) * 0.99)] / 1e3,
+    return {"p50_us": percentile(lat, 50) / 1e3, "p99_us": percentile(lat, 99) / 1e3,
             "decisions_per_s": 1e9 / statistics.fmean(lat)}
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench.metrics import percentile
 from bench.sim.engine import IntervalStats, ReplicaPoint, RunResult
 from bench.sim.perf import DecodePerf, PrefillPerf
 from router.autoscale.capacity import DecodeModel, PrefillModel
@@ -245,11 +246,6 @@ def autoscale_summary(res: RunResult, ttft_slo_s: float, tpot_slo_s: float) -> d
     n = len(res.ttft_s)
     ttft_ok = [t <= ttft_slo_s for t in res.ttft_s]
     tpot_ok = [t <= tpot_slo_s for t in res.req_tpot_s]
-    ttft, tpot = sorted(res.ttft_s), sorted(res.tpot_s)
-
-    def pct(xs: list[float], q: float) -> float:
-        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
-
     pts = res.replicas
     return {
         "requests": n,
@@ -267,8 +263,8 @@ def autoscale_summary(res: RunResult, ttft_slo_s: float, tpot_slo_s: float) -> d
                           if res.sim_end_s else 0.0,
                           "decode": res.instance_s["decode"] / res.sim_end_s
                           if res.sim_end_s else 0.0},
-        "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9), "ttft_p99": pct(ttft, 0.99),
-        "tpot_p50": pct(tpot, 0.5), "tpot_p90": pct(tpot, 0.9), "tpot_p99": pct(tpot, 0.99),
+        **{f"{name}_p{p}": percentile(xs, p, empty=0.0)
+           for name, xs in (("ttft", res.ttft_s), ("tpot", res.tpot_s)) for p in (50, 90, 99)},
         "cache_hit_ratio": res.cached_tokens / res.prompt_tokens if res.prompt_tokens else 0.0,
         "migrations": res.migrations,
         "sim_end_s": res.sim_end_s,

@@ -12,9 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.metrics import percentile
 from bench.sim.engine import RunResult, simulate
-from bench.sim.perf import DecodePerf, PrefillPerf
 from bench.sim.workload import SimRequest
+from router.autoscale.profile import DecodePerf, PrefillPerf
 from router.policy.base import PlacementPolicy
 from router.policy.context import PolicyContext
 from router.policy.registry import create_prefill_policy
@@ -111,21 +112,17 @@ def effective_capacity(name: str, reqs: Sequence[SimRequest], cfg: SweepConfig,
 
 def summarize(res: RunResult, cfg: SweepConfig) -> dict[str, Any]:
     """The per-policy metrics of one run."""
-    ttft = sorted(res.ttft_s)
-    tpot = sorted(res.tpot_s) or [0.0]
+    ttft, tpot = res.ttft_s, res.tpot_s
+    tpot_p99 = percentile(tpot, 99, empty=0.0)
     busy = list(res.busy_s.values())
     mean_busy = statistics.fmean(busy) if busy else 0.0
-
-    def pct(xs: list[float], q: float) -> float:
-        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
-
     return {
-        "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9), "ttft_p99": pct(ttft, 0.99),
-        "tpot_p50": pct(tpot, 0.5), "tpot_p99": pct(tpot, 0.99),
+        **{f"ttft_p{p}": percentile(ttft, p, empty=0.0) for p in (50, 90, 99)},
+        "tpot_p50": percentile(tpot, 50, empty=0.0), "tpot_p99": tpot_p99,
         "slo_attainment": attainment(res, cfg.ttft_slo_s),
         "slo_attainment_ttft_tpot": (
             sum(1 for t in res.ttft_s if t <= cfg.ttft_slo_s) / len(res.ttft_s)
-            if res.ttft_s and pct(tpot, 0.99) <= cfg.tpot_slo_s else 0.0),
+            if res.ttft_s and tpot_p99 <= cfg.tpot_slo_s else 0.0),
         "cache_hit_ratio": res.cached_tokens / res.prompt_tokens if res.prompt_tokens else 0.0,
         "load_max_over_mean": max(busy) / mean_busy if mean_busy else 0.0,
         "migrations": res.migrations,

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from bench.client import RequestResult
-from bench.metrics import distribution, meets_slo, parse_percentiles, percentile_word, summarize
+from bench.metrics import (
+    distribution,
+    meets_slo,
+    parse_percentiles,
+    percentile,
+    percentile_word,
+    summarize,
+)
 
 
 def res(index: int, times: list[float], out: int, *, ok: bool = True, lag: float = 0.001,
@@ -133,3 +142,27 @@ def test_slot_wait_is_not_schedule_lag() -> None:
         r.queue_s = 0.5 * i
     s = summarize(queued, 4.0)
     assert s["timing_valid"] is True and s["client_queue_p50"] == pytest.approx(0.5)
+
+
+def test_percentile_interpolates_between_ranks_by_hand() -> None:
+    """Linear between the two nearest ranks, not nearest rank (which gives 40 and 1000 here)."""
+    assert percentile([40.0, 10.0, 30.0, 20.0], 90) == pytest.approx(37.0)  # rank 2.7 of 0..3
+    assert percentile([100, 200, 300, 400, 1000], 90) == pytest.approx(760.0)
+    assert percentile([10.0, 20.0], 50) == 15.0
+    assert percentile([10.0, 20.0], 0) == 10.0 and percentile([10.0, 20.0], 100) == 20.0
+
+
+@given(st.lists(st.floats(-1e9, 1e9, allow_nan=False), min_size=1, max_size=60),
+       st.floats(0.0, 100.0))
+def test_percentile_equals_numpy(values: list[float], p: float) -> None:
+    assert percentile(values, p) == float(np.percentile(values, p))
+
+
+def test_percentile_of_one_value_and_of_none() -> None:
+    assert percentile([3.5], 0) == percentile([3.5], 99) == 3.5
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
+    assert percentile([], 50, empty=0.0) == 0.0
+    for bad in (-1.0, 100.5, float("nan")):
+        with pytest.raises(ValueError, match=r"\[0, 100\]"):
+            percentile([1.0, 2.0], bad)
