@@ -6,7 +6,7 @@ pools, on a family of generated trace shapes and seeds.
 
 Each trace: gamma inter-arrivals (BurstGPT's burstiness) at a rate that follows a shape of
 ``bench.sim.shapes`` (0.1 .. 1.0 of ``--peak-rps``), lengths and sessions as in
-``bench.sim.trace_input.synth_rows``. The hardware is the simulator's default instance
+``bench.synth.gamma_rows``. The hardware is the simulator's default instance
 ``--slowdown`` (2) times slower (an 8B model on an L40S-class GPU rather than an H100), so a
 trace of a few thousand requests needs pools of realistic size and the table runs in minutes.
 Per shape and seed it prints SLO attainment (requests within both SLOs) and billed
@@ -33,7 +33,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +46,10 @@ from bench.sim.autoscale import (
     make_controller,
 )
 from bench.sim.engine import PoolController, RunResult, simulate
-from bench.sim.perf import DecodePerf, PrefillPerf
 from bench.sim.sweep import SweepConfig, make_policy
-from bench.sim.trace_input import iter_varying_rows
 from bench.sim.workload import SimRequest, WorkloadConfig, build_requests
+from bench.synth import iter_varying_rows
+from router.autoscale.profile import InstanceProfile
 
 logger = logging.getLogger(__name__)
 
@@ -61,17 +61,6 @@ TUNED: dict[str, tuple[int, ...]] = {"steps": (0, 1, 2), "ramp": (0, 1, 2),
 #: issue 5's small-config shape (kept for its test): one 30 % ramp up and down
 RAMP: tuple[tuple[float, float], ...] = (
     (0.0, 0.1), (0.15, 0.1), (0.45, 1.0), (0.6, 1.0), (0.85, 0.1), (1.0, 0.1))
-
-
-def slower(factor: float, prefill: PrefillPerf | None = None,
-           decode: DecodePerf | None = None) -> tuple[PrefillPerf, DecodePerf]:
-    """The simulator's instances with every time ``factor`` x longer."""
-    p, d = prefill or PrefillPerf(), decode or DecodePerf()
-    return (replace(p, overhead_s=p.overhead_s * factor, per_token_s=p.per_token_s * factor,
-                    cached_token_s=p.cached_token_s * factor),
-            replace(d, step_s=d.step_s * factor, per_seq_s=d.per_seq_s * factor,
-                    per_ctx_token_s=d.per_ctx_token_s * factor,
-                    kv_transfer_s_per_token=d.kv_transfer_s_per_token * factor))
 
 
 def make_trace(duration_s: float, peak_rps: float, seed: int,
@@ -93,17 +82,19 @@ def shape_trace(shape: str, duration_s: float, peak_rps: float, seed: int) -> li
 
 
 def run(reqs: Sequence[SimRequest], policy: str, settings: AutoscaleSettings,
-        ttft_slo_s: float, tpot_slo_s: float, prefill: PrefillPerf | None = None,
-        decode: DecodePerf | None = None, controller: PoolController | None = None
-        ) -> RunResult:
-    """One replay with pools sized by ``settings`` (or by ``controller`` when given)."""
-    pp, dp = prefill or PrefillPerf(), decode or DecodePerf()
+        ttft_slo_s: float, tpot_slo_s: float, profile: InstanceProfile | None = None,
+        controller: PoolController | None = None) -> RunResult:
+    """One replay with pools sized by ``settings`` (or by ``controller`` when given) of
+    instances that perform as ``profile`` (default: :class:`InstanceProfile`'s)."""
+    profile = profile or InstanceProfile()
+    pp, dp = profile.prefill, profile.decode
     cfg = SweepConfig(settings.max_prefill, settings.max_decode, ttft_slo_s, tpot_slo_s, pp, dp)
     ctx = statistics.fmean(r.prompt_tokens for r in reqs)
     if controller is None:
-        controller = make_controller(settings, ttft_slo_s, tpot_slo_s, pp, dp, ctx)
+        controller = make_controller(settings, ttft_slo_s, tpot_slo_s, profile, ctx)
+    # the engine only ever moves requests of policies that name an alternate candidate
     return simulate(reqs, make_policy(policy, cfg), settings.max_prefill, settings.max_decode,
-                    pp, dp, rebalance_threshold_s=ttft_slo_s if policy == "dualmap" else None,
+                    pp, dp, rebalance_threshold_s=ttft_slo_s,
                     controller=controller, start_delay_s=settings.start_delay_s)
 
 
@@ -122,8 +113,9 @@ class Scenario:
     interval_s: float = 10.0
     policy: str = "dualmap"
 
-    def perf(self) -> tuple[PrefillPerf, DecodePerf]:
-        return slower(self.slowdown)
+    def profile(self) -> InstanceProfile:
+        """The default instance ``slowdown`` x slower."""
+        return InstanceProfile().scaled(self.slowdown)
 
 
 def static_peak(reqs: Sequence[SimRequest], sc: Scenario
@@ -131,7 +123,7 @@ def static_peak(reqs: Sequence[SimRequest], sc: Scenario
     """The smallest static pool reaching :data:`TARGET`: decode bisected with prefill at its
     maximum, then prefill with that decode (assumes attainment grows with either pool).
     ``None`` as the summary when even the maximum misses."""
-    pp, dp = sc.perf()
+    profile = sc.profile()
     budget = int(len(reqs) * (1 - TARGET))
     done: dict[tuple[int, int], dict[str, Any] | None] = {}
 
@@ -140,7 +132,7 @@ def static_peak(reqs: Sequence[SimRequest], sc: Scenario
             ctl = StaticController((p, d), sc.ttft_slo_s, sc.tpot_slo_s, budget, sc.interval_s)
             try:
                 res = run(reqs, sc.policy, AutoscaleSettings("static", p, d), sc.ttft_slo_s,
-                          sc.tpot_slo_s, pp, dp, ctl)
+                          sc.tpot_slo_s, profile, ctl)
                 m = autoscale_summary(res, sc.ttft_slo_s, sc.tpot_slo_s)
                 done[p, d] = m if m["slo_attainment"] >= TARGET else None
             except Hopeless:
@@ -168,13 +160,13 @@ def one_row(shape: str, seed: int, sc: Scenario) -> dict[str, Any]:
     """Planner, threshold, static-peak and static-max on one trace."""
     t0 = time.perf_counter()
     reqs = shape_trace(shape, sc.duration_s, sc.peak_rps, seed)
-    pp, dp = sc.perf()
+    profile = sc.profile()
     row: dict[str, Any] = {"shape": shape, "seed": seed, "requests": len(reqs),
                            "held_out": seed not in TUNED.get(shape, ())}
     for mode in ("planner", "threshold", "static"):
         settings = AutoscaleSettings(mode, sc.max_prefill, sc.max_decode,
                                      interval_s=sc.interval_s, start_delay_s=sc.start_delay_s)
-        res = run(reqs, sc.policy, settings, sc.ttft_slo_s, sc.tpot_slo_s, pp, dp)
+        res = run(reqs, sc.policy, settings, sc.ttft_slo_s, sc.tpot_slo_s, profile)
         row["static-max" if mode == "static" else mode] = autoscale_summary(
             res, sc.ttft_slo_s, sc.tpot_slo_s)
     p, d, peak = static_peak(reqs, sc)

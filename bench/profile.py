@@ -5,7 +5,9 @@ the median TTFT per length is fitted as ``fixed_s + per_token_s * tokens`` (leas
 Decode: ``B`` requests started together with short prompts and ``ignore_eos``; the median
 inter-token gap of all of them (first ``skip`` gaps dropped) is the step time at batch ``B``.
 
-The output is the calibration JSON the simulator takes (schema ``pdserve.bench.profile/1``)::
+The output is the instance profile the simulator (``pdserve sim --calibration``) and the
+autoscaler (``--profile``) read, :class:`router.autoscale.profile.InstanceProfile`'s format
+(schema ``pdserve.bench.profile/1``)::
 
     {"schema", "created", "url", "model",
      "prefill": {"fixed_s", "per_token_s", "points": [{"tokens", "ttft_s"}]},
@@ -23,14 +25,11 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from bench.client import ClientConfig, RequestSpec, run_open_loop
 from bench.prompts import PromptSynthesizer
+from router.autoscale.profile import PROFILE_SCHEMA, fit_line
 
 logger = logging.getLogger(__name__)
-
-PROFILE_SCHEMA = "pdserve.bench.profile/1"
 
 
 async def profile(cfg: ClientConfig, prompts: PromptSynthesizer, *,
@@ -53,12 +52,6 @@ async def profile(cfg: ClientConfig, prompts: PromptSynthesizer, *,
             ttfts.append(r.ttft_s)
         prefill_points.append({"tokens": n, "ttft_s": statistics.median(ttfts)})
         logger.info("profile: prefill %d tokens -> %.4f s", n, prefill_points[-1]["ttft_s"])
-    xs = np.array([p["tokens"] for p in prefill_points], dtype=float)
-    ys = np.array([p["ttft_s"] for p in prefill_points], dtype=float)
-    if len(xs) >= 2:
-        per_token, fixed = (float(v) for v in np.polyfit(xs, ys, 1))
-    else:
-        per_token, fixed = float(ys[0] / xs[0]), 0.0
     decode_points = []
     for b in batch_sizes:
         specs = []
@@ -73,9 +66,22 @@ async def profile(cfg: ClientConfig, prompts: PromptSynthesizer, *,
                                f"{[(r.error_type, r.error) for r in failed][:3]}")
         decode_points.append({"batch_size": b, "step_s": statistics.median(gaps)})
         logger.info("profile: decode batch %d -> %.4f s/step", b, decode_points[-1]["step_s"])
+    return profile_document(cfg.url, cfg.model, prefill_points, decode_points, decode_tokens)
+
+
+def profile_document(url: str, model: str, prefill_points: Sequence[dict[str, float]],
+                     decode_points: Sequence[dict[str, float]], decode_tokens: int
+                     ) -> dict[str, Any]:
+    """The profile of measured ``{"tokens", "ttft_s"}`` prefill and ``{"batch_size",
+    "step_s"}`` decode points: prefill fitted to ``fixed_s + per_token_s * tokens`` (through
+    the origin from one point); decode points kept for the reader to fit."""
+    if len(prefill_points) >= 2:
+        fixed, per_token = fit_line([(p["tokens"], p["ttft_s"]) for p in prefill_points])
+    else:
+        fixed, per_token = 0.0, prefill_points[0]["ttft_s"] / prefill_points[0]["tokens"]
     return {"schema": PROFILE_SCHEMA,
             "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "url": cfg.url, "model": cfg.model,
+            "url": url, "model": model,
             "prefill": {"fixed_s": max(0.0, fixed), "per_token_s": max(0.0, per_token),
-                        "points": prefill_points},
-            "decode": {"points": decode_points, "output_tokens": decode_tokens}}
+                        "points": list(prefill_points)},
+            "decode": {"points": list(decode_points), "output_tokens": decode_tokens}}

@@ -4,9 +4,11 @@ Controllers (:class:`bench.sim.engine.PoolController`), each asked every ``inter
 - :class:`PlannerController`: ``router.autoscale.planner.Planner`` on an
   :class:`~router.autoscale.planner.Observation` built from the interval (arrivals, mean
   uncached ISL = prefilled tokens / arrivals, mean OSL = output tokens / arrivals, TTFT and
-  TPOT mean and p90, current replicas). Its capacity models come from the simulator's own perf
-  models (:func:`capacity_models`), times ``profile_bias`` (1.0; below 1 the profile is
-  optimistic, above pessimistic) to show the online correction at work.
+  TPOT mean and p90, current replicas). Its capacity models
+  (:func:`router.autoscale.capacity.capacity_models`) read the very instance profile the
+  simulator charges, every time times ``profile_bias`` (1.0; below 1 the profile is optimistic,
+  above pessimistic) to show the online correction at work, with decode sequences at the
+  trace's mean prompt (the simulator charges ``per_ctx_token_s`` per context token).
 - :class:`ThresholdController`: ``router.autoscale.threshold.ThresholdAutoscaler`` per pool
   (HPA-style) on the prefill busy fraction and the decode batch-slot occupancy
   (running / ``max_running``, the simulator's analogue of ``vllm:kv_cache_usage_perc``).
@@ -28,9 +30,9 @@ from typing import Any
 
 from bench.metrics import percentile
 from bench.sim.engine import IntervalStats, ReplicaPoint, RunResult
-from bench.sim.perf import DecodePerf, PrefillPerf
-from router.autoscale.capacity import DecodeModel, PrefillModel
+from router.autoscale.capacity import capacity_models
 from router.autoscale.planner import Decision, Observation, Planner, PlannerConfig
+from router.autoscale.profile import InstanceProfile
 from router.autoscale.threshold import ThresholdAutoscaler
 
 AUTOSCALERS = ("planner", "threshold", "static")
@@ -54,24 +56,6 @@ SIM_PLANNER = PlannerConfig(scale_down_cooldown_s=20.0, target_utilisation=0.9,
                             safety_utilisation=0.8, max_scale_up_factor=16.0,
                             max_scale_down_step=4, cold_headroom=6.0, cold_s=300.0,
                             free_headroom=1.3, backlog_drain_s=math.inf)
-
-
-def capacity_models(prefill: PrefillPerf, decode: DecodePerf, mean_context_tokens: float,
-                    bias: float = 1.0) -> tuple[PrefillModel, DecodeModel]:
-    """The planner's profile of the simulated hardware, as ``pdserve bench profile`` would
-    measure it; every time multiplied by ``bias``.
-
-    Prefill: cost per uncached token and per batch, and the KV transfer per prompt token (the
-    planner adds it and the first decode step to the TTFT, ``PrefillModel.with_handoff``).
-    Decode: step time per running sequence at the mean context (the simulator charges
-    ``per_ctx_token_s`` per context token)."""
-    if bias <= 0:
-        raise ValueError("profile bias must be > 0")
-    return (PrefillModel(prefill.per_token_s * bias, prefill.overhead_s * bias,
-                         kv_s_per_token=decode.kv_transfer_s_per_token * bias),
-            DecodeModel(decode.step_s * bias,
-                        (decode.per_seq_s + decode.per_ctx_token_s * mean_context_tokens) * bias,
-                        decode.max_running))
 
 
 def _p90(xs: Sequence[float]) -> float | None:
@@ -219,9 +203,10 @@ class AutoscaleSettings:
 
 
 def make_controller(settings: AutoscaleSettings, ttft_slo_s: float, tpot_slo_s: float,
-                    prefill: PrefillPerf, decode: DecodePerf, mean_context_tokens: float
+                    profile: InstanceProfile, mean_context_tokens: float
                     ) -> PlannerController | ThresholdController | None:
-    """The controller for ``settings.mode`` (None: static pools)."""
+    """The controller for ``settings.mode`` (None: static pools) of instances that perform as
+    ``profile``, decode sequences holding ``mean_context_tokens`` on average."""
     s = settings
     start = (s.min_replicas, s.min_replicas)
     if s.mode == "planner":
@@ -229,7 +214,7 @@ def make_controller(settings: AutoscaleSettings, ttft_slo_s: float, tpot_slo_s: 
                       min_replicas=s.min_replicas,
                       max_replicas=max(s.max_prefill, s.max_decode),
                       max_prefill_replicas=s.max_prefill, max_decode_replicas=s.max_decode)
-        pm, dm = capacity_models(prefill, decode, mean_context_tokens, s.profile_bias)
+        pm, dm = capacity_models(profile.scaled(s.profile_bias), mean_context_tokens)
         return PlannerController(Planner(cfg, pm, dm), start, s.interval_s)
     if s.mode == "threshold":
         def one(n: int) -> ThresholdAutoscaler:

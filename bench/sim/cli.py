@@ -38,7 +38,6 @@ from bench.sim.autoscale import (
     plot_replicas,
 )
 from bench.sim.engine import RunResult, simulate
-from bench.sim.perf import DecodePerf, PrefillPerf, load_calibration
 from bench.sim.report import write_autoscale_report, write_report, write_summary
 from bench.sim.sweep import (
     SweepConfig,
@@ -48,9 +47,10 @@ from bench.sim.sweep import (
     starting_rate,
     summarize,
 )
-from bench.sim.trace_input import TraceError, native_rate, read_trace
 from bench.sim.workload import SimRequest, WorkloadConfig, build_requests
+from bench.trace import TraceError, native_rate, read_trace
 from router import settings as shared
+from router.autoscale.profile import InstanceProfile
 from router.errors import ConfigError
 from router.policy.registry import BASELINES, PREFILL_POLICIES
 
@@ -67,8 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     shared.add_arguments(p, "sim")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0, help="prefix-model seed (default 0)")
-    p.add_argument("--limit", type=int, default=None, help="use the first N trace rows")
-    p.add_argument("--calibration", default=None, help="measured perf profile (JSON)")
+    p.add_argument("--limit", type=int, default=None, help="use the earliest N usable trace rows")
+    p.add_argument("--calibration", default=None,
+                   help="instance profile JSON (`pdserve bench profile` writes one)")
     p.add_argument("--hot-share", type=float, default=0.0,
                    help="share of requests on one system prompt (default 0)")
     p.add_argument("--no-rebalance", action="store_true",
@@ -111,17 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill < 1 or args.decode < 1 or args.ttft_slo_s <= 0 or args.tpot_slo_s <= 0:
         return _fail("--prefill and --decode must be >= 1 and the SLOs > 0")
     try:
-        rows = read_trace(args.trace, args.limit)
+        rows = list(read_trace(args.trace, max_requests=args.limit))
     except TraceError as exc:
         return _fail(str(exc))
     if len(rows) < 10:
         return _fail(f"{args.trace} has only {len(rows)} usable rows (need >= 10)")
-    prefill, decode = PrefillPerf(), DecodePerf()
-    if args.calibration:
-        try:
-            prefill, decode = load_calibration(args.calibration)
-        except (OSError, ValueError, TypeError) as exc:
-            return _fail(f"bad calibration {args.calibration}: {exc}")
+    try:
+        profile = InstanceProfile.load(args.calibration) if args.calibration else InstanceProfile()
+    except ConfigError as exc:
+        return _fail(str(exc))
+    prefill, decode = profile.prefill, profile.decode
     cfg = SweepConfig(args.prefill, args.decode, args.ttft_slo_s, args.tpot_slo_s, prefill, decode,
                       rebalance=not args.no_rebalance)
     settings = None
@@ -171,8 +171,8 @@ def _replay(names: list[str], reqs: list[SimRequest], cfg: SweepConfig,
     summary: dict[str, dict[str, Any]] = {}
     runs: dict[str, RunResult] = {}
     for name in names:
-        controller = make_controller(settings, cfg.ttft_slo_s, cfg.tpot_slo_s, cfg.prefill,
-                                     cfg.decode, ctx)
+        controller = make_controller(settings, cfg.ttft_slo_s, cfg.tpot_slo_s,
+                                     InstanceProfile(cfg.prefill, cfg.decode), ctx)
         threshold = cfg.ttft_slo_s if cfg.rebalance else None
         res = simulate(reqs, make_policy(name, cfg), cfg.n_prefill, cfg.n_decode, cfg.prefill,
                        cfg.decode, rebalance_threshold_s=threshold, controller=controller,

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, cast
 
 from bench.sim.meter import IntervalMeter, IntervalStats
-from bench.sim.perf import DecodePerf, PrefillPerf
 from bench.sim.pools import (
     DRAINING,
     READY,
@@ -47,6 +46,7 @@ from bench.sim.pools import (
     PrefillPool,
 )
 from bench.sim.workload import SimRequest
+from router.autoscale.profile import DecodePerf, PrefillPerf
 from router.placement import Placement, Pool
 from router.policy.base import PlacementPolicy, PolicyEvent, RouteRequest
 from router.policy.load_model import LoadModel

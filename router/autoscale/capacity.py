@@ -2,8 +2,8 @@
 
 Prefill: each instance is its own G/G/1 queue (a prefix-affinity router such as DualMap sends a
 request to the instance holding its prefix, not to a shared queue). A request of ``isl``
-uncached tokens takes ``D = overhead_s + isl * s_per_token``; utilisation is ``rho = tokens/s *
-s_per_token`` (batching amortises the per-request overhead). The mean wait is
+uncached tokens takes ``D = overhead_s + isl * per_token_s``; utilisation is ``rho = tokens/s *
+per_token_s`` (batching amortises the per-request overhead). The mean wait is
 ``W = v * rho * D / (1 - rho)`` (Kingman, ``v = variability`` = (arrival CV^2 + service CV^2)
 / 2: 0.5 is DistServe's M/D/1, 1.0 the default; BurstGPT-like bursts and heavy-tailed prompt
 lengths measure 2 to 5) and its tail is exponential, ``P(wait > t) = rho * exp(-t * rho / W)``,
@@ -12,7 +12,7 @@ so the ``q``-quantile wait is ``W / rho * ln(rho / (1 - q))`` (0 while ``rho <= 
 its quantile adds the quantile wait to the service time of the quantile prompt (``tail_isl``:
 prompt lengths are heavy-tailed, so at low load the p90 TTFT is the p90 prompt's prefill).
 In P/D the TTFT also holds the handoff: the KV transfer of the whole context
-(``kv_s_per_token`` x prompt tokens, cached ones included) and the first decode step at the
+(``kv_transfer_s_per_token`` x prompt tokens, cached ones included) and the first decode step at the
 decode pool's batch; :meth:`PrefillModel.with_handoff` sets it each interval, so the budget
 left for queueing shrinks as decode batches grow and the online fit compares like with like.
 Capacity = the largest load whose TTFT (mean, or quantile) stays within the SLO.
@@ -24,42 +24,54 @@ output tokens/s (Dynamo's "throughput per GPU at the ITL target"). Sizing in tok
 concurrent sequences, keeps the load independent of the pool's size (the concurrency is not:
 fewer instances run bigger batches, slower steps, so each sequence stays longer).
 
-Both come from a profile (``pdserve bench profile`` writes it) and are fitted online by the
-planner: ``scaled(c)`` multiplies the service times, ``with_variability(v)`` sets the queue's
-variability, and ``fit_scale`` finds the value of either under which the model predicts the
-latency observed at the load offered.
+Both read their service times from one :class:`~router.autoscale.profile.InstanceProfile` (the
+simulator charges the very same times; ``pdserve bench profile`` measures them): the prefill
+model its ``overhead_s``, ``per_token_s`` and KV transfer, the decode model its step at a mean
+context of ``context_tokens`` per sequence (``step_s`` + (``per_seq_s`` + ``per_ctx_token_s`` x
+context) x batch) and ``max_running``. :func:`capacity_models` builds both. They are fitted
+online by the planner: ``scaled(c)`` multiplies the service times, ``with_variability(v)`` sets
+the queue's variability, and ``fit_scale`` finds the value of either under which the model
+predicts the latency observed at the load offered.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
+
+from router.autoscale.profile import InstanceProfile
 
 
 @dataclass(frozen=True)
 class PrefillModel:
-    """Prefill cost per uncached token (seconds) plus a fixed per-request overhead, the TTFT
-    latency outside the prefill queue, and the queue's variability (see the module doc)."""
+    """A prefill instance's TTFT under load: the profile's service time plus the queue (see
+    the module doc), the latency outside the queue, and the queue's variability."""
 
-    s_per_token: float = 1e-4
-    overhead_s: float = 0.005
+    profile: InstanceProfile
+    """Service times: ``prefill`` per request, ``decode.kv_transfer_s_per_token`` per handoff."""
     latency_s: float = 0.0
     """Fixed TTFT outside the prefill queue (network, router)."""
     variability: float = 1.0
-    kv_s_per_token: float = 0.0
-    """KV transfer to the decode worker per prompt token (cached ones too: the whole
-    context moves)."""
     handoff_s: float = 0.0
     """TTFT after the prefill of the current traffic: the KV transfer plus the first decode
     step (set by :meth:`with_handoff`)."""
 
+    @property
+    def per_token_s(self) -> float:
+        """Prefill time per uncached token."""
+        return self.profile.prefill.per_token_s
+
+    @property
+    def kv_s_per_token(self) -> float:
+        """KV transfer to the decode worker per prompt token (cached ones too: the whole
+        context moves)."""
+        return self.profile.decode.kv_transfer_s_per_token
+
     def scaled(self, factor: float) -> PrefillModel:
         """The same instance with every prefill ``factor`` x slower."""
-        return replace(self, s_per_token=self.s_per_token * factor,
-                       overhead_s=self.overhead_s * factor)
+        return replace(self, profile=replace(self.profile,
+                                             prefill=self.profile.prefill.scaled(factor)))
 
     def with_variability(self, variability: float) -> PrefillModel:
         """The same instance under traffic of another ``variability``."""
@@ -78,14 +90,14 @@ class PrefillModel:
 
     def request_s(self, isl: float) -> float:
         """Service time of one prefill of ``isl`` uncached tokens."""
-        return self.overhead_s + isl * self.s_per_token
+        return self.profile.prefill.batch_s(isl, 0)
 
     def ttft_s(self, isl: float, tokens_per_s: float, quantile: float | None = None,
                tail_isl: float | None = None) -> float:
         """Predicted TTFT (mean, or its ``quantile``) of an instance offered ``tokens_per_s``
         uncached tokens/s in requests of ``isl`` tokens on average (``tail_isl`` at the
         quantile; default ``isl``)."""
-        rho = min(0.999, tokens_per_s * self.s_per_token)
+        rho = min(0.999, tokens_per_s * self.per_token_s)
         return self._ttft(self.request_s(isl), rho, quantile,
                           self.request_s(max(isl, tail_isl or isl)))
 
@@ -93,7 +105,7 @@ class PrefillModel:
                      ) -> float:
         """The queueing part of :meth:`ttft_s` (mean, or its ``quantile``)."""
         d = self.request_s(isl)
-        return self._ttft(d, min(0.999, tokens_per_s * self.s_per_token), quantile, d) \
+        return self._ttft(d, min(0.999, tokens_per_s * self.per_token_s), quantile, d) \
             - self.outside_s - d
 
     def mean_ttft_s(self, isl: float, tokens_per_s: float) -> float:
@@ -110,17 +122,17 @@ class PrefillModel:
             return 0.0
         if quantile is None:  # closed form: rho/(1-rho) <= (S-L-D)/(v D)
             k = (budget - d) / (self.variability * d) if self.variability > 0 else math.inf
-            return (1.0 if math.isinf(k) else k / (1 + k)) / self.s_per_token
+            return (1.0 if math.isinf(k) else k / (1 + k)) / self.per_token_s
         lo, hi = 0.0, 0.999  # the TTFT grows with rho: bisect for the largest rho within SLO
         if self._ttft(d, hi, quantile, d_tail) <= ttft_slo_s:
-            return hi / self.s_per_token
+            return hi / self.per_token_s
         for _ in range(40):
             mid = (lo + hi) / 2
             if self._ttft(d, mid, quantile, d_tail) <= ttft_slo_s:
                 lo = mid
             else:
                 hi = mid
-        return lo / self.s_per_token
+        return lo / self.per_token_s
 
     def _ttft(self, d: float, rho: float, quantile: float | None, d_tail: float) -> float:
         if rho <= 0:
@@ -134,16 +146,34 @@ class PrefillModel:
 
 @dataclass(frozen=True)
 class DecodeModel:
-    """Decode step time as a linear function of the running batch."""
+    """Decode step time as a linear function of the running batch: the profile's step at
+    ``context_tokens`` per sequence, times ``scale``."""
 
-    step_base_s: float = 0.01
-    step_per_seq_s: float = 0.0005
-    max_seqs: int = 256
+    profile: InstanceProfile
+    context_tokens: float = 0.0
+    """Mean context per running sequence (prompt plus output so far)."""
+    scale: float = 1.0
+    """The online fit's factor on the profile's step times."""
+
+    @property
+    def step_base_s(self) -> float:
+        """Step time of an empty batch."""
+        return self.profile.decode.step_s * self.scale
+
+    @property
+    def step_per_seq_s(self) -> float:
+        """Step time per running sequence, its context included."""
+        d = self.profile.decode
+        return (d.per_seq_s + d.per_ctx_token_s * self.context_tokens) * self.scale
+
+    @property
+    def max_seqs(self) -> int:
+        """Most sequences one instance runs (KV cache room)."""
+        return self.profile.decode.max_running
 
     def scaled(self, factor: float) -> DecodeModel:
         """The same instance with every decode step ``factor`` x slower."""
-        return replace(self, step_base_s=self.step_base_s * factor,
-                       step_per_seq_s=self.step_per_seq_s * factor)
+        return replace(self, scale=self.scale * factor)
 
     def step_s(self, batch: float) -> float:
         """Time of one decode step over ``batch`` sequences (the TPOT they all see)."""
@@ -189,38 +219,8 @@ def fit_scale(latency_at: Callable[[float], float], observed_s: float,
     return math.sqrt(lo * hi)
 
 
-def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares ``(intercept, slope)`` of y over x; a flat line through one point."""
-    if not points:
-        raise ValueError("no points to fit")
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    if sxx == 0:
-        return my, 0.0
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-    return my - slope * mx, slope
-
-
-def load_profile(path: str | Path) -> tuple[PrefillModel, DecodeModel]:
-    """Read a profile JSON: the one `pdserve bench profile` writes (``fixed_s``/``per_token_s``
-    and decode ``points``), or explicit model fields (``s_per_token``, ``step_base_s`` ...)."""
-    doc = json.loads(Path(path).read_text())
-    p, d = doc.get("prefill", {}), doc.get("decode", {})
-    s_per_token = p.get("s_per_token", p.get("per_token_s", PrefillModel.s_per_token))
-    overhead = p.get("overhead_s", p.get("fixed_s", PrefillModel.overhead_s))
-    prefill = PrefillModel(float(s_per_token), float(overhead),
-                           float(p.get("latency_s", PrefillModel.latency_s)),
-                           float(p.get("variability", PrefillModel.variability)),
-                           float(p.get("kv_s_per_token", PrefillModel.kv_s_per_token)))
-    if "points" in d and d["points"]:
-        base, per_seq = fit_line([(float(pt["batch_size"]), float(pt["step_s"]))
-                                  for pt in d["points"]])
-        decode = DecodeModel(max(base, 0.0), max(per_seq, 1e-9),
-                             int(d.get("max_seqs", DecodeModel.max_seqs)))
-    else:
-        decode = DecodeModel(float(d.get("step_base_s", DecodeModel.step_base_s)),
-                             float(d.get("step_per_seq_s", DecodeModel.step_per_seq_s)),
-                             int(d.get("max_seqs", DecodeModel.max_seqs)))
-    return prefill, decode
+def capacity_models(profile: InstanceProfile, context_tokens: float = 0.0
+                    ) -> tuple[PrefillModel, DecodeModel]:
+    """The prefill and decode capacity models of ``profile``'s instances, decode sequences
+    holding ``context_tokens`` of context on average."""
+    return PrefillModel(profile), DecodeModel(profile, context_tokens)

@@ -33,9 +33,10 @@ from redis.exceptions import LockError
 
 from router import settings as shared
 from router.autoscale.actuators import Actuator, RedisActuator
-from router.autoscale.capacity import DecodeModel, PrefillModel, load_profile
+from router.autoscale.capacity import capacity_models
 from router.autoscale.decisions import DecisionLog
 from router.autoscale.planner import Decision, Planner, PlannerConfig
+from router.autoscale.profile import InstanceProfile
 from router.autoscale.signals import Snapshot, observe
 from router.samples import Samples
 from router.state.registry import WorkerRegistry
@@ -87,8 +88,8 @@ class Autoscaler:
 
     def __init__(self, settings: AutoscalerSettings, actuator: Actuator) -> None:
         self.settings = settings
-        prefill, decode = (load_profile(settings.profile) if settings.profile
-                           else (PrefillModel(), DecodeModel()))
+        prefill, decode = capacity_models(InstanceProfile.load(settings.profile)
+                                          if settings.profile else InstanceProfile())
         self.planner = Planner(settings.planner, prefill, decode)
         self.actuator = actuator
         self.registry = WorkerRegistry(settings.redis_url, prefix=settings.prefix)

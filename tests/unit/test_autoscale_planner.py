@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
@@ -11,22 +10,35 @@ import pytest
 from router.autoscale.capacity import DecodeModel, PrefillModel
 from router.autoscale.planner import Observation, Planner, PlannerConfig
 from router.autoscale.predictors import EwmaPredictor, HoltPredictor, LastValuePredictor
+from router.autoscale.profile import DecodePerf, InstanceProfile, PrefillPerf
 from router.autoscale.threshold import ThresholdAutoscaler
 
-PREFILL = PrefillModel(s_per_token=1e-4, overhead_s=0.0)
-DECODE = DecodeModel(step_base_s=0.01, step_per_seq_s=0.001, max_seqs=256)
+
+def prefill_model(per_token_s: float, overhead_s: float, **kw: float) -> PrefillModel:
+    """A prefill capacity model of these service times, with no KV transfer."""
+    perf = PrefillPerf(overhead_s=overhead_s, per_token_s=per_token_s)
+    return PrefillModel(InstanceProfile(perf, DecodePerf(kv_transfer_s_per_token=0.0)), **kw)
+
+
+def decode_model(step_s: float, per_seq_s: float) -> DecodeModel:
+    """A decode capacity model stepping in ``step_s + per_seq_s * batch``."""
+    return DecodeModel(InstanceProfile(decode=DecodePerf(step_s=step_s, per_seq_s=per_seq_s)))
+
+
+PREFILL = prefill_model(per_token_s=1e-4, overhead_s=0.0)
+DECODE = decode_model(step_s=0.01, per_seq_s=0.001)
 
 
 def test_prefill_capacity_from_queue_model() -> None:
     # M/D/1 (variability 0.5, DistServe): D = 0.1 s; rho_max = 2 * (1 - 0.1) / (2 - 0.1)
-    md1 = PrefillModel(s_per_token=1e-4, overhead_s=0.0, variability=0.5)
+    md1 = prefill_model(per_token_s=1e-4, overhead_s=0.0, variability=0.5)
     assert md1.tokens_per_s(1000, 1.0) == pytest.approx(9473.684, rel=1e-6)
     assert md1.mean_ttft_s(1000, 0.5 / 1e-4) == pytest.approx(0.1 + 0.5 * 0.1 / 1.0)
     # default variability 1.0: rho / (1 - rho) <= (1 - 0.1) / 0.1 -> rho = 0.9
     assert PREFILL.tokens_per_s(1000, 1.0) == pytest.approx(9000.0)
     assert PREFILL.tokens_per_s(20_000, 1.0) == 0.0  # one request alone breaks the SLO
     # latency outside the queue shrinks the budget: 1.0 - 0.5 -> (0.5 - 0.1) / 0.1 = 4 -> 0.8
-    assert PrefillModel(1e-4, 0.0, latency_s=0.5).tokens_per_s(1000, 1.0) == pytest.approx(8000)
+    assert prefill_model(1e-4, 0.0, latency_s=0.5).tokens_per_s(1000, 1.0) == pytest.approx(8000)
     # the p90 at capacity sits on the SLO; no wait counts while rho <= 1 - q
     cap90 = PREFILL.tokens_per_s(1000, 1.0, quantile=0.9)
     assert PREFILL.ttft_s(1000, cap90, 0.9) == pytest.approx(1.0, rel=1e-6)
@@ -227,27 +239,13 @@ def test_threshold_autoscaler_is_hpa_like() -> None:
 
 
 def test_idle_pool_shrinks_even_when_the_model_rates_capacity_at_zero() -> None:
-    slow = DecodeModel(step_base_s=0.5, step_per_seq_s=0.1)  # cannot meet a 0.1 s TPOT at all
+    slow = decode_model(step_s=0.5, per_seq_s=0.1)  # cannot meet a 0.1 s TPOT at all
     p = Planner(PlannerConfig(predictor="last", scale_down_cooldown_s=0.0, max_replicas=2),
                 PREFILL, slow)
     _, dd = p.plan(obs(0.0, 5.0, decode=2))
     assert dd.desired == 2 and dd.capacity_per_instance == 0  # load with no capacity: hold max
     _, dd = p.plan(obs(10.0, 0.0, decode=2))
     assert (dd.desired, dd.reason) == (1, "scale_down")
-
-
-def test_profile_from_bench_profile_schema(tmp_path) -> None:  # noqa: ANN001
-    from router.autoscale.capacity import load_profile
-
-    path = tmp_path / "profile.json"
-    path.write_text(json.dumps({
-        "schema": "pdserve.bench.profile/1",
-        "prefill": {"fixed_s": 0.02, "per_token_s": 2e-4, "points": []},
-        "decode": {"points": [{"batch_size": b, "step_s": 0.01 + 0.001 * b} for b in (1, 3, 5)]}}))
-    prefill, decode = load_profile(path)
-    assert (prefill.s_per_token, prefill.overhead_s) == (2e-4, 0.02)
-    assert decode.step_base_s == pytest.approx(0.010)
-    assert decode.step_per_seq_s == pytest.approx(0.001)
 
 
 def test_burst_headroom_learns_overshoots_from_history() -> None:

@@ -16,10 +16,10 @@ from collections import Counter
 import httpx
 
 from bench.sim.engine import MODEL, simulate
-from bench.sim.perf import DecodePerf, PrefillPerf
-from bench.sim.trace_input import synth_rows
 from bench.sim.workload import WorkloadConfig, build_requests
+from bench.synth import gamma_rows
 from router.api.proxy import PDProxy
+from router.autoscale.profile import DecodePerf, PrefillPerf
 from router.config import RouterSettings
 from router.metrics import RouterMetrics
 from router.placement import Placement
@@ -36,7 +36,7 @@ CONTEXT = PolicyContext(ttft_slo_s=2.0)
 
 def _sim_log(prefill: str) -> tuple[list[tuple[str, PolicyEvent]], dict[str, RouteRequest]]:
     """Placement events of one simulated run (busy enough that loads and caches matter)."""
-    rows = synth_rows(400, rate_rps=60.0, seed=3)
+    rows = gamma_rows(400, rate_rps=60.0, seed=3)
     reqs = build_requests(rows, WorkloadConfig(hot_share=0.3), seed=3)
     log: list[tuple[str, PolicyEvent]] = []
     simulate(reqs, create_prefill_policy(prefill, CONTEXT), N_PREFILL, N_DECODE, PrefillPerf(),

@@ -8,17 +8,13 @@ from bench.sim.autoscale import (
     AutoscaleSettings,
     ScriptedController,
     autoscale_summary,
-    capacity_models,
     observation,
 )
 from bench.sim.engine import IntervalStats, simulate
-from bench.sim.perf import DecodePerf, PrefillPerf
 from bench.sim.workload import SimRequest
 from router.policy.base import Dispatched, Membership, PolicyEvent
 from router.policy.registry import create_prefill_policy
 from router.policy.round_robin import RoundRobinPolicy
-
-PP, DP = PrefillPerf(), DecodePerf()
 
 
 class Recorder(RoundRobinPolicy):
@@ -140,23 +136,6 @@ def test_observation_from_interval_stats() -> None:
     assert obs.ttft_mean_s == pytest.approx(0.25) and obs.ttft_p90_s == 0.4
     assert obs.tpot_mean_s == pytest.approx(0.03) and obs.tpot_p90_s == 0.04
     assert (obs.prefill_replicas, obs.decode_replicas) == (3, 2)
-
-
-def test_capacity_models_follow_the_perf_models() -> None:
-    pm, dm = capacity_models(PP, DP, mean_context_tokens=1000)
-    # prefill service: batch overhead + per token; the handoff (TTFT after the prefill) is the
-    # transfer of every prompt token plus the first decode step the planner passes in
-    assert pm.overhead_s == pytest.approx(0.02)
-    assert (pm.latency_s, pm.kv_s_per_token) == (0.0, 5e-6)
-    handed = pm.with_handoff(1000, 0.05)
-    assert handed.outside_s == pytest.approx(5e-6 * 1000 + 0.05)
-    # the handoff shrinks the queueing budget: less capacity within the same SLO
-    assert handed.tokens_per_s(1000, 1.0, 0.9) < pm.tokens_per_s(1000, 1.0, 0.9)
-    assert pm.s_per_token == 1e-4
-    assert (dm.step_base_s, dm.step_per_seq_s, dm.max_seqs) == (
-        0.012, pytest.approx(1e-4 + 2e-8 * 1000), 256)
-    biased, _ = capacity_models(PP, DP, 1000, bias=0.5)
-    assert biased.s_per_token == pytest.approx(0.5e-4)
 
 
 @pytest.mark.parametrize(("kw", "match"), [
