@@ -3,7 +3,7 @@
     python -m bench.routing_quality [--shapes all] [--seeds 2] [--requests 3000]
                                     [--instances 16] [--ttft-slo-s 2] [--jobs 2] [--json PATH]
 
-Each shape is a synthetic BurstGPT-shaped trace (``bench.sim.trace_input.synth_rows``) under a
+Each shape is a synthetic BurstGPT-shaped trace (``bench.synth.gamma_rows``) under a
 prefix-sharing model (``bench.sim.workload.WorkloadConfig``) that varies one thing from the
 default: how much of the traffic is conversations, how many shared system prompts there are and
 how popular the top ones are, one hot prefix, burstiness, prompt length. For every shape and
@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.sim.sweep import SweepConfig, effective_capacity, starting_rate
-from bench.sim.trace_input import native_rate, synth_rows
 from bench.sim.workload import WorkloadConfig, build_requests
+from bench.synth import gamma_rows
+from bench.trace import native_rate
 from router.policy.registry import PREFILL_POLICIES
 
-#: shape -> (synth_rows keyword arguments, WorkloadConfig changes)
+#: shape -> (gamma_rows keyword arguments, WorkloadConfig changes)
 SHAPES: dict[str, tuple[dict[str, float], dict[str, Any]]] = {
     "default": ({}, {}),
     "api-heavy": ({"conversation_share": 0.2}, {}),
@@ -54,7 +55,7 @@ def one(shape: str, seed: int, n: int, instances: int, ttft_slo_s: float
         ) -> dict[str, Any]:
     """Every policy's effective capacity on one shape and seed."""
     rows_kw, workload_kw = SHAPES[shape]
-    rows = synth_rows(n, seed=seed, **rows_kw)  # type: ignore[arg-type]
+    rows = gamma_rows(n, seed=seed, **rows_kw)  # type: ignore[arg-type]
     cfg = SweepConfig(instances, instances, ttft_slo_s, 0.1)
     workload = replace(WorkloadConfig(block_tokens=cfg.prefill.block_tokens), **workload_kw)
     reqs = build_requests(rows, workload, seed)

@@ -14,8 +14,8 @@ import time
 
 from bench.sim.engine import simulate
 from bench.sim.sweep import attainment
-from bench.sim.trace_input import iter_synth_rows
 from bench.sim.workload import WorkloadConfig, iter_requests
+from bench.synth import iter_gamma_rows
 from router.policy.context import PolicyContext
 from router.policy.registry import create_prefill_policy
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ttft", type=float, default=2.0)
     args = p.parse_args(argv)
     rate = args.rate or 3.0 * args.prefill
-    rows = iter_synth_rows(args.requests, rate_rps=rate, seed=0, session_ids=False)
+    rows = iter_gamma_rows(args.requests, rate_rps=rate, seed=0, session_ids=False)
     reqs = iter_requests(rows, WorkloadConfig(open_sessions=20 * args.prefill), seed=0)
     policy = create_prefill_policy(args.policy, PolicyContext(ttft_slo_s=args.slo_ttft))
     t0 = time.perf_counter()

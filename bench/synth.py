@@ -1,6 +1,11 @@
 """Synthetic BurstGPT-format traces: bursty arrivals, heavy-tailed lengths, sessions.
 
-Parameters (defaults):
+Two generators share this module and :class:`~bench.trace.TraceRow`; each keeps its own random
+stream, because published tables depend on the exact rows a seed gives (README: the load tests
+on :func:`synth_rows`, the simulator and autoscaling tables on :func:`gamma_rows` and
+:func:`iter_varying_rows`), so neither can be rewritten in terms of the other.
+
+:func:`synth_rows` (numpy; ``pdserve bench synth``, the load harness). Parameters (defaults):
   duration_s=600          trace length in seconds
   rate=1.0                mean arrivals per second
   dispersion=4.0          variance/mean of per-second counts (1 = Poisson; >1 bursty). Counts
@@ -18,14 +23,29 @@ Parameters (defaults):
 
 A continued turn's request tokens are the previous turn's request + response tokens plus a new
 user message, the way a chat client resends history, so prompt synthesis can share prefixes.
-"""
+
+:func:`gamma_rows` / :func:`iter_gamma_rows` (``random.Random``; the simulator). ``n`` rows;
+request tokens ``lognormal(5.6, 0.9)`` in [16, 4096] (a turn's new tokens: the simulator's
+workload model adds the session's history), response tokens ``lognormal(5.0, 0.8)`` in [1, 2048].
+Parameters (defaults):
+  rate_rps=2.0            mean arrivals per second
+  seed=0
+  conversation_share=0.8  share of "Conversation log" rows (Model ChatGPT; the rest GPT-4 API)
+  new_session_p=0.25      probability a conversation turn opens a session (else joins one of
+                          the open ones, uniformly)
+  burstiness=0.5          gamma shape of the inter-arrival gaps (1 = Poisson; < 1 bursty)
+  open_sessions=300       sessions a turn may join (the oldest closes beyond this)
+  session_ids=True        False leaves ``session_id`` empty (sessions to the workload model)
+:func:`iter_varying_rows` is the same with a rate that follows ``(time_s, rate_rps)`` knots."""
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import math
-from collections.abc import Iterator
+import random
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -145,3 +165,82 @@ def fixed_shape_rows(num_requests: int, *, input_tokens: int, output_tokens: int
     if len(rows) < num_requests:
         raise ValueError(f"synthesized only {len(rows)} of {num_requests} arrivals")
     return rows if finite else [replace(r, timestamp_s=0.0) for r in rows]
+
+
+def gamma_rows(n: int, rate_rps: float = 2.0, seed: int = 0, conversation_share: float = 0.8,
+               new_session_p: float = 0.25, burstiness: float = 0.5,
+               open_sessions: int = 300) -> list[TraceRow]:
+    """``n`` rows of the simulator's trace shape: gamma inter-arrivals (shape ``burstiness``
+    < 1 = bursty), log-normal request/response lengths, conversation turns in sessions."""
+    return list(iter_gamma_rows(n, rate_rps, seed, conversation_share, new_session_p,
+                                burstiness, open_sessions))
+
+
+def iter_gamma_rows(n: int, rate_rps: float = 2.0, seed: int = 0,
+                    conversation_share: float = 0.8, new_session_p: float = 0.25,
+                    burstiness: float = 0.5, open_sessions: int = 300,
+                    session_ids: bool = True) -> Iterator[TraceRow]:
+    """Lazy :func:`gamma_rows`; ``session_ids=False`` leaves sessions to the workload model."""
+    rng = random.Random(seed)
+    return _gamma(rng, n, lambda t: rng.gammavariate(burstiness, 1.0 / (rate_rps * burstiness)),
+                  conversation_share, new_session_p, open_sessions, session_ids)
+
+
+def iter_varying_rows(knots: Sequence[tuple[float, float]], seed: int = 0,
+                      burstiness: float = 0.5, conversation_share: float = 0.8,
+                      new_session_p: float = 0.25, open_sessions: int = 300,
+                      session_ids: bool = True) -> Iterator[TraceRow]:
+    """:func:`iter_gamma_rows` with an arrival rate that changes over time: ``knots`` are
+    ``(time_s, rate_rps)`` points, linearly interpolated; the trace ends at the last knot."""
+    if len(knots) < 2 or any(b[0] <= a[0] for a, b in zip(knots, knots[1:], strict=False)):
+        raise ValueError("need >= 2 knots with increasing times")
+    if any(r <= 0 for _, r in knots):
+        raise ValueError("knot rates must be > 0")
+    rng = random.Random(seed)
+    end = knots[-1][0]
+
+    def rate_at(t: float) -> float:
+        i = bisect.bisect_right([k[0] for k in knots], t)
+        if i == 0:
+            return knots[0][1]
+        if i >= len(knots):
+            return knots[-1][1]
+        (t0, r0), (t1, r1) = knots[i - 1], knots[i]
+        return r0 + (r1 - r0) * (t - t0) / (t1 - t0)
+
+    def gap(t: float) -> float:
+        # the gap is drawn at the rate of its start: fine while the rate changes slowly
+        # compared with the mean gap
+        return rng.gammavariate(burstiness, 1.0 / (rate_at(t) * burstiness))
+
+    for row in _gamma(rng, None, gap, conversation_share, new_session_p, open_sessions,
+                      session_ids):
+        if row.timestamp_s > end:
+            return
+        yield row
+
+
+def _gamma(rng: random.Random, n: int | None, gap: Callable[[float], float],
+           conversation_share: float, new_session_p: float, open_sessions: int,
+           session_ids: bool) -> Iterator[TraceRow]:
+    # The draws and their order are the seed's contract (see the module docstring).
+    t = 0.0
+    sessions: list[str] = []
+    next_sid = 0
+    for _ in itertools.count() if n is None else range(n):
+        t += gap(t)
+        req = int(min(max(rng.lognormvariate(5.6, 0.9), 16), 4096))
+        resp = int(min(max(rng.lognormvariate(5.0, 0.8), 1), 2048))
+        if rng.random() < conversation_share:
+            if not sessions or rng.random() < new_session_p:
+                sid = f"s{next_sid}"
+                next_sid += 1
+                sessions.append(sid)
+                if len(sessions) > open_sessions:
+                    sessions.pop(0)
+            else:
+                sid = rng.choice(sessions)
+            yield TraceRow(t, "ChatGPT", req, resp, req + resp, "Conversation log",
+                           sid if session_ids else None)
+        else:
+            yield TraceRow(t, "GPT-4", req, resp, req + resp, "API log", None)

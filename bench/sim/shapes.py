@@ -1,7 +1,7 @@
 """Arrival-rate shapes for autoscaling traces: relative rate (0.1 .. 1.0 of the peak) over a run.
 
 Each shape is ``(duration_s, seed) -> knots``, knots being ``(time_s, relative_rate)`` points
-that ``bench.sim.trace_input.iter_varying_rows`` interpolates linearly (a 1 s knot pair is a
+that ``bench.synth.iter_varying_rows`` interpolates linearly (a 1 s knot pair is a
 step). Every shape opens with a quiet minute at 0.1 (the autoscalers start from 1 + 1; a trace
 opening at its peak would measure a cold start, not autoscaling). Parameters (fixed, so a seed
 names one trace):

@@ -15,11 +15,12 @@ Parameters (:class:`WorkloadConfig`, defaults):
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from bench.sim.trace_input import TraceRow
+from bench.trace import TraceRow
 from router.policy.hashing import hash_int
 
 
@@ -71,7 +72,10 @@ def iter_requests(rows: Iterable[TraceRow], config: WorkloadConfig | None = None
     cfg = config or WorkloadConfig()
     rng = random.Random(seed)
     bt = cfg.block_tokens
-    weights = [1.0 / (k + 1) ** cfg.zipf_s for k in range(cfg.system_prompts)]
+    # cumulative once: random.choices would re-accumulate plain weights on every call
+    cum_weights = list(itertools.accumulate(1.0 / (k + 1) ** cfg.zipf_s
+                                            for k in range(cfg.system_prompts)))
+    systems = range(cfg.system_prompts)
     sys_len = [rng.randint(cfg.system_min_tokens, cfg.system_max_tokens)
                for _ in range(cfg.system_prompts)]
     sys_hashes = [[hash_int(s * 1_000_003 + i, seed + 1) for i in range(sys_len[s] // bt)]
@@ -84,7 +88,7 @@ def iter_requests(rows: Iterable[TraceRow], config: WorkloadConfig | None = None
     def pick_system() -> int:
         if cfg.hot_share > 0 and rng.random() < cfg.hot_share:
             return 0
-        return rng.choices(range(cfg.system_prompts), weights)[0]
+        return rng.choices(systems, cum_weights=cum_weights)[0]
 
     def new_session() -> _Session:
         nonlocal uid

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from bench.sim.cli import main
-from bench.sim.trace_input import synth_rows, write_trace
+from bench.synth import gamma_rows
+from bench.trace import write_trace
 
 KEYS = {"effective_capacity_rps", "ttft_p50", "ttft_p99", "slo_attainment", "cache_hit_ratio",
         "load_max_over_mean"}
@@ -17,7 +18,7 @@ KEYS = {"effective_capacity_rps", "ttft_p50", "ttft_p99", "slo_attainment", "cac
 @pytest.fixture
 def trace(tmp_path: Path) -> Path:
     path = tmp_path / "trace.csv"
-    write_trace(path, synth_rows(300, rate_rps=2.0, seed=5))
+    write_trace(gamma_rows(300, rate_rps=2.0, seed=5), path, layout="v2")
     return path
 
 
@@ -53,13 +54,22 @@ def test_bad_input_exits_2(trace: Path, tmp_path: Path, capsys: pytest.CaptureFi
     assert message in capsys.readouterr().err
 
 
-def test_malformed_trace_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+V1_HEADER = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("time,tokens\n1,2\n", "header lacks column(s)"),
+    (V1_HEADER + "x,ChatGPT,1,1,2,API log\n", "bad.csv:2: column 'Timestamp'"),
+    (V1_HEADER + "1,ChatGPT,5,0,5,API log\n", "has only 0 usable rows"),  # failed rows only
+])
+def test_malformed_trace_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
+                                 message: str) -> None:
     bad = tmp_path / "bad.csv"
-    bad.write_text("time,tokens\n1,2\n")
+    bad.write_text(text)
     rc = main(["--trace", str(bad), "--prefill", "2", "--decode", "1", "--policies", "dualmap",
                "--slo-ttft", "2", "--slo-tpot", "0.1", "--out", str(tmp_path / "o")])
     assert rc == 2
-    assert "missing column" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode", ["planner", "threshold", "static"])

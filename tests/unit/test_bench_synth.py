@@ -1,4 +1,5 @@
-"""Synthetic traces: deterministic, bursty when asked, heavy-tailed, sessions resend history."""
+"""Synthetic traces: deterministic, bursty when asked, heavy-tailed, sessions resend history;
+the simulator's gamma-arrival generators: one seed, one trace."""
 
 from __future__ import annotations
 
@@ -8,8 +9,14 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from bench.synth import SynthConfig, synth_rows
-from bench.trace import TraceStats, per_second_counts, read_trace, trace_to_text
+from bench.synth import (
+    SynthConfig,
+    gamma_rows,
+    iter_gamma_rows,
+    iter_varying_rows,
+    synth_rows,
+)
+from bench.trace import TraceStats, native_rate, per_second_counts, read_trace, trace_to_text
 
 
 def test_deterministic_for_a_seed() -> None:
@@ -88,3 +95,36 @@ def test_fixed_shape_rows_exact_count_lengths_and_rate() -> None:
     assert [r.timestamp_s for r in burst] == [0.0] * 5
     with pytest.raises(ValueError):
         fixed_shape_rows(0, input_tokens=8, output_tokens=2)
+
+
+def _shape(rows: object) -> list[tuple[float, int, int, str]]:
+    return [(r.timestamp_s, r.request_tokens, r.response_tokens, r.log_type)
+            for r in rows]  # type: ignore[attr-defined]
+
+
+def test_gamma_rows_one_seed_one_trace() -> None:
+    """The simulator's tables depend on the rows a seed gives: same seed, same rows (lazy or
+    not, with or without session ids); another seed, other rows."""
+    rows = gamma_rows(500, rate_rps=3.0, seed=5)
+    assert rows == gamma_rows(500, rate_rps=3.0, seed=5)
+    assert rows == list(iter_gamma_rows(500, rate_rps=3.0, seed=5))
+    assert rows != gamma_rows(500, rate_rps=3.0, seed=6)
+    bare = list(iter_gamma_rows(500, rate_rps=3.0, seed=5, session_ids=False))
+    assert _shape(bare) == _shape(rows) and all(r.session_id is None for r in bare)
+    assert any(r.session_id for r in rows)
+    assert all(r.total_tokens == r.request_tokens + r.response_tokens for r in rows)
+    assert native_rate(gamma_rows(4000, rate_rps=3.0, seed=1)) == pytest.approx(3.0, rel=0.1)
+
+
+def test_varying_rows_follow_the_knots() -> None:
+    knots = [(0.0, 1.0), (100.0, 1.0), (101.0, 10.0), (200.0, 10.0)]
+    rows = list(iter_varying_rows(knots, seed=2))
+    assert rows == list(iter_varying_rows(knots, seed=2))
+    assert rows != list(iter_varying_rows(knots, seed=3))
+    assert rows[-1].timestamp_s <= 200.0
+    slow = sum(r.timestamp_s < 100 for r in rows)
+    fast = sum(r.timestamp_s >= 101 for r in rows)
+    assert 4 * slow < fast  # 10x the rate after the step
+    for bad in ([(0.0, 1.0)], [(0.0, 1.0), (0.0, 2.0)], [(0.0, 1.0), (5.0, 0.0)]):
+        with pytest.raises(ValueError, match="knot"):
+            list(iter_varying_rows(bad))

@@ -1,10 +1,12 @@
-"""BurstGPT reader: both layouts, the real published rows, filters, windows, bad rows, streaming."""
+"""BurstGPT reader: both layouts, the real published rows, filters, windows, bad rows, sorting,
+streaming."""
 
 from __future__ import annotations
 
 import io
 import tracemalloc
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,7 @@ from bench.trace import (
     TraceError,
     TraceRow,
     TraceStats,
+    native_rate,
     per_second_counts,
     read_trace,
     schedule,
@@ -78,7 +81,6 @@ def test_zero_token_and_failed_rows_are_counted_per_reason() -> None:
     ("1,ChatGPT,10,5,15,API log\n2,ChatGPT,10,5,API log\n", 3, "expected 6 fields"),
     ("1,ChatGPT,10,-5,5,API log\n", 2, "non-negative integer"),
     ("1,ChatGPT,10.5,5,15,API log\n", 2, "non-negative integer"),
-    ("9,ChatGPT,10,5,15,API log\n3,ChatGPT,10,5,15,API log\n", 3, "sorted"),
     ("x,ChatGPT,10,5,15,API log\n", 2, "'Timestamp'"),
 ])
 def test_bad_rows_name_their_line(body: str, line: int, fragment: str) -> None:
@@ -88,11 +90,76 @@ def test_bad_rows_name_their_line(body: str, line: int, fragment: str) -> None:
     assert f":{line}:" in str(info.value) and fragment in str(info.value)
 
 
-def test_missing_column_and_empty_file() -> None:
-    with pytest.raises(TraceError, match="Response tokens"):
+def test_missing_column_and_empty_file(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="Response tokens") as info:
         rows_of("Timestamp,Model,Request tokens,Log Type\n1,ChatGPT,3,API log\n")
+    assert info.value.line == 1 and "header lacks column(s) ['Response tokens']" in str(info.value)
     with pytest.raises(TraceError, match="empty"):
         rows_of("")
+    with pytest.raises(TraceError, match="cannot read trace"):
+        list(read_trace(tmp_path / "absent.csv"))
+
+
+def test_total_tokens_is_optional() -> None:
+    rows, _ = rows_of("Timestamp,Model,Request tokens,Response tokens,Log Type\n"
+                      "1,ChatGPT,10,5,API log\n")
+    assert rows == [TraceRow(1.0, "ChatGPT", 10, 5, 15, "API log", line=2)]
+
+
+UNSORTED = V1_HEADER + ("30,ChatGPT,5000,9000,14000,Conversation log\n"
+                        "10,ChatGPT,100,20,120,Conversation log\n"
+                        "20,GPT-4,50,0,50,API log\n"       # failed: dropped
+                        "10,GPT-4,7,3,10,API log\n"        # same time as line 3: after it
+                        "40,GPT-4,8,3,11,API log\n")
+
+
+def test_unsorted_rows_are_sorted_stably(tmp_path: Path) -> None:
+    """Two traces concatenated: every source that can be read twice gives the rows in time
+    order, equal timestamps in file order; windows count from the earliest timestamp."""
+    path = tmp_path / "cat.csv"
+    path.write_text(UNSORTED)
+    for source in (path, io.StringIO(UNSORTED)):
+        stats = TraceStats()
+        rows = list(read_trace(source, stats=stats))  # type: ignore[arg-type]
+        assert [(r.timestamp_s, r.line) for r in rows] == [(10.0, 3), (10.0, 5), (30.0, 2),
+                                                            (40.0, 6)]
+        assert stats.first_timestamp_s == 10.0 and stats.last_kept_timestamp_s == 40.0
+        assert stats.rows_read == 5 and stats.rows_kept == 4 and stats.dropped == {"failed": 1}
+    rows, stats = rows_of(UNSORTED, start_s=5, duration_s=30)  # [15, 45)
+    assert [r.timestamp_s for r in rows] == [30.0, 40.0]
+    assert stats.dropped == {"before_window": 2, "failed": 1}
+    rows, _ = rows_of(UNSORTED, max_requests=2)  # the earliest two, not the first two lines
+    assert [r.line for r in rows] == [3, 5]
+
+
+class _OneShot(io.StringIO):
+    """A stream that cannot be sought (a pipe)."""
+
+    def seekable(self) -> bool:
+        return False
+
+
+def test_unsorted_stream_that_cannot_be_reread_names_the_line() -> None:
+    with pytest.raises(TraceError, match="out of time order") as info:
+        list(read_trace(_OneShot(UNSORTED)))  # type: ignore[arg-type]
+    assert info.value.line == 3
+    # negative control: the same stream in order reads fine
+    assert len(list(read_trace(_OneShot(V1_HEADER + REAL_ROWS)))) == 3  # type: ignore[arg-type]
+
+
+def test_write_then_read_keeps_sessions_and_conversation_flag(tmp_path: Path) -> None:
+    rows = [TraceRow(1.5, "ChatGPT", 100, 20, 120, "Conversation log", "s1"),
+            TraceRow(2.25, "GPT-4", 50, 5, 55, "API log")]
+    path = tmp_path / "t.csv"
+    write_trace(rows, path, layout="v2")
+    back = list(read_trace(path))
+    assert [(r.timestamp_s, r.session_id, r.conversation) for r in back] == [
+        (1.5, "s1", True), (2.25, None, False)]
+
+
+def test_native_rate_is_gaps_over_span() -> None:
+    assert native_rate([_row(t) for t in (10.0, 12.0, 14.0)]) == 1.0 / 2.0
+    assert native_rate([_row(5.0), _row(5.0)]) == 2.0  # no span: the count
 
 
 def test_window_and_max_requests() -> None:
