@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,8 +17,7 @@ import redis
 
 from router.errors import RegistryError
 from router.state.registry import WorkerRegistry
-from serve.redis_server import free_port
-from tests.e2e.conftest import SERVED_NAME
+from tests.support.cluster import SERVED_NAME, running_cluster
 from tests.support.metrics import scrape, value
 from tests.support.waiting import eventually
 
@@ -45,40 +39,15 @@ def autoscaled(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     tmp = tmp_path_factory.mktemp("autoscale")
     profile = tmp / "profile.json"
     profile.write_text(json.dumps(PROFILE))
-    port = free_port()
-    cmd = [sys.executable, "-m", "serve.cli", "up", "--model", str(tiny_model_dir),
-           "--served-model-name", SERVED_NAME, "--port", str(port), "--prefill", "1",
-           "--decode", "2", "--redis", f"redis://127.0.0.1:{free_port()}/0", "--autoscale",
-           f"--autoscale-arg=--profile={profile}", "--autoscale-arg=--interval-s=2",
-           "--autoscale-arg=--cooldown-s=60", "--autoscale-arg=--tpot-slo-s=1.0",
-           "--autoscale-arg=--ttft-slo-s=30", "--autoscale-arg=--correction-alpha=0",
-           # the burst headroom remembers the load phase for its window: a short one, so the
-           # pool may shrink within this test once the load is gone
-           "--autoscale-arg=--burst-window-s=60"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    ready, found = threading.Event(), {}
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stderr.write(line)
-            match = re.search(r"pdserve ready: .* redis (\S+)\)", line)
-            if match:
-                found["redis"] = match.group(1)
-                ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        assert ready.wait(600), "autoscaled cluster did not start"
-        yield f"http://127.0.0.1:{port}", found["redis"]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    args = ["--prefill", "1", "--decode", "2", "--autoscale",
+            f"--autoscale-arg=--profile={profile}", "--autoscale-arg=--interval-s=2",
+            "--autoscale-arg=--cooldown-s=60", "--autoscale-arg=--tpot-slo-s=1.0",
+            "--autoscale-arg=--ttft-slo-s=30", "--autoscale-arg=--correction-alpha=0",
+            # the burst headroom remembers the load phase for its window: a short one, so the
+            # pool may shrink within this test once the load is gone
+            "--autoscale-arg=--burst-window-s=60"]
+    with running_cluster(tiny_model_dir, tmp, extra_args=args) as cluster:
+        yield cluster.url, cluster.redis_url
 
 
 def workers(redis_url: str) -> dict[str, list[str]]:
