@@ -219,12 +219,11 @@ def _earliest_if_unsorted(fh: IO[str], name: str) -> float | None:
     order, None when they are in order (then the second pass streams)."""
     reader = csv.reader(fh)
     cols = _columns(reader, name)
-    prev = earliest = math.inf
+    prev, earliest = -math.inf, math.inf
     in_order = True
     for line, row in _records(reader, cols, name):
         ts = _parse_float(row[cols.timestamp], COL_TIMESTAMP, line, name)
-        if prev != math.inf and ts < prev:
-            in_order = False
+        in_order = in_order and ts >= prev
         prev, earliest = ts, min(earliest, ts)
     return None if in_order else earliest
 
