@@ -5,11 +5,9 @@ One plain vLLM server is started for this module (about a minute on 2 cores) and
 
 from __future__ import annotations
 
-import asyncio
 import csv
 import json
 import statistics
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,12 +17,10 @@ import pytest
 from bench.cli import main
 from bench.synth import SynthConfig, synth_rows
 from bench.trace import TraceStats, read_trace, write_trace
-from serve.redis_server import free_port
 from serve.tiny_model import build_tiny_model
-from serve.worker import stop_process, vllm_command, vllm_env, wait_healthy
+from tests.support.cluster import SERVED_NAME, running_plain
 
 pytestmark = pytest.mark.vllm
-SERVED = "tiny-llama"
 REQUIRED_KEYS = ("requests_scheduled", "requests_completed", "requests_failed", "ttft_p50",
                  "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p50", "slo_attainment", "goodput_rps",
                  "schedule_lag_p99")
@@ -32,15 +28,8 @@ REQUIRED_KEYS = ("requests_scheduled", "requests_completed", "requests_failed", 
 
 @pytest.fixture(scope="module")
 def vllm_url() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(vllm_command(str(build_tiny_model()), "127.0.0.1", port, SERVED,
-                                         None, None), env=vllm_env(1), start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        asyncio.run(wait_healthy(url, proc, 600))
-        yield url
-    finally:
-        stop_process(proc)
+    with running_plain(build_tiny_model()) as plain:
+        yield plain.url
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +55,7 @@ def test_replay_against_vllm(vllm_url: str, trace: Path, tmp_path: Path) -> None
     for key in REQUIRED_KEYS:
         assert key in summary, key
     assert summary["schema"] == "pdserve.bench.run/1"
-    assert summary["config"]["model"] == SERVED
+    assert summary["config"]["model"] == SERVED_NAME
     assert summary["trace"]["dropped"] == stats.dropped and stats.dropped.get("failed", 0) > 0
 
     # Every scheduled request was sent, in schedule order, with its lag recorded.
@@ -121,7 +110,7 @@ def test_profile_against_vllm(vllm_url: str, tmp_path: Path) -> None:
                "--batch-sizes", "1,4", "--repeats", "1", "--decode-tokens", "8"])
     assert rc == 0
     doc = json.loads(out.read_text())
-    assert doc["schema"] == "pdserve.bench.profile/1" and doc["model"] == SERVED
+    assert doc["schema"] == "pdserve.bench.profile/1" and doc["model"] == SERVED_NAME
     assert [p["tokens"] for p in doc["prefill"]["points"]] == [16, 256]
     assert [p["batch_size"] for p in doc["decode"]["points"]] == [1, 4]
     assert all(p["step_s"] > 0 for p in doc["decode"]["points"])
