@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.profile import profile_document
 from bench.sim.cli import main
 from bench.synth import gamma_rows
 from bench.trace import write_trace
+from router.autoscale.profile import InstanceProfile
 
 KEYS = {"effective_capacity_rps", "ttft_p50", "ttft_p99", "slo_attainment", "cache_hit_ratio",
         "load_max_over_mean"}
@@ -52,6 +54,34 @@ def test_bad_input_exits_2(trace: Path, tmp_path: Path, capsys: pytest.CaptureFi
     base.update(dict(zip(args[::2], args[1::2], strict=True)))
     assert main([x for kv in base.items() for x in kv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_calibration_reads_what_bench_profile_writes(trace: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``--calibration`` takes ``pdserve bench profile``'s document: instances 4x slower than
+    the default sustain a lower rate; a bad profile exits 2 naming the key."""
+    default = InstanceProfile()
+    slow = default.scaled(4.0)
+    doc = profile_document(
+        "http://w", "m",
+        [{"tokens": n, "ttft_s": slow.prefill.overhead_s + slow.prefill.per_token_s * n}
+         for n in (64, 512)],
+        [{"batch_size": b, "step_s": slow.decode.step_s + slow.decode.per_seq_s * b}
+         for b in (1, 8)], 32)
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    caps = {}
+    for name, extra in (("default", []), ("slow", ["--calibration", str(tmp_path / "p.json")])):
+        out = tmp_path / name
+        assert main(["--trace", str(trace), "--prefill", "2", "--decode", "2", "--policies",
+                     "round_robin", "--ttft-slo-s", "2", "--out", str(out), *extra]) == 0
+        caps[name] = json.loads((out / "summary.json").read_text())["round_robin"][
+            "effective_capacity_rps"]
+    assert caps["slow"] < 0.5 * caps["default"], caps
+    (tmp_path / "bad.json").write_text('{"prefill": {"tokens_per_s": 1}}')
+    assert main(["--trace", str(trace), "--prefill", "2", "--decode", "1", "--policies",
+                 "dualmap", "--calibration", str(tmp_path / "bad.json"),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "unknown prefill keys ['tokens_per_s']" in capsys.readouterr().err
 
 
 V1_HEADER = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"

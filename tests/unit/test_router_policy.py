@@ -136,6 +136,7 @@ PURE_MODULES = {
     "router/autoscale/planner.py": ("router.autoscale", "router.errors"),
     "router/autoscale/predictors.py": ("router.autoscale", "router.errors"),
     "router/autoscale/capacity.py": ("router.autoscale", "router.errors"),
+    "router/autoscale/profile.py": ("router.autoscale", "router.errors"),
     "router/autoscale/signals.py": ("router.autoscale", "router.errors", "router.samples"),
     "router/autoscale/threshold.py": ("router.autoscale", "router.errors"),
     "router/samples.py": (),
