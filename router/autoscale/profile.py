@@ -34,7 +34,7 @@ import json
 import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from router.errors import ConfigError
 
@@ -199,18 +199,25 @@ def _fit_steps(points: Any, source: str) -> tuple[float, float]:
     return max(base, 0.0), max(per_seq, 1e-9)
 
 
-def _fill(perf: Any, values: dict[str, Any], where: str) -> Any:
+_Perf = TypeVar("_Perf", PrefillPerf, DecodePerf)
+
+
+def _fill(perf: _Perf, values: dict[str, Any], where: str) -> _Perf:
+    """``perf`` with ``values`` checked (numbers; counts >= 1, times >= 0) and set."""
     types = {f.name: f.type for f in fields(perf)}
+    checked: dict[str, Any] = {}
     for key, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}.{key}: expected a number, got {value!r}")
         if types[key] == "int":
-            if value != int(value) or value < 1:
+            if not (math.isfinite(value) and value == int(value) and value >= 1):
                 raise ConfigError(f"{where}.{key}: expected a whole number >= 1, got {value!r}")
-        elif not (math.isfinite(value) and value >= 0):
+            checked[key] = int(value)
+        elif math.isfinite(value) and value >= 0:
+            checked[key] = float(value)
+        else:
             raise ConfigError(f"{where}.{key}: expected a time >= 0, got {value!r}")
-    return replace(perf, **{k: int(v) if types[k] == "int" else float(v)
-                            for k, v in values.items()})
+    return replace(perf, **checked)
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:

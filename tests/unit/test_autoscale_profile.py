@@ -83,6 +83,8 @@ def test_older_spellings_read_the_same() -> None:
     ({"prefill": {"per_token_s": -1e-4}}, r"prefill.per_token_s: expected a time >= 0"),
     ({"decode": {"max_running": 2.5}}, r"decode.max_running: expected a whole number >= 1"),
     ({"prefill": {"cache_blocks": 0}}, "expected a whole number >= 1"),
+    ({"decode": {"max_running": float("inf")}}, "expected a whole number >= 1"),
+    ({"decode": {"step_s": float("nan")}}, "expected a time >= 0"),
     ({"schema": "other/2"}, "schema 'other/2'; allowed: pdserve.bench.profile/1"),
     ({"prefil": {}}, r"unknown keys \['prefil'\]"),
     ({"decode": []}, "decode must be an object"),
