@@ -183,3 +183,20 @@ def test_autoscale_sim_rebalances_the_policies_that_name_an_alternate() -> None:
     static = AutoscaleSettings("static", 3, 3)
     assert run(reqs, "dualmap", static, 1.0, 0.1).migrations > 0
     assert run(reqs, "round_robin", static, 1.0, 0.1).migrations == 0
+
+
+def test_the_autoscaler_service_plans_with_its_profile_file(tmp_path: Path) -> None:
+    """``pdserve autoscale --profile`` reads the same format with the same reader (the e2e
+    tests' older spellings included); without one it plans with the default instance."""
+    from router.autoscale.actuators import RedisActuator
+    from router.autoscale.service import Autoscaler, AutoscalerSettings
+
+    url = "redis://127.0.0.1:9/0"  # no connection is made: the clients connect on first use
+    path = write(tmp_path, {"prefill": {"s_per_token": 1e-6, "overhead_s": 0.001},
+                            "decode": {"step_base_s": 0.02, "step_per_seq_s": 0.049}})
+    for profile, expected in ((str(path), InstanceProfile.load(path)),
+                              (None, InstanceProfile())):
+        planner = Autoscaler(AutoscalerSettings(url, "http://127.0.0.1:9", profile=profile),
+                             RedisActuator(url)).planner
+        assert (planner.prefill_model, planner.decode_model) == capacity_models(expected)
+    assert InstanceProfile.load(path).decode.step_s == 0.02  # not the default: a real check
