@@ -34,7 +34,7 @@ class ModelRings:
     def ring(self, model: str, index: Mapping[str, Candidate]) -> DualRing:
         """The model's ring, or one memoised from the candidate ids when none was announced."""
         ring = self._rings.get(model)
-        if ring is not None and len(ring.nodes):
+        if ring is not None and len(ring):
             return ring
         ids = frozenset(index)
         memo = self._memo.get(ids)

@@ -57,9 +57,10 @@ class PrefixCacheModel:
     def insert(self, hashes: Sequence[int]) -> list[int]:
         """Record ``hashes`` as cached (most recent); returns the evicted block hashes."""
         lru = self._lru
+        touch = lru.move_to_end
         for h in reversed(hashes):
             if h in lru:
-                lru.move_to_end(h)
+                touch(h)
             else:
                 lru[h] = None
         evicted = []

@@ -26,7 +26,7 @@ block is keyed by its length (AIBrix's fallback).
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from router.errors import ConfigError
@@ -56,7 +56,7 @@ class PrefixKeyer:
         self.max_expanded = max_expanded
         self.adaptive = adaptive
         self._recent: deque[tuple[int, ...]] = deque()
-        self._counts: Counter[int] = Counter()
+        self._counts: dict[int, int] = {}  # key -> paths in the window holding it
         self._expanded: OrderedDict[int, None] = OrderedDict()
 
     def resize(self, n_instances: int) -> None:
@@ -72,10 +72,13 @@ class PrefixKeyer:
             self._forget(self._recent.popleft())
 
     def _forget(self, old: tuple[int, ...]) -> None:
-        self._counts.subtract(old)
+        counts = self._counts
         for k in old:
-            if self._counts[k] <= 0:
-                del self._counts[k]
+            left = counts.get(k, 0) - 1
+            if left > 0:
+                counts[k] = left
+            else:
+                counts.pop(k, None)
 
     def path(self, hashes: Sequence[int], prompt_len: int) -> tuple[int, ...]:
         """The keys at depth 1..d for this prompt; the last one is the routing key."""
@@ -107,18 +110,20 @@ class PrefixKeyer:
             return
         path = self.path(hashes, prompt_len)
         self._recent.append(path)
-        self._counts.update(path)
+        counts = self._counts
+        for k in path:
+            counts[k] = counts.get(k, 0) + 1
         if len(self._recent) > self.window:
             self._forget(self._recent.popleft())
         size = len(self._recent)
         leaf = path[-1]
         more_blocks = len(hashes) > self.level_blocks * len(path)
         if (size >= self.min_samples and more_blocks
-                and self._counts[leaf] >= self.hot_ratio * size):
+                and counts[leaf] >= self.hot_ratio * size):
             self._expanded[leaf] = None
             self._expanded.move_to_end(leaf)
             if len(self._expanded) > self.max_expanded:
                 self._expanded.popitem(last=False)
         for k in path[:-1]:
-            if size >= self.min_samples and self._counts[k] < self.shrink_ratio * size:
+            if size >= self.min_samples and counts[k] < self.shrink_ratio * size:
                 self._expanded.pop(k, None)

@@ -141,6 +141,9 @@ class DualRing:
         """The instances on both rings."""
         return self.ring1.nodes
 
+    def __len__(self) -> int:
+        return len(self.ring1)
+
     def add(self, node: str) -> None:
         """Add ``node`` to both rings."""
         self.ring1.add(node)
