@@ -15,6 +15,10 @@ measurements: prefill runs at roughly 8-12k tokens/s, a decode step of a moderat
   x tokens in context; at most ``max_running`` (256) sequences per decode instance;
 - KV transfer prefill -> decode: ``kv_transfer_s_per_token`` (5e-6: 128 KiB/token at ~25 GB/s).
 
+The autoscaler plans with these too when it is given no profile (before they were one model,
+its own defaults were a 0.005 s prefill overhead, a 0.01 + 0.0005 x batch s decode step and no
+KV transfer; the simulator's, documented above, were kept).
+
 File format (schema ``pdserve.bench.profile/1``, what ``pdserve bench profile`` writes)::
 
     {"schema", "created", "url", "model",                   (optional, not read)
