@@ -9,25 +9,23 @@ selective disaggregation. Every output must equal the plain server's own.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from router.state.registry import WorkerRecord, WorkerRegistry
-from serve.redis_server import free_port, start_redis
-from serve.worker import stop_process
+from serve.redis_server import start_redis
 from tests.support.cluster import SERVED_NAME, Cluster, Plain
 from tests.support.metrics import scrape, value
 from tests.support.prompts import make_prompts
-from tests.support.router import register, wait_healthy
+from tests.support.router import register
+from tests.support.router_process import RouterProcess
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.vllm
@@ -41,22 +39,17 @@ def _plain_record(plain: Plain, tiny_model_dir: Path) -> WorkerRecord:
 
 
 @contextmanager
-def _router(redis_url: str, *extra: str, keyring: Path | None = None) -> Iterator[str]:
+def _router(redis_url: str, *, keyring: Path | None = None, **settings: Any) -> Iterator[str]:
     """A second router process on ``redis_url`` (signing with ``keyring``, the cluster's
-    secret, when it talks to the cluster's workers); yields its URL."""
-    port = free_port()
-    env = dict(os.environ)
-    if keyring is not None:
-        env["PDSERVE_CLUSTER_SECRET_FILE"] = str(keyring)
-    proc = subprocess.Popen([sys.executable, "-m", "router.main", "--port", str(port),
-                             "--redis", redis_url, "--log-level", "WARNING", *extra],
-                            start_new_session=True, env=env)
-    url = f"http://127.0.0.1:{port}"
+    secret, when it talks to the cluster's workers; ``settings`` as RouterSettings fields);
+    yields its URL."""
+    router = RouterProcess(redis_url=redis_url, **settings,
+                           cluster_secret_file=None if keyring is None else str(keyring))
+    router.start(timeout_s=60)
     try:
-        wait_healthy(url, timeout_s=60)
-        yield url
+        yield router.url
     finally:
-        stop_process(proc)
+        router.stop()
 
 
 def _reference(plain: Plain, prompt: str, max_tokens: int = 8) -> str:
@@ -135,8 +128,8 @@ def test_selective_disaggregation_skips_the_prefill_for_short_or_cached_prompts(
         cluster: Cluster, plain: Plain, workers: dict[str, str], tiny_model_dir: Path) -> None:
     short, long = make_prompts(tiny_model_dir, [20, 300], seed=13, tag="selective")
     follow_up = long + " and then some more words to ask"
-    with _router(cluster.redis_url, "--disagg-min-prefill-tokens", "64",
-                 keyring=cluster.keyring_file) as url:
+    with _router(cluster.redis_url, keyring=cluster.keyring_file,
+                 disagg_min_prefill_tokens=64) as url:
         pulls0 = value(scrape(workers["decode"]), "pdserve_kv_pulls_total")
         before = _paths(url)
         outputs = {}
