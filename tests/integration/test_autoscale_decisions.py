@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import redis
@@ -49,11 +50,20 @@ def metric(scaler: Autoscaler, name: str, **labels: str) -> float | None:
     return scaler.metrics.get_sample_value(name, labels)
 
 
+#: instances slow enough that 30 req/s needs more than one of each (decode: 1,800 output
+#: tokens/s per instance within the default 0.1 s TPOT)
+PROFILE = {"prefill": {"overhead_s": 0.005, "per_token_s": 1e-4},
+           "decode": {"step_s": 0.01, "per_seq_s": 5e-4, "kv_transfer_s_per_token": 0.0}}
+
+
 def test_each_decision_is_a_metric_a_log_line_and_a_redis_record(
         redis_server: RedisServer, caplog: pytest.LogCaptureFixture,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     url = redis_server.url
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
     settings = AutoscalerSettings(redis_url=url, router_url="http://127.0.0.1:9", prefix=PREFIX,
+                                  profile=str(profile),
                                   planner=PlannerConfig(max_replicas=8, correction_alpha=0.0))
 
     async def one_step() -> None:
