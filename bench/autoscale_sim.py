@@ -49,6 +49,7 @@ from bench.sim.engine import PoolController, RunResult, simulate
 from bench.sim.sweep import SweepConfig, make_policy
 from bench.sim.workload import SimRequest, WorkloadConfig, build_requests
 from bench.synth import iter_varying_rows
+from router import settings as shared
 from router.autoscale.profile import InstanceProfile
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ class Scenario:
     max_decode: int = 8
     start_delay_s: float = 30.0
     interval_s: float = 10.0
-    policy: str = "dualmap"
+    policy: str = shared.default("policy")
+    """The router's default prefill placement policy."""
 
     def profile(self) -> InstanceProfile:
         """The default instance ``slowdown`` x slower."""
