@@ -131,10 +131,13 @@ def test_observation_from_interval_stats() -> None:
     obs = observation(stats)
     # lengths per request served (5 prefilled, 4 decoded), not per arrival
     assert (obs.arrivals, obs.mean_isl, obs.mean_osl) == (4, 400.0, 100.0)
-    assert obs.p90_isl == 1000
+    # p90 interpolates between ranks like bench.metrics.percentile: rank 0.9 x 4 = 3.6
+    assert obs.p90_isl == pytest.approx(400 + 0.6 * (1000 - 400))
     assert (obs.prefill_starting, obs.decode_starting) == (1, 0)
-    assert obs.ttft_mean_s == pytest.approx(0.25) and obs.ttft_p90_s == 0.4
-    assert obs.tpot_mean_s == pytest.approx(0.03) and obs.tpot_p90_s == 0.04
+    assert obs.ttft_mean_s == pytest.approx(0.25)
+    assert obs.ttft_p90_s == pytest.approx(0.3 + 0.7 * 0.1)
+    assert obs.tpot_mean_s == pytest.approx(0.03)
+    assert obs.tpot_p90_s == pytest.approx(0.02 + 0.9 * 0.02)
     assert (obs.prefill_replicas, obs.decode_replicas) == (3, 2)
 
 
