@@ -69,6 +69,11 @@ class Pool:
         for observe in self.observers:
             observe(event)
 
+    def tell(self, event: PolicyEvent) -> None:
+        """Deliver an event from outside the request path (an engine's KV cache events,
+        :class:`~router.policy.base.CacheChanged`) to the policy and the observers."""
+        self._tell(event)
+
     def sync(self, model: str, worker_ids: Iterable[str]) -> bool:
         """Make ``worker_ids`` the members for ``model``; True when that changed them."""
         members = tuple(sorted(worker_ids))

@@ -87,7 +87,23 @@ class Membership:
     worker_ids: tuple[str, ...]
 
 
-PolicyEvent = Dispatched | Finished | Membership
+@dataclass(frozen=True)
+class CacheChanged:
+    """``worker_id``'s engine reported a change of its prefix cache (its KV cache events,
+    translated to our block hashes by :mod:`router.policy.kv_events`). Applied in this order:
+    ``cleared`` (forget everything), ``removed`` (evicted), ``stored`` (now cached, in chain
+    order). Only sent when the router follows the engines' events (``--kv-events``)."""
+
+    worker_id: str
+    stored: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    cleared: bool = False
+    engine_block_tokens: int = 0
+    """The engine's KV block size in tokens (0 = not said): it caches whole blocks only, so a
+    dispatched prompt's trailing partial engine block is not recorded as cached."""
+
+
+PolicyEvent = Dispatched | Finished | Membership | CacheChanged
 
 
 @runtime_checkable

@@ -24,7 +24,8 @@ Algorithm, per request:
 5. if TTFT(hi) > switch_fraction x SLO, pick the lower predicted TTFT (ties: ``hi``), else ``hi``.
 
 ``observe(Dispatched)`` records the prompt's blocks on the chosen instance and feeds the hot-prefix
-detector; ``observe(Membership)`` updates both rings. Hotspot rebalancing of queued requests is
+detector; ``observe(Membership)`` updates both rings; ``observe(CacheChanged)`` applies the
+engine's KV events (stored, evicted) to the cache model. Hotspot rebalancing of queued requests is
 :mod:`router.policy.rebalance` (it needs a queue the caller owns).
 """
 
@@ -37,6 +38,7 @@ from typing import Any
 from router.errors import ConfigError
 from router.policy._rings import ModelRings, allowed_ids
 from router.policy.base import (
+    CacheChanged,
     Candidate,
     Choice,
     Dispatched,
@@ -121,7 +123,7 @@ class DualMapPolicy:
             raise ConfigError("pass either config or keyword overrides, not both")
         self.config = config
         self.load = LoadModel(config.per_token_s, config.cached_token_s)
-        self.cache = ClusterCacheModel(config.cache_capacity_blocks)
+        self.cache = ClusterCacheModel(config.cache_capacity_blocks, config.block_tokens)
         self._rings = ModelRings(config.vnodes)
         self._keyers: dict[str, PrefixKeyer] = {}
         # the key of a model no request was dispatched for yet: depth 1, nothing expanded
@@ -233,7 +235,8 @@ class DualMapPolicy:
     # -- state changes -----------------------------------------------------------------------
 
     def observe(self, event: PolicyEvent) -> None:
-        """Dispatched: record cached blocks and hot-prefix counts. Membership: update rings."""
+        """Dispatched: record cached blocks and hot-prefix counts. Membership: update rings.
+        CacheChanged: the engine's own account of its cache (``--kv-events``)."""
         if isinstance(event, Dispatched):
             req = event.request
             if req is None:
@@ -244,3 +247,5 @@ class DualMapPolicy:
         elif isinstance(event, Membership):
             self._rings.set_members(event.model, event.worker_ids)
             self._keyer(event.model).resize(len(event.worker_ids))
+        elif isinstance(event, CacheChanged):
+            self.cache.apply(event)

@@ -16,6 +16,7 @@ from typing import Any
 
 from router.policy._rings import allowed_ids
 from router.policy.base import (
+    CacheChanged,
     Candidate,
     Dispatched,
     PolicyEvent,
@@ -34,7 +35,7 @@ class PrefixOnlyPolicy:
 
     def __init__(self, block_tokens: int = 16, cache_capacity_blocks: int = 20_000) -> None:
         self.block_tokens = block_tokens
-        self.cache = ClusterCacheModel(cache_capacity_blocks)
+        self.cache = ClusterCacheModel(cache_capacity_blocks, block_tokens)
 
     @classmethod
     def from_context(cls, context: PolicyContext, params: Mapping[str, Any]
@@ -68,6 +69,9 @@ class PrefixOnlyPolicy:
             -match(c.worker_id, hashes), c.pending_prefill_tokens, c.in_flight, c.worker_id))
 
     def observe(self, event: PolicyEvent) -> None:
-        """Dispatched: record the prompt's blocks on the chosen instance."""
+        """Dispatched: record the prompt's blocks on the chosen instance. CacheChanged: apply
+        the engine's KV events."""
         if isinstance(event, Dispatched) and event.request is not None:
             self.cache.insert(event.worker_id, self.hashes(event.request))
+        elif isinstance(event, CacheChanged):
+            self.cache.apply(event)

@@ -46,6 +46,9 @@ class WorkerRecord:
     """Base64 UCX worker address; informational."""
     max_model_len: int
     started_at: float
+    kv_events_endpoint: str = ""
+    """ZMQ endpoint of the engine's KV cache events (``tcp://HOST:PORT``; ``pdserve worker
+    --kv-events-port``), empty when it publishes none."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -1,0 +1,234 @@
+"""The router's view of vLLM's KV cache events (``--kv-events``): vLLM's own event classes and
+publisher over a real ZMQ hop into the router's decoder and translator, then the cache model
+and the prefix-aware policies."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.errors import ConfigError
+from router.placement import Pool
+from router.policy.base import CacheChanged, Candidate, Membership, RouteRequest
+from router.policy.cache_model import ClusterCacheModel
+from router.policy.dualmap import DualMapPolicy
+from router.policy.hashing import block_hashes
+from router.policy.kv_events import KVEventTranslator
+from router.policy.prefix_only import PrefixOnlyPolicy
+from router.state.load import LoadTracker
+
+PROMPT = tuple(range(1000, 1400))  # 400 tokens: 25 blocks of 16, 3 of vLLM-CPU's 128
+OURS = block_hashes(PROMPT, 16)
+W = "prefill-a"
+
+
+def apply_all(model: ClusterCacheModel, *changes: CacheChanged | None) -> None:
+    for change in changes:
+        if change is not None:
+            model.apply(change)
+
+
+# -- the wire: vLLM's publisher -> ZMQ -> the router's subscriber ----------------------------
+
+async def test_vllm_events_over_zmq_land_in_the_router_hash_space() -> None:
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    from router.state.cluster import StaticCluster
+    from router.state.kv_events import KVEventSubscriber
+    from router.state.registry import WorkerRecord
+    from serve.redis_server import free_port
+
+    port = free_port()
+    publisher = kv.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}",
+                                     topic="kv")
+    record = WorkerRecord(W, "prefill", "m", "/m", "http://127.0.0.1:1", "e", "", 4096, 0.0,
+                          kv_events_endpoint=f"tcp://127.0.0.1:{port}")
+    model = ClusterCacheModel()
+    roles: list[str] = []
+    counts: dict[str, int] = {}
+
+    def deliver(role: str, change: CacheChanged) -> None:
+        roles.append(role)
+        model.apply(change)
+
+    def count(kind: str) -> None:
+        counts[kind] = counts.get(kind, 0) + 1
+
+    def publish(*events: object) -> None:
+        publisher.publish(kv.KVEventBatch(ts=0.0, events=list(events)))
+
+    async def until(kind: str, n: int) -> None:
+        while counts.get(kind, 0) < n:
+            await asyncio.sleep(0.02)
+
+    def stored(hashes: list[bytes | int], parent: bytes | int | None, tokens: tuple[int, ...]
+               ) -> object:
+        return kv.BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                              token_ids=list(tokens), block_size=128, lora_id=None,
+                              medium="CPU", lora_name=None)
+
+    sub = KVEventSubscriber(StaticCluster([record]), deliver, count)
+    try:
+        sub.sync()
+        while not counts.get("cleared"):  # a SUB hears only what is sent once it is connected
+            publish(kv.AllBlocksCleared())
+            await asyncio.sleep(0.05)
+        assert model.match(W, OURS) == 0  # negative control: nothing stored yet
+        # a request's first two blocks, then a later request extends the chain by its parent
+        publish(stored([b"v1", b"v2"], None, PROMPT[:256]))
+        publish(stored([3], b"v2", PROMPT[256:384]))  # vLLM's int hash mode
+        await until("stored", 2)
+        assert model.match(W, OURS) == 24  # every full 128-token block, in our 16-token hashes
+        publish(kv.BlockRemoved(block_hashes=[3], medium="CPU"))
+        await until("removed", 1)
+        assert model.match(W, OURS) == 16
+        publish(kv.BlockRemoved(block_hashes=[b"v2"], medium="CPU"))
+        await until("removed", 2)
+        assert model.match(W, OURS) == 8
+        publish(kv.AllBlocksCleared())
+        await until("cleared", 2)
+        assert model.match(W, OURS) == 0
+        assert set(roles) == {"prefill"}
+        stats = sub.stats(W)
+        assert stats is not None and stats["engine_block_tokens"] == 128
+        assert stats["live_blocks"] == 0 and stats["events"]["stored"] == 2
+    finally:
+        await sub.close()
+        publisher.shutdown()
+
+
+def test_the_decoder_reads_what_vllm_encodes() -> None:
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    import msgspec
+
+    from router.state import kv_wire
+
+    batch = kv.KVEventBatch(ts=1.5, data_parallel_rank=2, events=[
+        kv.BlockStored(block_hashes=[b"\x01" * 32, 7], parent_block_hash=None,
+                       token_ids=list(PROMPT[:32]), block_size=16, lora_id=None,
+                       medium="GPU", lora_name=None, group_idx=0, session_id="s"),
+        kv.BlockRemoved(block_hashes=[7], medium="GPU"), kv.AllBlocksCleared()])
+    got = kv_wire.decode_batch(msgspec.msgpack.Encoder().encode(batch))
+    assert (got.ts, got.data_parallel_rank) == (1.5, 2)
+    first, second, third = got.events
+    assert isinstance(first, kv_wire.BlockStored)
+    assert (first.block_hashes, first.parent_block_hash, first.token_ids, first.block_size,
+            first.medium, first.group_idx) == ([b"\x01" * 32, 7], None, list(PROMPT[:32]), 16,
+                                                "GPU", 0)
+    assert isinstance(second, kv_wire.BlockRemoved) and second.block_hashes == [7]
+    assert isinstance(third, kv_wire.AllBlocksCleared)
+    with pytest.raises(kv_wire.KVEventsDecodeError):
+        kv_wire.decode_batch(b"\x93not a batch")
+
+
+# -- the translator ----------------------------------------------------------------------------
+
+def test_a_stored_block_with_an_unknown_parent_is_ignored_with_its_descendants() -> None:
+    t = KVEventTranslator(W)
+    model = ClusterCacheModel()
+    # the router subscribed after block v1 was stored: v2 and its child cannot be hashed
+    assert t.stored([b"v2"], b"v1", PROMPT[128:256], 128) is None
+    assert t.stored([b"v3"], b"v2", PROMPT[256:384], 128) is None
+    assert t.orphans == 2 and t.live_blocks == 0
+    assert model.match(W, OURS) == 0
+    # a block that starts a chain is always known
+    apply_all(model, t.stored([b"v1"], None, PROMPT[:128], 128))
+    assert model.match(W, OURS) == 8
+    assert t.removed([b"v2"]) is None  # removing what was never known changes nothing
+
+
+def test_a_block_lives_until_its_last_copy_is_removed() -> None:
+    t = KVEventTranslator(W)
+    model = ClusterCacheModel()
+    apply_all(model, t.stored([b"v1", b"v2"], None, PROMPT[:256], 128),
+              t.stored([b"v1"], None, PROMPT[:128], 128),  # a second copy of v1
+              t.stored([b"s1"], None, PROMPT[:128], 128))  # same tokens, another hash (salt)
+    assert t.removed([b"v1"]) is None
+    assert t.removed([b"v1"]) is None
+    assert model.match(W, OURS) == 16
+    change = t.removed([b"s1"])
+    assert change is not None and change.removed == OURS[:8]
+    apply_all(model, change)
+    assert model.match(W, OURS) == 0
+
+
+def test_an_engine_block_size_that_is_not_a_multiple_of_ours_is_refused() -> None:
+    t = KVEventTranslator(W, block_tokens=16)
+    with pytest.raises(ConfigError, match="not a multiple of the router's 16-token blocks"):
+        t.stored([1], None, PROMPT[:24], 24)
+    assert t.stored([1], None, PROMPT[:32], 32) is not None  # 32 is
+
+
+# -- the cache model -------------------------------------------------------------------------
+
+def test_a_removal_in_the_middle_of_a_chain_ends_the_match_there() -> None:
+    """The binary search's invariant (the cached part of a chain is a prefix) breaks when an
+    engine evicts a middle block: the model then matches from the front, to the first miss."""
+    model = ClusterCacheModel()
+    model.insert(W, OURS)  # dispatched: the router records all 25 blocks
+    control = ClusterCacheModel()
+    control.insert(W, OURS)
+    model.apply(CacheChanged(W, removed=(OURS[5],)))
+    assert model.match(W, OURS) == 5  # a binary search would land behind the hole: 25
+    assert control.match(W, OURS) == 25  # negative control: no event, no change
+    model.apply(CacheChanged(W, cleared=True))
+    assert model.match(W, OURS) == 0
+
+
+def test_once_the_engine_block_size_is_known_dispatch_records_whole_engine_blocks() -> None:
+    model = ClusterCacheModel()
+    model.insert("other", OURS)
+    assert model.match("other", OURS) == 25  # no events from it: every 16-token block
+    model.apply(CacheChanged(W, engine_block_tokens=128))
+    model.insert(W, OURS)
+    assert model.match(W, OURS) == 24  # the engine caches no partial 128-token block
+
+
+# -- the policies ----------------------------------------------------------------------------
+
+def _pool_after_dispatch(policy: DualMapPolicy | PrefixOnlyPolicy
+                         ) -> tuple[Pool, RouteRequest, list[Candidate], str]:
+    """A prefill pool of two workers in which the prompt was dispatched to (and finished on)
+    the worker the policy chose; returns (pool, request, candidates, that worker)."""
+    pool = Pool("prefill", policy, LoadTracker())
+    pool.sync("m", ("a", "b"))
+    request = RouteRequest("r1", "m", prompt_token_ids=PROMPT, block_hashes=OURS)
+    candidates = [Candidate("a"), Candidate("b")]
+    first = pool.choose(request, candidates)
+    assert first is not None
+    pool.begin(request, first.worker)
+    pool.end(request, first.worker)
+    return pool, request, candidates, first.worker
+
+
+def _evict_everything(pool: Pool, worker: str) -> None:
+    """The worker's engine stores the prompt (16-token blocks), then evicts all of it."""
+    t = KVEventTranslator(worker)
+    hashes = [f"e{i}".encode() for i in range(len(OURS))]
+    stored = t.stored(hashes, None, PROMPT, 16)
+    assert stored is not None and stored.stored == OURS  # our hashes, from vLLM's event
+    pool.tell(stored)
+    removed = t.removed(hashes)
+    assert removed is not None
+    pool.tell(removed)
+
+
+def test_dualmap_stops_counting_a_prompt_its_engine_evicted() -> None:
+    pool, request, candidates, worker = _pool_after_dispatch(DualMapPolicy())
+    control, *_ = _pool_after_dispatch(DualMapPolicy())
+    _evict_everything(pool, worker)
+    after, kept = pool.choose(request, candidates), control.choose(request, candidates)
+    assert kept is not None and (kept.worker, kept.reason) == (worker, "cache_affinity")
+    assert after is not None and after.reason == "load"  # neither holds the prompt now
+    assert pool.cached_tokens(request, worker) == 0
+    assert control.cached_tokens(request, worker) == len(OURS) * 16
+
+
+def test_prefix_only_stops_counting_a_prompt_its_engine_evicted() -> None:
+    pool, request, candidates, worker = _pool_after_dispatch(PrefixOnlyPolicy())
+    assert pool.cached_tokens(request, worker) == len(OURS) * 16
+    _evict_everything(pool, worker)
+    assert pool.cached_tokens(request, worker) == 0
+    # membership and dispatch still work after the events
+    pool.tell(Membership("m", ("a", "b")))
+    assert pool.choose(request, candidates) is not None
