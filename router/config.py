@@ -30,7 +30,7 @@ class RouterSettings:
     policy: str = default("policy")
     """Prefill placement policy, a name in ``router.policy.registry.PREFILL_POLICIES``."""
     ttft_slo_s: float = default("ttft_slo_s")
-    """TTFT SLO the prefill policy aims for (DualMap leaves cache affinity for load at half);
+    """TTFT SLO the prefill policy aims for (DualMap leaves cache affinity for load past it);
     the value and its reason: ``router.settings``."""
     prefill_s_per_token: float = default("prefill_s_per_token")
     """Calibrated prefill seconds per uncached prompt token (DualMap's TTFT prediction)."""
@@ -68,6 +68,10 @@ class RouterSettings:
     """Selective disaggregation: a request whose prompt has fewer uncached tokens than this on
     the decode worker the decode policy picks goes there whole, skipping the prefill hop
     (``router.policy.disagg``); 0 disaggregates every request."""
+    kv_events: bool = False
+    """Follow the KV cache events of every prefill/aggregated worker that publishes them
+    (``pdserve worker --kv-events-port``): the prefix-aware policies then learn what the engines
+    stored and evicted instead of only what the router sent (``router.state.kv_events``)."""
     timeline_file: str | None = None
     """If set, every finished request's phase timeline is appended here as one JSON line
     (wall-clock events and phase durations; see ``router.api.timeline``)."""
@@ -165,6 +169,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="selective disaggregation: prompts with fewer uncached tokens (on the "
                    "chosen decode worker) skip the prefill hop "
                    "(PDSERVE_ROUTER_DISAGG_MIN_PREFILL_TOKENS, default 0 = always P/D)")
+    p.add_argument("--kv-events", dest="kv_events", action=argparse.BooleanOptionalAction,
+                   help="learn the prefill engines' cache from their KV cache events (workers "
+                   "started with --kv-events-port; PDSERVE_ROUTER_KV_EVENTS, default off)")
     p.add_argument("--timeline-file", dest="timeline_file",
                    help="append each request's phase timeline as a JSON line "
                    "(PDSERVE_ROUTER_TIMELINE_FILE)")
@@ -194,6 +201,7 @@ _ENV_NAMES = {
     "first_token_from_prefill": "FIRST_TOKEN_FROM_PREFILL",
     "disagg_min_prefill_tokens": "DISAGG_MIN_PREFILL_TOKENS",
     "timeline_file": "TIMELINE_FILE",
+    "kv_events": "KV_EVENTS",
 }
 
 

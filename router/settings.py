@@ -102,7 +102,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("log_level", "INFO", _log_level, "log level (DEBUG, INFO, WARNING, ERROR)",
             deprecated_envs=("PDSERVE_ROUTER_LOG_LEVEL",), metavar="LEVEL"),
     Setting("ttft_slo_s", 1.0, float,
-            "TTFT SLO in seconds: DualMap's load switch (at half), admission, autoscaling",
+            "TTFT SLO in seconds: DualMap's load switch, admission, autoscaling",
             ("--slo-ttft",), ("PDSERVE_ROUTER_TTFT_SLO_S", "PDSERVE_SLO_TTFT_S"), "S"),
     Setting("tpot_slo_s", 0.1, float, "TPOT SLO in seconds (time per output token)",
             ("--slo-tpot",), ("PDSERVE_SLO_TPOT_S",), "S"),
