@@ -136,7 +136,7 @@ class WorkerHalf:
     # ---------------------------------------------------------------- setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register every KV tensor once and start answering release messages."""
-        from kvtransfer.transport.base import open_transport
+        from kvtransfer.transport.factory import open_transport
 
         described = describe_regions(kv_caches, self.num_blocks)
         # A transport without its own progress thread (nixl) serves remote reads promptly

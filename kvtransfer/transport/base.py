@@ -1,4 +1,5 @@
-"""The transport contract the KV connector codes against, and the choice between transports.
+"""The transport contract the KV connector codes against (``open_transport`` in
+``kvtransfer.transport.factory`` chooses one).
 
 A transport moves KV bytes one-sidedly (the decode reads the prefill's registered blocks; the
 prefill's CPU is not on the data path) and carries the small request/reply messages of the
@@ -12,7 +13,7 @@ our native UCX RMA engine, with a same-host process_vm_readv path) and ``nixl``
 ``UcxEngine`` satisfies these protocols as it is; they were written from its API.
 
 Who calls what, on which thread (the connector's worker half):
-  - engine thread, once: ``open_transport(config)``, ``register`` every KV region, then read
+  - engine thread, once: ``factory.open_transport(config)``, ``register`` every KV region, then read
     ``address`` and ``locality`` into the handshake.
   - engine thread, per step: ``connect`` (once per remote engine, cached by the caller),
     ``Link.unpack_rkey`` (once per remote region), ``Link.get``, ``Link.request``,
@@ -26,11 +27,8 @@ subclasses; the connector turns either into a load error (vLLM recomputes).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
-
-from kvtransfer.config import TRANSPORTS, ConnectorConfig
-from kvtransfer.errors import ConfigError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -146,22 +144,3 @@ class Transport(Protocol):
     def close(self) -> None:
         """Release everything; idempotent. Pending handles turn to errors."""
         ...
-
-
-def open_transport(config: ConnectorConfig, *, label: str,
-                   reads_expected: Callable[[], bool] | None = None) -> Transport:
-    """Create the transport ``config.transport`` (one of ``TRANSPORTS``) for one engine.
-
-    ``label`` names the engine in logs and peer tables (unique per process). ``reads_expected``
-    tells a transport without its own progress thread (nixl) when remote reads of our memory
-    may be in flight (a lease is active), so it can serve them promptly and idle otherwise.
-    """
-    if config.transport == "ucx":
-        from kvtransfer.transport.ucx import UcxEngine
-
-        return UcxEngine(name=label, **config.ucx_options())
-    if config.transport == "nixl":
-        from kvtransfer.transport.nixl import NixlEngine
-
-        return NixlEngine(name=label, reads_expected=reads_expected)
-    raise ConfigError(f"unknown KV transport {config.transport!r}; allowed: {list(TRANSPORTS)}")

@@ -24,7 +24,8 @@ import pytest
 
 from kvtransfer.config import ConnectorConfig
 from kvtransfer.errors import PeerUnreachable, TransportError
-from kvtransfer.transport.base import Pending, open_transport
+from kvtransfer.transport.base import Pending
+from kvtransfer.transport.factory import open_transport
 from kvtransfer.transport.nixl import NixlEngine, decode_address, encode_address
 
 BLOCK = 32 << 10
