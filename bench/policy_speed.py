@@ -16,6 +16,7 @@ import statistics
 import time
 
 from bench.metrics import percentile
+from router import settings as shared
 from router.policy.base import Candidate, CandidatePool, Dispatched, Membership, RouteRequest
 from router.policy.hashing import hash_int
 from router.policy.registry import create_prefill_policy
@@ -52,7 +53,7 @@ def measure(name: str, n_instances: int, decisions: int, seed: int = 0) -> dict[
 def main(argv: list[str] | None = None) -> int:
     """Print a markdown table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--policies", default="dualmap")
+    p.add_argument("--policies", default=shared.default("policy"))
     p.add_argument("--instances", default="16,256,1000")
     p.add_argument("--decisions", type=int, default=20_000)
     args = p.parse_args(argv)

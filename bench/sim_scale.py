@@ -16,6 +16,7 @@ from bench.sim.engine import simulate
 from bench.sim.sweep import attainment
 from bench.sim.workload import WorkloadConfig, iter_requests
 from bench.synth import iter_gamma_rows
+from router import settings as shared
 from router.policy.context import PolicyContext
 from router.policy.registry import create_prefill_policy
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, default=1000)
     p.add_argument("--decode", type=int, default=1000)
     p.add_argument("--rate", type=float, default=None, help="req/s (default 3 x prefill)")
-    p.add_argument("--policy", default="dualmap")
+    p.add_argument("--policy", default=shared.default("policy"))
     p.add_argument("--slo-ttft", type=float, default=2.0)
     args = p.parse_args(argv)
     rate = args.rate or 3.0 * args.prefill
