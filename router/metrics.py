@@ -121,6 +121,13 @@ class RouterMetrics:
             "Failed reads of a worker's /metrics for its load (vLLM's running/waiting/KV usage "
             "gauges), by worker role; such a worker is scored on router accounting alone.",
             ["role"], registry=r)
+        self.kv_events = Counter(
+            "pdserve_router_kv_events_total",
+            "KV cache events received from the prefill engines (--kv-events), by kind: "
+            "stored, removed, cleared; and anomalies: orphan (a stored block whose parent the "
+            "router never saw, ignored), gap (a lost batch), undecodable, refused (an engine "
+            "block size that is not a multiple of the router's 16 tokens).",
+            ["kind"], registry=r)
         for role in ("prefill", "decode"):
             self.in_flight.labels(role=role).set(0)
             self.upstream_retries.labels(role=role)

@@ -82,6 +82,9 @@ class ClusterSettings:
     otlp_traces_endpoint: str | None = None
     """OTLP endpoint given to the router and every worker: one trace per request."""
     passed_on: tuple[tuple[str, Any], ...] = ()
+    kv_events: bool = False
+    """Prefill and aggregated workers publish their KV cache events (each on a free port) and
+    the router follows them (``--kv-events``)."""
     """Shared settings (``router.settings``) given by flag or env, as (name, value): each child
     that takes one (router, workers, autoscaler) gets it as its canonical flag."""
 
@@ -210,7 +213,8 @@ class Cluster:
                             for i, c in enumerate(self.cpu_plan.slots)))
         cmd = [sys.executable, "-m", "router.main", "--host", s.host, "--port", str(s.port),
                "--redis-url", self.redis_url, "--policy", s.policy,
-               *self._passed_on("router"), *s.router_args]
+               *self._passed_on("router"), *(["--kv-events"] if s.kv_events else []),
+               *s.router_args]
         if s.otlp_traces_endpoint:
             cmd += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
         self._router_cmd = cmd
@@ -244,6 +248,8 @@ class Cluster:
                *s.worker_args]
         if s.otlp_traces_endpoint:
             cmd += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
+        if s.kv_events and role in ("prefill", "aggregated"):
+            cmd += ["--kv-events-port", str(free_port(s.host))]
         cpus = self._free_slot()
         proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=child_setup(cpus),
                                 env=self.env)
@@ -457,6 +463,10 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="extra argument passed to the router (repeatable), e.g. "
                              "--router-arg=--timeline-file=/tmp/t.jsonl")
+    parser.add_argument("--kv-events", action="store_true",
+                        default=env("PDSERVE_KV_EVENTS", "") in ("1", "true"),
+                        help="prefill/aggregated workers publish their KV cache events and the "
+                             "router learns their caches from them (default off)")
     parser.add_argument("--autoscale-arg", action="append", default=[], metavar="ARG",
                         help="extra argument passed to `pdserve autoscale` (repeatable)")
 
@@ -476,5 +486,6 @@ def settings_from_args(args: argparse.Namespace) -> ClusterSettings:
                            autoscale_args=tuple(args.autoscale_arg),
                            cpu_layout=args.cpu_layout, router_args=tuple(args.router_arg),
                            otlp_traces_endpoint=args.otlp_traces_endpoint,
+                           kv_events=args.kv_events,
                            passed_on=tuple((name, r.value) for name, r in resolved.items()
                                            if r.source != "default"))

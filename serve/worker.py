@@ -74,6 +74,10 @@ class WorkerSettings:
     ``kv_transfer_params`` may lease or pull (kvtransfer.signing); handed to vLLM in a 0600 file."""
     cluster_secret_file: str | None = None
     """Keyring file (``PDSERVE_CLUSTER_SECRET_FILE``), re-read on change; wins over the text."""
+    kv_events_port: int = 0
+    """Have vLLM publish its KV cache events on ZMQ at this port (all interfaces) and advertise
+    ``tcp://<advertise host>:PORT`` in the registry for routers run with ``--kv-events``;
+    0 = off."""
     cpus: str = "all"
     """Cores the worker and its engine run on: ``all``, ``role`` or a list (serve.cpu_layout)."""
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
@@ -81,6 +85,45 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "aggregated"):
             raise ValueError(f"--role must be prefill, decode or aggregated, got {self.role!r}")
+        if self.kv_events_port:
+            check_kv_events_args(self.kv_events_port, self.extra_vllm_args)
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        """Where routers subscribe to this worker's KV events ("" when it publishes none)."""
+        if not self.kv_events_port:
+            return ""
+        return f"tcp://{self.advertise_host or self.host}:{self.kv_events_port}"
+
+
+ROUTER_BLOCK_TOKENS = 16
+"""The router hashes prompts in 16-token blocks (router.policy.hashing); an engine whose KV
+events it follows must use a multiple of that block size."""
+
+
+def kv_events_config(port: int) -> dict[str, object]:
+    """vLLM's ``--kv-events-config`` (``KVEventsConfig``) publishing on ZMQ at ``port``."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+            "topic": "kv"}
+
+
+def check_kv_events_args(port: int, extra: tuple[str, ...]) -> None:
+    """Refuse ``--kv-events-port`` with arguments that defeat it: a port out of range, an own
+    ``--kv-events-config``, or a ``--block-size`` the router cannot map onto its blocks."""
+    if not 0 < port < 65536:
+        raise ValueError(f"--kv-events-port must be in 1..65535, got {port}")
+    for i, arg in enumerate(extra):
+        name, _, value = arg.partition("=")
+        if name == "--kv-events-config":
+            raise ValueError("--kv-events-port sets vLLM's --kv-events-config; give one or the "
+                             "other")
+        if name == "--block-size":
+            value = value or (extra[i + 1] if i + 1 < len(extra) else "")
+            if not value.isdigit() or int(value) % ROUTER_BLOCK_TOKENS:
+                raise ValueError(
+                    f"--kv-events-port: vLLM's --block-size {value} is not a multiple of the "
+                    f"router's {ROUTER_BLOCK_TOKENS}-token blocks, so routers could not map its "
+                    "KV events onto their prefix hashes")
 
 
 def kv_transfer_config(engine_id: str, *, lease_s: float, pull_timeout_s: float,
@@ -251,6 +294,9 @@ class WorkerLauncher:
         extra = (*kv_cache_options(s.kv_cache_gib, device)[1], *s.extra_vllm_args)
         if s.otlp_traces_endpoint:
             extra = ("--otlp-traces-endpoint", s.otlp_traces_endpoint, *extra)
+        if s.kv_events_port:
+            extra = ("--kv-events-config", json.dumps(kv_events_config(s.kv_events_port)),
+                     *extra)
         cmd = vllm_command(s.model, s.host, self.port, self.served_name, kv, s.max_model_len,
                            extra)
         cpus = worker_cpus(s.cpus, s.role, sorted(os.sched_getaffinity(0)))
@@ -275,7 +321,8 @@ class WorkerLauncher:
                             model=self.served_name, model_path=self.settings.model,
                             http_url=self.advertised_url, engine_id=self.engine_id,
                             ucx_address=base64.b64encode(address).decode(),
-                            max_model_len=max_len, started_at=time.time())
+                            max_model_len=max_len, started_at=time.time(),
+                            kv_events_endpoint=self.settings.kv_events_endpoint)
 
     async def run(self) -> int:
         """Run until signalled or until vLLM exits; returns the exit code."""
@@ -348,6 +395,11 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--timeline-file", default=env("PDSERVE_TIMELINE_FILE"),
                         help="append each request's KV connector timeline (JSON lines)")
+    parser.add_argument("--kv-events-port", type=int,
+                        default=int(env("PDSERVE_WORKER_KV_EVENTS_PORT", "0")),
+                        help="have vLLM publish its KV cache events on this ZMQ port (all "
+                             "interfaces) and advertise it for routers run with --kv-events "
+                             "(default 0 = off)")
     parser.add_argument("--cpus", default=env("PDSERVE_WORKER_CPUS", "all"),
                         help="cores of this worker's engine: all (default), role (prefill the "
                              "first half of the cores, decode the second), or a list like 0-3")
@@ -372,5 +424,6 @@ def settings_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerSett
                           corrupt_pulled_kv_file=args.corrupt_pulled_kv_file,
                           timeline_file=args.timeline_file,
                           otlp_traces_endpoint=args.otlp_traces_endpoint, cpus=args.cpus,
+                          kv_events_port=args.kv_events_port,
                           cluster_secret=secret, cluster_secret_file=secret_file,
                           extra_vllm_args=tuple(extra))

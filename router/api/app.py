@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -40,7 +40,7 @@ from router.errors import APIError, InvalidRequestError
 from router.metrics import RouterMetrics
 from router.placement import Placement
 from router.policy.admission import AdmissionLimits, admit
-from router.policy.base import RouteRequest
+from router.policy.base import CacheChanged, RouteRequest
 from router.policy.context import PolicyContext
 from router.policy.disagg import SelectiveDisaggregation
 from router.policy.hashing import block_hashes
@@ -48,6 +48,9 @@ from router.state.cluster import ClusterSource, ClusterView
 from router.state.load import LoadTracker
 from router.state.registry import WorkerRecord, WorkerRegistry
 from router.state.worker_load import WorkerLoadPoller
+
+if TYPE_CHECKING:
+    from router.state.kv_events import KVEventSubscriber
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,14 @@ class RouterService:
                                 per_token_s=settings.prefill_s_per_token)
         self.placement = Placement.create(settings.policy, settings.decode_policy, context,
                                           self.tracker, decode_observers=(self.disagg.observe,))
+        self.kv_events: KVEventSubscriber | None = None
+        if settings.kv_events:  # imports zmq: only when asked for
+            from router.state.kv_events import KVEventSubscriber
+
+            self.kv_events = KVEventSubscriber(
+                cluster, self._cache_changed,
+                lambda kind: self.metrics.kv_events.labels(kind=kind).inc(),
+                block_tokens=context.block_tokens, interval_s=settings.refresh_interval_s)
         self.limits = AdmissionLimits(settings.max_in_flight_per_worker,
                                       settings.admission_queue_slo_factor, settings.ttft_slo_s,
                                       settings.prefill_s_per_token)
@@ -98,14 +109,24 @@ class RouterService:
         await self.cluster.start()
         if self.loads is not None:
             self.loads.start()
+        if self.kv_events is not None:
+            self.kv_events.start()
 
     async def close(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.close()
         if self.loads is not None:
             await self.loads.close()
         await self.cluster.close()
         if self.client is not None:
             await self.client.aclose()
         self.tracer.close()
+
+    def _cache_changed(self, role: str, change: CacheChanged) -> None:
+        """A worker's engine reported cache changes: its pool's policy learns them."""
+        pool = self.placement.pools.get(role)
+        if pool is not None:
+            pool.tell(change)
 
     def _timeline_done(self, clock: PhaseClock, status: int) -> None:
         """A request ended: phase metrics, the timeline file, the trace."""
@@ -305,6 +326,8 @@ class RouterService:
                 "in_flight": c.in_flight, "running": c.running,
                 "pending_prefill_tokens": c.pending_prefill_tokens, "kv_usage": c.kv_usage,
                 "recently_failed": c.recently_failed,
+                **({} if self.kv_events is None else
+                   {"kv_events": self.kv_events.stats(r.worker_id)}),
                 "reported": None if load is None else {
                     "running": load.running, "waiting": load.waiting,
                     "kv_usage": load.kv_usage, "age_s": round(now - load.scraped_at_s, 3)},

@@ -232,3 +232,95 @@ def test_prefix_only_stops_counting_a_prompt_its_engine_evicted() -> None:
     # membership and dispatch still work after the events
     pool.tell(Membership("m", ("a", "b")))
     assert pool.choose(request, candidates) is not None
+
+
+# -- the plumbing: worker flags, router flag, the router app ---------------------------------
+
+def test_worker_kv_events_port_becomes_vllm_config_and_an_advertised_endpoint() -> None:
+    import argparse
+    import json
+
+    from serve.worker import WorkerSettings, add_worker_args, kv_events_config, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_worker_args(parser)
+    args = parser.parse_args(["--role", "prefill", "--model", "/m", "--host", "0.0.0.0",
+                              "--advertise-host", "10.0.0.7", "--kv-events-port", "5601"])
+    settings = settings_from_args(args, [])
+    assert settings.kv_events_endpoint == "tcp://10.0.0.7:5601"
+    assert WorkerSettings("prefill", "/m").kv_events_endpoint == ""  # off by default
+    kv = pytest.importorskip("vllm.config.kv_events")
+    config = kv.KVEventsConfig(**json.loads(json.dumps(kv_events_config(5601))))
+    assert (config.enable_kv_cache_events, config.publisher, config.endpoint, config.topic) == (
+        True, "zmq", "tcp://*:5601", "kv")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--block-size", "24"), "not a multiple of the router's 16-token blocks"),
+    (("--block-size=8",), "not a multiple"),
+    (("--kv-events-config", "{}"), "give one or the other"),
+])
+def test_worker_refuses_kv_events_with_arguments_that_defeat_them(
+        extra: tuple[str, ...], message: str) -> None:
+    from serve.worker import WorkerSettings
+
+    with pytest.raises(ValueError, match=message):
+        WorkerSettings("prefill", "/m", kv_events_port=5601, extra_vllm_args=extra)
+    WorkerSettings("prefill", "/m", extra_vllm_args=extra)  # without events: vLLM's business
+    WorkerSettings("prefill", "/m", kv_events_port=5601, extra_vllm_args=("--block-size", "128"))
+
+
+def test_router_kv_events_flag_and_env() -> None:
+    from router.config import load
+
+    assert load([], env={}).kv_events is False
+    assert load(["--kv-events"], env={}).kv_events is True
+    assert load([], env={"PDSERVE_ROUTER_KV_EVENTS": "1"}).kv_events is True
+
+
+async def test_the_router_follows_a_prefill_engines_events_into_its_policy() -> None:
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    import httpx
+
+    from router.api.app import create_app
+    from router.config import RouterSettings
+    from router.samples import parse_samples, total
+    from router.state.cluster import StaticCluster
+    from router.state.registry import WorkerRecord
+    from serve.redis_server import free_port
+
+    port = free_port()
+    publisher = kv.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}")
+    records = [WorkerRecord(W, "prefill", "m", "/m", "http://127.0.0.1:1", "e", "", 4096, 0.0,
+                            kv_events_endpoint=f"tcp://127.0.0.1:{port}"),
+               WorkerRecord("decode-a", "decode", "m", "/m", "http://127.0.0.1:2", "e2", "",
+                            4096, 0.0)]
+    app = create_app(RouterSettings(kv_events=True, load_poll_interval_s=0,
+                                    refresh_interval_s=0.05), cluster=StaticCluster(records))
+    service = app.state.router
+    request = RouteRequest("r", "m", prompt_token_ids=PROMPT, block_hashes=OURS)
+    pool = service.placement.pool("prefill")
+
+    def counted(text: str, kind: str) -> float:
+        return total(parse_samples(text), "pdserve_router_kv_events_total", kind=kind)
+
+    try:
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            while not counted((await client.get("/metrics")).text, "cleared"):
+                publisher.publish(kv.KVEventBatch(ts=0.0, events=[kv.AllBlocksCleared()]))
+                await asyncio.sleep(0.05)
+            assert pool.cached_tokens(request, W) == 0
+            publisher.publish(kv.KVEventBatch(ts=0.0, events=[kv.BlockStored(
+                block_hashes=[b"v1", b"v2", b"v3"], parent_block_hash=None,
+                token_ids=list(PROMPT[:384]), block_size=128, lora_id=None, medium="CPU",
+                lora_name=None)]))
+            while not counted((await client.get("/metrics")).text, "stored"):
+                await asyncio.sleep(0.05)
+            assert pool.cached_tokens(request, W) == 384  # the policy's model holds the blocks
+            workers = {w["worker_id"]: w for w in (await client.get("/workers")).json()["data"]}
+            assert workers[W]["kv_events"]["live_blocks"] == 3
+            assert workers[W]["kv_events"]["engine_block_tokens"] == 128
+            assert workers["decode-a"]["kv_events"] is None  # decode engines are not followed
+    finally:
+        publisher.shutdown()
