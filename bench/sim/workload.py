@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from bench.trace import TraceRow
-from router.policy.hashing import hash_int
+from router.policy.hashing import hash_ints
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def iter_requests(rows: Iterable[TraceRow], config: WorkloadConfig | None = None
     systems = range(cfg.system_prompts)
     sys_len = [rng.randint(cfg.system_min_tokens, cfg.system_max_tokens)
                for _ in range(cfg.system_prompts)]
-    sys_hashes = [[hash_int(s * 1_000_003 + i, seed + 1) for i in range(sys_len[s] // bt)]
+    sys_hashes = [hash_ints(range(s * 1_000_003, s * 1_000_003 + sys_len[s] // bt), seed + 1)
                   for s in range(cfg.system_prompts)]
     by_id: dict[str, _Session] = {}
     recent: list[_Session] = []
@@ -119,13 +119,15 @@ def iter_requests(rows: Iterable[TraceRow], config: WorkloadConfig | None = None
         # blocks past the session's known ones are new content of this session
         want = prompt // bt
         hashes = sess.hashes
-        while len(hashes) < want:
-            hashes.append(hash_int(sess.uid * 65_537 + len(hashes), seed + 2))
+        if len(hashes) < want:
+            base = sess.uid * 65_537
+            hashes.extend(hash_ints(range(base + len(hashes), base + want), seed + 2))
         yield SimRequest(i, row.timestamp_s - t0, prompt, row.response_tokens,
                          tuple(hashes[:want]))
         if row.conversation:
             sess.tokens = prompt + row.response_tokens
             # the response is part of the next turn's prefix; its blocks are new content
             want = min(sess.tokens, cfg.max_prompt_tokens) // bt
-            while len(hashes) < want:
-                hashes.append(hash_int(sess.uid * 65_537 + len(hashes), seed + 2))
+            if len(hashes) < want:
+                base = sess.uid * 65_537
+                hashes.extend(hash_ints(range(base + len(hashes), base + want), seed + 2))

@@ -47,6 +47,11 @@ def hash_int(value: int, seed: int) -> int:
     return _xxh((value & _MASK64).to_bytes(8, "little"), seed)
 
 
+def hash_ints(values: range, seed: int) -> list[int]:
+    """:func:`hash_int` of every value of ``values`` (one call for a run of them)."""
+    return [_xxh((v & _MASK64).to_bytes(8, "little"), seed) for v in values]
+
+
 def hash_str(value: str, seed: int) -> int:
     """A seeded 64-bit hash of a string (virtual node names)."""
     return _xxh(value.encode(), seed)
