@@ -19,15 +19,18 @@ each request it compares, for that prompt:
   model, hashing and capacity the router's prefix-aware policies use, fed the same request
   sequence), and
 - ``events``: the tokens of the prompt's leading full blocks that vLLM's events say are cached
-  (the cache state rebuilt from the events received so far; vLLM's own token ids, from the
-  worker's ``/tokenize``).
+  (the cache state rebuilt from the events received so far by the router's own translation,
+  :mod:`router.policy.kv_events`; vLLM's own token ids, from the worker's ``/tokenize``), and
+- ``+events``: the router's cache model fed those events besides its dispatches, as the router
+  runs with ``--kv-events`` (evictions and the engine's block size corrected).
 
 Each ``--kv-blocks`` value is one run with that many KV blocks on the prefill: ample (nothing is
 evicted) and tight (the shared prefixes do not all fit, so vLLM evicts what the router still
-counts). Printed per run: mean estimate and truth, mean absolute error, how often the router
-over-estimates by at least one vLLM block (it expects a hit that is not there) and under-
-estimates, the prefill's own ``vllm:prefix_cache_hits`` next to the summed truth (a check of
-the event replay), load average and where each process ran.
+counts). Printed per run: the mean truth; for the estimate and the estimate with events: the
+mean, the mean absolute error, how often the router over-estimates by at least one vLLM block
+(it expects a hit that is not there) and under-estimates; the prefill's own
+``vllm:prefix_cache_hits`` next to the summed truth (a check of the event replay), load average
+and where each process ran.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,90 +52,62 @@ from typing import Any
 import httpx
 
 from bench.placement import placement_of
-from router.policy.cache_model import PrefixCacheModel
+from router.policy.cache_model import ClusterCacheModel, PrefixCacheModel
 from router.policy.context import PolicyContext
 from router.policy.hashing import block_hashes
+from router.policy.kv_events import KVEventTranslator
 from router.samples import parse_samples, total
+from router.state import kv_wire
 from serve.redis_server import free_port, start_redis
 from serve.tiny_model import build_tiny_model
 from serve.worker import stop_process
 
 SERVED = "tiny-llama"
+PREFILL = "prefill"
 
 
 @dataclass
-class CacheReplica:
-    """vLLM's prefix cache as its KV events describe it: each stored block keyed by the token
-    content of the whole prefix it ends (our own chained key, so no vLLM hash is needed)."""
+class EventReplay:
+    """The prefill's KV events, replayed through the router's own translation
+    (:mod:`router.policy.kv_events`): the engine's cache as the events describe it (the truth),
+    and the router's cache model fed the events besides its dispatches (``--kv-events``)."""
 
-    live: dict[Any, int] = field(default_factory=dict)
-    """vLLM block hash -> our prefix key."""
-    keys: dict[int, int] = field(default_factory=dict)
-    """our prefix key -> how many live vLLM blocks carry it."""
-    stored: int = 0
-    removed: int = 0
-    cleared: int = 0
+    translator: KVEventTranslator
+    fed: ClusterCacheModel
+    """The router's model with the events: dispatches recorded, then corrected."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """Events by kind (stored, removed, cleared, orphan)."""
 
-    def apply(self, event: Any) -> None:
-        """One ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``."""
-        kind = type(event).__name__
-        if kind == "BlockStored":
-            parent = self.live.get(event.parent_block_hash, 0) \
-                if event.parent_block_hash is not None else 0
-            size = event.block_size
-            for i, vllm_hash in enumerate(event.block_hashes):
-                parent = hash((parent, tuple(event.token_ids[i * size:(i + 1) * size])))
-                self.live[vllm_hash] = parent
-                self.keys[parent] = self.keys.get(parent, 0) + 1
-                self.stored += 1
-        elif kind == "BlockRemoved":
-            for vllm_hash in event.block_hashes:
-                key = self.live.pop(vllm_hash, None)
-                if key is not None:
-                    self.removed += 1
-                    self.keys[key] -= 1
-                    if not self.keys[key]:
-                        del self.keys[key]
-        elif kind == "AllBlocksCleared":
-            self.live.clear()
-            self.keys.clear()
-            self.cleared += 1
-
-    def cached_tokens(self, token_ids: Sequence[int], block_size: int) -> int:
-        """Tokens of the leading full blocks of ``token_ids`` that are cached."""
-        key, n = 0, 0
-        for start in range(0, len(token_ids) - block_size + 1, block_size):
-            key = hash((key, tuple(token_ids[start:start + block_size])))
-            if key not in self.keys:
-                break
-            n += block_size
-        return n
+    def apply(self, event: kv_wire.KVEvent) -> None:
+        """One decoded event."""
+        orphans = self.translator.orphans
+        change = kv_wire.translate(self.translator, event)
+        kind = "orphan" if self.translator.orphans > orphans else kv_wire.kind(event)
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        if change is not None:
+            self.fed.apply(change)
 
 
 class EventStream:
     """SUB socket bound at ``endpoint``; the worker's ZMQ KV-event publisher connects to it (vLLM
     binds a ``tcp://*:PORT`` endpoint and connects to a ``tcp://HOST:PORT`` one), so no event is
-    lost to a late subscription. Decodes ``KVEventBatch`` messages."""
+    lost to a late subscription. Decodes ``KVEventBatch`` messages with the router's decoder."""
 
     def __init__(self, endpoint: str) -> None:
         import zmq
-        from msgspec.msgpack import Decoder
-        from vllm.distributed.kv_events import KVEventBatch
 
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.bind(endpoint)
-        self._decoder = Decoder(type=KVEventBatch)
-        self._zmq = zmq
 
-    def drain(self, replica: CacheReplica, quiet_s: float) -> int:
-        """Apply every batch received until none arrives for ``quiet_s``; returns batches."""
+    def drain(self, apply: Callable[[kv_wire.KVEvent], None], quiet_s: float) -> int:
+        """Apply every event received until no batch arrives for ``quiet_s``; returns batches."""
         n = 0
         while self._sock.poll(int(quiet_s * 1000)):
             parts = self._sock.recv_multipart()
-            for event in self._decoder.decode(parts[-1]).events:
-                replica.apply(event)
+            for event in kv_wire.decode_batch(parts[-1]).events:
+                apply(event)
             n += 1
         return n
 
@@ -172,6 +147,11 @@ class RunResult:
     over_estimates: float
     """Share of requests where the router expected at least one vLLM block more than cached."""
     under_estimates: float
+    mean_fed_tokens: float
+    """The router's model fed the events too (``--kv-events``): mean expected cached tokens."""
+    fed_abs_error_tokens: float
+    fed_over_estimates: float
+    fed_under_estimates: float
     events_stored: int
     events_removed: int
     prefill_prefix_hit_tokens: float
@@ -237,9 +217,11 @@ def run_one(model: Path, prompts: Sequence[str], kv_blocks: int, tmp: Path) -> R
     router_tok = AutoTokenizer.from_pretrained(str(model))
     cfg = PolicyContext()  # the router's cache geometry defaults (block size, blocks per worker)
     estimate = PrefixCacheModel(cfg.cache_capacity_blocks)
-    replica = CacheReplica()
+    replay = EventReplay(KVEventTranslator(PREFILL, cfg.block_tokens),
+                         ClusterCacheModel(cfg.cache_capacity_blocks, cfg.block_tokens))
     port = free_port()
     est_tokens: list[int] = []
+    fed_tokens: list[int] = []
     true_tokens: list[int] = []
     stream = EventStream(f"tcp://127.0.0.1:{port}")
     try:
@@ -251,17 +233,22 @@ def run_one(model: Path, prompts: Sequence[str], kv_blocks: int, tmp: Path) -> R
             for prompt in prompts:
                 vllm_ids = client.post(f"{prefill}/tokenize", json={
                     "model": SERVED, "prompt": prompt}).json()["tokens"]
-                stream.drain(replica, quiet_s=0.2)
+                stream.drain(replay.apply, quiet_s=0.2)
                 router_ids = router_tok(prompt, add_special_tokens=True)["input_ids"]
                 hashes = block_hashes(router_ids, cfg.block_tokens)
                 est_tokens.append(min(estimate.match(hashes) * cfg.block_tokens,
                                       len(router_ids)))
-                true_tokens.append(replica.cached_tokens(vllm_ids, block_size))
+                fed_tokens.append(min(replay.fed.match(PREFILL, hashes) * cfg.block_tokens,
+                                      len(router_ids)))
+                # the truth: the prompt's leading blocks (vLLM's own token ids) the events hold
+                true_tokens.append(replay.translator.cached_blocks(
+                    block_hashes(vllm_ids, cfg.block_tokens)) * cfg.block_tokens)
                 resp = client.post(f"{router}/v1/completions", json={
                     "model": SERVED, "prompt": prompt, "max_tokens": 2, "temperature": 0})
                 resp.raise_for_status()
                 estimate.insert(hashes)
-            stream.drain(replica, quiet_s=0.5)
+                replay.fed.insert(PREFILL, hashes)
+            stream.drain(replay.apply, quiet_s=0.5)
             time.sleep(1.0)  # the engine's last stats reach /metrics with its next steps
             hits = total(parse_samples(client.get(f"{prefill}/metrics").text),
                          "vllm:prefix_cache_hits_total") - hits0
@@ -269,13 +256,23 @@ def run_one(model: Path, prompts: Sequence[str], kv_blocks: int, tmp: Path) -> R
     finally:
         stream.close()
     n = len(prompts)
-    over = sum(e - t >= block_size for e, t in zip(est_tokens, true_tokens, strict=True))
-    under = sum(t - e >= block_size for e, t in zip(est_tokens, true_tokens, strict=True))
+    est, fed = _errors(est_tokens, true_tokens, block_size), _errors(fed_tokens, true_tokens,
+                                                                     block_size)
     return RunResult(
-        kv_blocks, n, sum(est_tokens) / n, sum(true_tokens) / n,
-        sum(abs(e - t) for e, t in zip(est_tokens, true_tokens, strict=True)) / n,
-        over / n, under / n, replica.stored, replica.removed, hits,
+        kv_blocks, n, sum(est_tokens) / n, sum(true_tokens) / n, *est, sum(fed_tokens) / n,
+        *fed, replay.counts.get("stored", 0), replay.counts.get("removed", 0), hits,
         os.getloadavg()[:2], placement)  # type: ignore[arg-type]
+
+
+def _errors(estimates: Sequence[int], truth: Sequence[int], block_size: int
+            ) -> tuple[float, float, float]:
+    """Mean absolute error (tokens), share over-estimated and share under-estimated by at
+    least one engine block."""
+    n = len(truth)
+    pairs = list(zip(estimates, truth, strict=True))
+    return (sum(abs(e - t) for e, t in pairs) / n,
+            sum(e - t >= block_size for e, t in pairs) / n,
+            sum(t - e >= block_size for e, t in pairs) / n)
 
 
 def _block_size(client: httpx.Client, prefill: str) -> int:
@@ -305,12 +302,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pdserve-cache-estimate-") as tmp:
         for blocks in (int(b) for b in args.kv_blocks.split(",")):
             results.append(run_one(model, prompts, blocks, Path(tmp)))
-    print(f"{'kv blocks':>9} {'est tok':>8} {'true tok':>8} {'|err|':>7} {'over':>6} "
-          f"{'under':>6} {'stored':>7} {'evicted':>7} {'vLLM hits':>9}  load, placement")
+    print(f"{'kv blocks':>9} {'true tok':>8} | {'est tok':>7} {'|err|':>6} {'over':>6} "
+          f"{'under':>6} | {'+events':>7} {'|err|':>6} {'over':>6} {'under':>6} | "
+          f"{'stored':>6} {'evicted':>7} {'vLLM hits':>9}  load, placement")
     for r in results:
-        print(f"{r.kv_blocks:>9} {r.mean_estimate_tokens:>8.0f} {r.mean_events_tokens:>8.0f} "
-              f"{r.mean_abs_error_tokens:>7.0f} {r.over_estimates:>6.1%} "
-              f"{r.under_estimates:>6.1%} {r.events_stored:>7} {r.events_removed:>7} "
+        print(f"{r.kv_blocks:>9} {r.mean_events_tokens:>8.0f} | {r.mean_estimate_tokens:>7.0f} "
+              f"{r.mean_abs_error_tokens:>6.0f} {r.over_estimates:>6.1%} "
+              f"{r.under_estimates:>6.1%} | {r.mean_fed_tokens:>7.0f} "
+              f"{r.fed_abs_error_tokens:>6.0f} {r.fed_over_estimates:>6.1%} "
+              f"{r.fed_under_estimates:>6.1%} | {r.events_stored:>6} {r.events_removed:>7} "
               f"{r.prefill_prefix_hit_tokens:>9.0f}  {r.load_avg[0]:.2f} {r.placement}")
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")

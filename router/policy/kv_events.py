@@ -73,6 +73,15 @@ class KVEventTranslator:
         """Distinct hashes of ours the events say are cached."""
         return len(self._refs)
 
+    def cached_blocks(self, hashes: Sequence[int]) -> int:
+        """Leading blocks of ``hashes`` (ours) that the events say are cached."""
+        n = 0
+        for h in hashes:
+            if h not in self._refs:
+                break
+            n += 1
+        return n
+
     def check_block_size(self, engine_block_tokens: int) -> None:
         """Raise :class:`ConfigError` unless the engine's block size is a multiple of ours."""
         if engine_block_tokens <= 0 or engine_block_tokens % self.block_tokens:

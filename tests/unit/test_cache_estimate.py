@@ -1,5 +1,6 @@
-"""bench.cache_estimate's replica of vLLM's prefix cache, rebuilt from vLLM's own KV event types
-(and, once, sent over a real ZMQ PUB socket the way vLLM's publisher frames them)."""
+"""bench.cache_estimate's event replay: vLLM's own KV event types sent over a real ZMQ PUB socket
+the way vLLM's publisher frames them, decoded and translated by the router's own code. (The
+translation's semantics are tests/unit/test_kv_events.py's.)"""
 
 from __future__ import annotations
 
@@ -9,45 +10,20 @@ import pytest
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
-from bench.cache_estimate import CacheReplica, EventStream  # noqa: E402
+from bench.cache_estimate import PREFILL, EventReplay, EventStream  # noqa: E402
+from router.policy.cache_model import ClusterCacheModel  # noqa: E402
+from router.policy.hashing import block_hashes  # noqa: E402
+from router.policy.kv_events import KVEventTranslator  # noqa: E402
 from serve.redis_server import free_port  # noqa: E402
 
-BS = 4
+PROMPT = list(range(100, 150))  # 3 full blocks of 16 and 2 tokens more
+OURS = block_hashes(PROMPT, 16)
 
 
 def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> object:
     return kv_events.BlockStored(block_hashes=hashes, parent_block_hash=parent,
-                                 token_ids=tokens, block_size=BS, lora_id=None, medium=None,
+                                 token_ids=tokens, block_size=16, lora_id=None, medium=None,
                                  lora_name=None)
-
-
-PROMPT = list(range(100, 114))  # 3 full blocks of 4 and 2 tokens more
-
-
-def test_a_chain_of_stored_blocks_is_a_cached_prefix() -> None:
-    r = CacheReplica()
-    r.apply(stored([11, 12], None, PROMPT[:8]))
-    assert r.cached_tokens(PROMPT, BS) == 8
-    r.apply(stored([13], 12, PROMPT[8:12]))  # a later request extends the chain by parent
-    assert r.cached_tokens(PROMPT, BS) == 12
-    # negative controls: another first block, and the same blocks under another parent
-    assert r.cached_tokens([1, *PROMPT[1:]], BS) == 0
-    r2 = CacheReplica()
-    r2.apply(stored([13], None, PROMPT[8:12]))
-    assert r2.cached_tokens(PROMPT, BS) == 0
-
-
-def test_a_removed_block_ends_the_cached_prefix_and_duplicates_are_counted() -> None:
-    r = CacheReplica()
-    r.apply(stored([11, 12, 13], None, PROMPT[:12]))
-    r.apply(stored([21, 22], None, PROMPT[:8]))  # same content under other vLLM hashes
-    r.apply(kv_events.BlockRemoved(block_hashes=[12], medium=None))
-    assert r.cached_tokens(PROMPT, BS) == 12  # block 2's content still lives in hash 22
-    r.apply(kv_events.BlockRemoved(block_hashes=[22], medium=None))
-    assert r.cached_tokens(PROMPT, BS) == 4
-    assert (r.stored, r.removed) == (5, 2)
-    r.apply(kv_events.AllBlocksCleared())
-    assert r.cached_tokens(PROMPT, BS) == 0
 
 
 def test_events_arrive_over_zmq_as_vllm_frames_them() -> None:
@@ -59,16 +35,26 @@ def test_events_arrive_over_zmq_as_vllm_frames_them() -> None:
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.connect(f"tcp://127.0.0.1:{port}")  # vLLM connects to a tcp://HOST:PORT endpoint
+    replay = EventReplay(KVEventTranslator(PREFILL), ClusterCacheModel())
+    replay.fed.insert(PREFILL, OURS)  # the router's dispatch
     try:
-        batch = kv_events.KVEventBatch(ts=time.time(),
-                                       events=[stored([11, 12, 13], None, PROMPT[:12])])
+        batch = kv_events.KVEventBatch(ts=time.time(), events=[
+            stored([11, 12, 13], None, PROMPT[:48]), stored([21], 99, PROMPT[:16])])
         payload = msgspec.msgpack.Encoder().encode(batch)
-        replica = CacheReplica()
         deadline = time.monotonic() + 10
-        while replica.stored == 0 and time.monotonic() < deadline:
+        while not replay.counts and time.monotonic() < deadline:
             pub.send_multipart([b"kv", (0).to_bytes(8, "big"), payload])
-            stream.drain(replica, quiet_s=0.2)
-        assert replica.cached_tokens(PROMPT, BS) == 12
+            stream.drain(replay.apply, quiet_s=0.2)
+        assert replay.counts == {"stored": 1, "orphan": 1}  # block 21's parent is unknown
+        assert replay.translator.cached_blocks(OURS) == 3
+        removal = kv_events.KVEventBatch(ts=time.time(), events=[
+            kv_events.BlockRemoved(block_hashes=[12], medium=None)])
+        pub.send_multipart([b"kv", (1).to_bytes(8, "big"),
+                            msgspec.msgpack.Encoder().encode(removal)])
+        while replay.counts.get("removed", 0) == 0 and time.monotonic() < deadline:
+            stream.drain(replay.apply, quiet_s=0.2)
+        assert replay.translator.cached_blocks(OURS) == 1
+        assert replay.fed.match(PREFILL, OURS) == 1  # the dispatch-only model would say 3
     finally:
         pub.close(linger=0)
         ctx.term()
