@@ -312,11 +312,16 @@ class RouterService:
                 "redis": "ok" if self.cluster.redis_ok else "unreachable"}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    def workers(self) -> dict[str, Any]:
+    async def workers(self, prompt: str | None = None) -> dict[str, Any]:
         """Every routable worker with the load the placement policies see (``GET /workers``):
-        this router's accounting merged with the worker's own last report."""
+        this router's accounting merged with the worker's own last report. With ``prompt`` (a
+        completion prompt, ``GET /workers?prompt=...``), each prefill or aggregated worker also
+        says how many of its tokens the router's cache model expects it to have cached."""
         reported = self.loads.loads() if self.loads is not None else {}
         records = self.cluster.workers()
+        cached: dict[str, int] = {}
+        if prompt is not None:
+            cached = await self._cached_prompt_tokens(records, prompt)
         now = time.monotonic()
         data = []
         for r, c in zip(records, self.tracker.candidates(records, reported), strict=True):
@@ -328,11 +333,29 @@ class RouterService:
                 "recently_failed": c.recently_failed,
                 **({} if self.kv_events is None else
                    {"kv_events": self.kv_events.stats(r.worker_id)}),
+                **({"cached_prompt_tokens": cached[r.worker_id]} if r.worker_id in cached
+                   else {}),
                 "reported": None if load is None else {
                     "running": load.running, "waiting": load.waiting,
                     "kv_usage": load.kv_usage, "age_s": round(now - load.scraped_at_s, 3)},
             })
         return {"object": "list", "data": data}
+
+    async def _cached_prompt_tokens(self, records: list[WorkerRecord], prompt: str
+                                    ) -> dict[str, int]:
+        """worker id -> tokens of ``prompt`` its pool's policy expects it to have cached."""
+        out: dict[str, int] = {}
+        for r in records:
+            pool = self.placement.pools.get(r.role)
+            if pool is None or not pool.prefill:
+                continue
+            ids = await self.tokenizers.count_completion(r.model_path, prompt)
+            if ids is None:
+                continue
+            route = RouteRequest(request_id="", model=r.model, prompt_token_ids=tuple(ids),
+                                 block_hashes=block_hashes(ids))
+            out[r.worker_id] = pool.cached_tokens(route, r.worker_id)
+        return out
 
     async def forward(self, path: str, request: Request) -> Response:
         """``/tokenize`` and ``/detokenize``: answered by the least busy worker serving the
@@ -448,8 +471,8 @@ def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None
         return await service.forward("/detokenize", request)
 
     @app.get("/workers")
-    async def workers() -> dict[str, Any]:
-        return service.workers()
+    async def workers(prompt: str | None = None) -> dict[str, Any]:
+        return await service.workers(prompt)
 
     @app.get("/health")
     async def health() -> JSONResponse:

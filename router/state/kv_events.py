@@ -166,5 +166,5 @@ class KVEventSubscriber:
             await cancel_task(followed.task)
         self._followed.clear()
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # also closes a socket whose cancelled task has not run
             self._ctx = None

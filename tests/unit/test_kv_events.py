@@ -5,6 +5,7 @@ and the prefix-aware policies."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -278,21 +279,28 @@ def test_router_kv_events_flag_and_env() -> None:
     assert load([], env={"PDSERVE_ROUTER_KV_EVENTS": "1"}).kv_events is True
 
 
-async def test_the_router_follows_a_prefill_engines_events_into_its_policy() -> None:
+async def test_the_router_follows_a_prefill_engines_events_into_its_policy(
+        tmp_path: Path) -> None:
     kv = pytest.importorskip("vllm.distributed.kv_events")
     import httpx
 
     from router.api.app import create_app
+    from router.api.tokenization import TokenizerCache
     from router.config import RouterSettings
     from router.samples import parse_samples, total
     from router.state.cluster import StaticCluster
     from router.state.registry import WorkerRecord
     from serve.redis_server import free_port
+    from tests.fakes.fake_worker import build_tiny_tokenizer
 
+    tokenizer = str(build_tiny_tokenizer(tmp_path))
+    text = " ".join(f"word{i}" for i in range(300))
+    ids = await TokenizerCache().count_completion(tokenizer, text)
+    assert ids is not None and len(ids) > 256
     port = free_port()
     publisher = kv.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}")
-    records = [WorkerRecord(W, "prefill", "m", "/m", "http://127.0.0.1:1", "e", "", 4096, 0.0,
-                            kv_events_endpoint=f"tcp://127.0.0.1:{port}"),
+    records = [WorkerRecord(W, "prefill", "m", tokenizer, "http://127.0.0.1:1", "e", "", 4096,
+                            0.0, kv_events_endpoint=f"tcp://127.0.0.1:{port}"),
                WorkerRecord("decode-a", "decode", "m", "/m", "http://127.0.0.1:2", "e2", "",
                             4096, 0.0)]
     app = create_app(RouterSettings(kv_events=True, load_poll_interval_s=0,
@@ -322,5 +330,43 @@ async def test_the_router_follows_a_prefill_engines_events_into_its_policy() -> 
             assert workers[W]["kv_events"]["live_blocks"] == 3
             assert workers[W]["kv_events"]["engine_block_tokens"] == 128
             assert workers["decode-a"]["kv_events"] is None  # decode engines are not followed
+
+            async def cached_for_text() -> int:
+                data = (await client.get("/workers", params={"prompt": text})).json()["data"]
+                return {w["worker_id"]: w for w in data}[W]["cached_prompt_tokens"]  # type: ignore[no-any-return]
+
+            assert await cached_for_text() == 0  # negative control: the engine holds no text
+            publisher.publish(kv.KVEventBatch(ts=0.0, events=[kv.BlockStored(
+                block_hashes=[b"t1", b"t2"], parent_block_hash=None, token_ids=ids[:256],
+                block_size=128, lora_id=None, medium="CPU", lora_name=None)]))
+            while await cached_for_text() == 0:
+                await asyncio.sleep(0.05)
+            assert await cached_for_text() == 256  # /workers?prompt= tokenizes as requests do
     finally:
         publisher.shutdown()
+
+
+async def test_the_subscriber_follows_membership() -> None:
+    pytest.importorskip("zmq")
+    from router.state.cluster import StaticCluster
+    from router.state.kv_events import KVEventSubscriber
+    from router.state.registry import WorkerRecord
+
+    def record(wid: str, role: str, endpoint: str) -> WorkerRecord:
+        return WorkerRecord(wid, role, "m", "/m", "http://127.0.0.1:1", "e", "", 4096, 0.0,  # type: ignore[arg-type]
+                            kv_events_endpoint=endpoint)
+
+    cluster = StaticCluster([record("p", "prefill", "tcp://127.0.0.1:9"),
+                             record("a", "aggregated", "tcp://127.0.0.1:10"),
+                             record("d", "decode", "tcp://127.0.0.1:11"),
+                             record("q", "prefill", "")])
+    sub = KVEventSubscriber(cluster, lambda role, change: None)
+    try:
+        sub.sync()
+        followed = {w: sub.stats(w) is not None for w in ("p", "a", "d", "q")}
+        assert followed == {"p": True, "a": True, "d": False, "q": False}
+        cluster.records = (record("a", "aggregated", "tcp://127.0.0.1:10"),)  # p left
+        sub.sync()
+        assert sub.stats("p") is None and sub.stats("a") is not None
+    finally:
+        await sub.close()
