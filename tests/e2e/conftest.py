@@ -42,8 +42,9 @@ def tiny_model_dir() -> Path:
 def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[tuple[Cluster, Plain]]:
     plain = launch_plain(tiny_model_dir)
+    # --kv-events: the router follows the prefill's KV cache events (tests/e2e/test_kv_events.py)
     cluster = launch_cluster(tiny_model_dir, tmp_path_factory.mktemp("cluster"), transport="ucx",
-                             lease_s=LEASE_S, instrument=True)
+                             lease_s=LEASE_S, instrument=True, extra_args=("--kv-events",))
     try:
         await_plain(plain)
         await_cluster(cluster)
