@@ -50,6 +50,16 @@ def test_cpu_and_cuda_extras_pin_one_vllm_range() -> None:
     assert "['optional-dependencies']['cpu']" in (ROOT / "deploy/Dockerfile").read_text()
 
 
+def test_both_images_can_run_every_autoscaler_actuator() -> None:
+    """The autoscaler runs in either image: both install the k8s and compose extras and check
+    at build time that their clients import."""
+    for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
+        text = (ROOT / "deploy" / dockerfile).read_text()
+        for extra in ("k8s", "compose"):
+            assert f"['optional-dependencies']['{extra}']" in text, (dockerfile, extra)
+        assert "import docker, kubernetes" in text, dockerfile
+
+
 def test_installed_vllm_is_in_the_pinned_minor() -> None:
     import importlib.metadata
 
