@@ -370,3 +370,14 @@ async def test_the_subscriber_follows_membership() -> None:
         assert sub.stats("p") is None and sub.stats("a") is not None
     finally:
         await sub.close()
+
+
+def test_pdserve_up_kv_events_flag() -> None:
+    import argparse
+
+    from serve.supervisor import add_up_args, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_up_args(parser)
+    assert settings_from_args(parser.parse_args([])).kv_events is False
+    assert settings_from_args(parser.parse_args(["--kv-events"])).kv_events is True
