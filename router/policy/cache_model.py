@@ -133,7 +133,8 @@ class ClusterCacheModel:
         """The worker's engine reported cache changes (cleared, removed, then stored)."""
         wid = event.worker_id
         if event.engine_block_tokens and event.engine_block_tokens % self.block_tokens == 0:
-            self._engine_blocks[wid] = event.engine_block_tokens // self.block_tokens
+            per = event.engine_block_tokens // self.block_tokens
+            self._engine_blocks[wid] = max(self._engine_blocks.get(wid, 1), per)
         if event.cleared:
             model = self._models.get(wid)
             if model is not None:

@@ -57,7 +57,7 @@ class KVEventTranslator:
         self.worker_id = worker_id
         self.block_tokens = block_tokens
         self.engine_block_tokens = 0
-        """The engine's block size, learned from its first ``BlockStored``."""
+        """The engine's block size: the largest ``BlockStored.block_size`` seen so far."""
         self.orphans = 0
         """``BlockStored`` events ignored because their parent block was unknown."""
         self._blocks: dict[EngineHash, _Block] = {}
@@ -97,7 +97,8 @@ class KVEventTranslator:
         """A ``BlockStored``; None when it is an orphan (unknown parent) or empty."""
         if engine_block_tokens != self.engine_block_tokens:
             self.check_block_size(engine_block_tokens)
-            self.engine_block_tokens = engine_block_tokens
+            # vLLM also caches partial blocks (shorter events): the largest size is the block's
+            self.engine_block_tokens = max(self.engine_block_tokens, engine_block_tokens)
         if parent is None:
             chain = 0
         else:
@@ -122,7 +123,8 @@ class KVEventTranslator:
             self._blocks[engine_hashes[i]] = _Block(mine, mine[-1], 1)
             for h in mine:
                 refs[h] = refs.get(h, 0) + 1
-        return CacheChanged(self.worker_id, stored=ours, engine_block_tokens=engine_block_tokens)
+        return CacheChanged(self.worker_id, stored=ours,
+                            engine_block_tokens=self.engine_block_tokens)
 
     def removed(self, engine_hashes: Sequence[EngineHash]) -> CacheChanged | None:
         """A ``BlockRemoved``; None when none of our hashes lost its last copy."""

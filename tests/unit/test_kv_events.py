@@ -381,3 +381,18 @@ def test_pdserve_up_kv_events_flag() -> None:
     add_up_args(parser)
     assert settings_from_args(parser.parse_args([])).kv_events is False
     assert settings_from_args(parser.parse_args(["--kv-events"])).kv_events is True
+
+
+def test_a_partial_block_store_does_not_shrink_the_engine_block_size() -> None:
+    """vLLM also caches a block's filled part (a BlockStored shorter than its block)."""
+    t = KVEventTranslator(W)
+    model = ClusterCacheModel()
+    apply_all(model, t.stored([b"v1"], None, PROMPT[:128], 128),
+              t.stored([b"p2"], b"v1", PROMPT[128:208], 80))
+    assert t.engine_block_tokens == 128
+    assert model.match(W, OURS) == 13  # the partial block's 5 blocks of 16 are cached
+    fresh = ClusterCacheModel()
+    for size in (80, 128, 80):
+        fresh.apply(CacheChanged(W, engine_block_tokens=size))
+    fresh.insert(W, OURS)
+    assert fresh.match(W, OURS) == 24  # dispatch: whole 128-token blocks (80 would give 20)
