@@ -240,9 +240,11 @@ def run_one(model: Path, prompts: Sequence[str], kv_blocks: int, tmp: Path) -> R
                                       len(router_ids)))
                 fed_tokens.append(min(replay.fed.match(PREFILL, hashes) * cfg.block_tokens,
                                       len(router_ids)))
-                # the truth: the prompt's leading blocks (vLLM's own token ids) the events hold
-                true_tokens.append(replay.translator.cached_blocks(
-                    block_hashes(vllm_ids, cfg.block_tokens)) * cfg.block_tokens)
+                # the truth: the prompt's leading whole engine blocks (vLLM's own token ids) the
+                # events hold; vLLM's partial-block entries are not counted (its own hits, the
+                # check below, did not use them)
+                held = replay.translator.cached_blocks(block_hashes(vllm_ids, cfg.block_tokens))
+                true_tokens.append(held * cfg.block_tokens // block_size * block_size)
                 resp = client.post(f"{router}/v1/completions", json={
                     "model": SERVED, "prompt": prompt, "max_tokens": 2, "temperature": 0})
                 resp.raise_for_status()
