@@ -3,6 +3,7 @@ pools, on a family of generated trace shapes and seeds.
 
     python -m bench.autoscale_sim [--shapes steps,ramp,diurnal,spikes,burstgpt] [--seeds 5]
                                   [--duration-s 1200] [--peak-rps 32] [--jobs 1] [--out DIR]
+                                  [--oracle]
 
 Each trace: gamma inter-arrivals (BurstGPT's burstiness) at a rate that follows a shape of
 ``bench.sim.shapes`` (0.1 .. 1.0 of ``--peak-rps``), lengths and sessions as in
@@ -16,7 +17,10 @@ instance-seconds of:
 - ``threshold``: the HPA-style baseline with the same bounds;
 - ``static-peak``: the smallest fixed pool reaching 0.95 on that trace (bisection: decode with
   prefill at its maximum, then prefill with that decode; runs stop once they cannot reach it);
-- ``static-max``: the fixed pool at the autoscalers' maximum.
+- ``static-max``: the fixed pool at the autoscalers' maximum;
+- ``oracle`` (``--oracle``): the clairvoyant reference of :mod:`bench.sim.oracle`, pools from
+  a steady-state table sized for the true rate over the next start + interval; what pool-size
+  efficiency alone allows, with nothing left to forecast.
 
 Worker starts take ``--start-delay-s`` (30), the autoscalers decide every 10 s. ``TUNED``
 names the shape/seed pairs the planner's knobs were tuned on; the table marks the others
@@ -31,7 +35,7 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +50,14 @@ from bench.sim.autoscale import (
     make_controller,
 )
 from bench.sim.engine import PoolController, RunResult, simulate
+from bench.sim.oracle import (
+    LEVELS,
+    OracleController,
+    PoolTable,
+    SteadyState,
+    monotone,
+    smallest_pool,
+)
 from bench.sim.sweep import SweepConfig, make_policy
 from bench.sim.workload import SimRequest, WorkloadConfig, build_requests
 from bench.synth import iter_varying_rows
@@ -55,6 +67,8 @@ from router.autoscale.profile import InstanceProfile
 logger = logging.getLogger(__name__)
 
 TARGET = 0.95
+#: seed of the oracle's constant-rate traces (none of the table's 0 .. N-1)
+STEADY_SEED = 1000
 #: shape -> seeds the planner's knobs were tuned on; every other pair is held out
 TUNED: dict[str, tuple[int, ...]] = {"steps": (0, 1, 2), "ramp": (0, 1, 2),
                                      "diurnal": (0, 1, 2)}
@@ -141,25 +155,42 @@ def static_peak(reqs: Sequence[SimRequest], sc: Scenario
                 done[p, d] = None
         return done[p, d]
 
-    def smallest(hi: int, good: Callable[[int], bool]) -> int:
-        lo = 0  # invariant: good(hi), not good(lo) (0 instances serve nothing)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if good(mid):
-                hi = mid
-            else:
-                lo = mid
-        return hi
-
-    if attempt(sc.max_prefill, sc.max_decode) is None:
+    found = smallest_pool(lambda p, d: attempt(p, d) is not None, sc.max_prefill,
+                          sc.max_decode)
+    if found is None:
         return sc.max_prefill, sc.max_decode, None
-    d = smallest(sc.max_decode, lambda d: attempt(sc.max_prefill, d) is not None)
-    p = smallest(sc.max_prefill, lambda p: attempt(p, d) is not None)
-    return p, d, attempt(p, d)
+    return found[0], found[1], attempt(*found)
 
 
-def one_row(shape: str, seed: int, sc: Scenario) -> dict[str, Any]:
-    """Planner, threshold, static-peak and static-max on one trace."""
+def steady_pool(burstiness: float, level: float, sc: Scenario) -> tuple[int, int]:
+    """The smallest pool meeting :data:`TARGET` at a constant ``level`` of the peak rate with
+    gamma(``burstiness``) gaps, warm (:class:`bench.sim.oracle.SteadyState`), on a trace of
+    its own seed (:data:`STEADY_SEED`, none of the table's)."""
+    state = SteadyState(sc.policy, sc.ttft_slo_s, sc.tpot_slo_s, sc.profile(),
+                        sc.max_prefill, sc.max_decode)
+    reqs = make_trace(state.duration_s, sc.peak_rps * level, STEADY_SEED,
+                      ((0.0, 1.0), (1.0, 1.0)), burstiness)
+    return state.pool(reqs)
+
+
+def oracle_tables(shape_names: Sequence[str], sc: Scenario, jobs: int = 1
+                  ) -> dict[float, PoolTable]:
+    """The oracle's steady-state table per burstiness the shapes use."""
+    bursts = sorted({shapes.BURSTINESS.get(s, shapes.DEFAULT_BURSTINESS) for s in shape_names})
+    work = [(b, lv) for b in bursts for lv in LEVELS]
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            pools = list(pool.map(steady_pool, *zip(*work, strict=True), [sc] * len(work)))
+    else:
+        pools = [steady_pool(b, lv, sc) for b, lv in work]
+    return {b: monotone({lv: pl for (bb, lv), pl in zip(work, pools, strict=True) if bb == b})
+            for b in bursts}
+
+
+def one_row(shape: str, seed: int, sc: Scenario,
+            tables: dict[float, PoolTable] | None = None) -> dict[str, Any]:
+    """Planner, threshold, static-peak and static-max on one trace, and the clairvoyant
+    oracle when given its steady-state ``tables`` (per burstiness)."""
     t0 = time.perf_counter()
     reqs = shape_trace(shape, sc.duration_s, sc.peak_rps, seed)
     profile = sc.profile()
@@ -171,6 +202,13 @@ def one_row(shape: str, seed: int, sc: Scenario) -> dict[str, Any]:
         res = run(reqs, sc.policy, settings, sc.ttft_slo_s, sc.tpot_slo_s, profile)
         row["static-max" if mode == "static" else mode] = autoscale_summary(
             res, sc.ttft_slo_s, sc.tpot_slo_s)
+    if tables is not None:
+        table = tables[shapes.BURSTINESS.get(shape, shapes.DEFAULT_BURSTINESS)]
+        oracle = OracleController(shapes.knots(shape, sc.duration_s, seed), table,
+                                  sc.start_delay_s + sc.interval_s, sc.interval_s)
+        res = run(reqs, sc.policy, AutoscaleSettings("planner", sc.max_prefill, sc.max_decode),
+                  sc.ttft_slo_s, sc.tpot_slo_s, profile, oracle)
+        row["oracle"] = autoscale_summary(res, sc.ttft_slo_s, sc.tpot_slo_s)
     p, d, peak = static_peak(reqs, sc)
     row["static-peak"] = peak or row["static-max"]
     row["static_peak_pool"] = f"{p}+{d}" if peak else "none"
@@ -186,6 +224,12 @@ def _inst(m: dict[str, Any]) -> float:
     return float(m["instance_seconds"]["total"])
 
 
+def _autos(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+    """The autoscalers the rows hold, in print order (the oracle only when every row has it)."""
+    oracle = all("oracle" in r for r in rows)
+    return ("planner", "threshold", "oracle") if oracle else ("planner", "threshold")
+
+
 def print_table(rows: Sequence[dict[str, Any]], sc: Scenario) -> None:
     """Per shape and seed, then per shape and per group (tuned / held out)."""
     print(f"{sc.duration_s:.0f} s traces, peak {sc.peak_rps:g} req/s (min 0.1x); instances "
@@ -197,14 +241,16 @@ def print_table(rows: Sequence[dict[str, Any]], sc: Scenario) -> None:
     for r in rows:
         pk = _inst(r["static-peak"])
         cells = []
-        for name in ("planner", "threshold"):
+        for name in _autos(rows)[:2]:
             m = r[name]
             cells.append(f"{_att(m):.4f} {_inst(m):>7.0f} {_inst(m) / pk:>6.3f}")
         print(f"{r['shape']:<9}{r['seed']:>4} {r['requests']:>5} "
               f"{'held' if r['held_out'] else 'tune':>4} | {cells[0]} | {cells[1]} | "
               f"{r['static_peak_pool']:>5} {_att(r['static-peak']):.4f} "
               f"{_inst(r['static-peak']):>7.0f} | {_att(r['static-max']):.4f} "
-              f"{_inst(r['static-max']):>7.0f}")
+              f"{_inst(r['static-max']):>7.0f}"
+              + (f" | oracle {_att(r['oracle']):.4f} {_inst(r['oracle']) / pk:>6.3f}"
+                 if "oracle" in r else ""))
     print()
     print(f"{'group':<18} {'n':>3} | {'planner att mean/min':>21} {'x peak':>6} | "
           f"{'threshold att mean/min':>22} {'x peak':>6}")
@@ -213,11 +259,12 @@ def print_table(rows: Sequence[dict[str, Any]], sc: Scenario) -> None:
         if not group:
             return
         cells = []
-        for auto in ("planner", "threshold"):
+        for auto in _autos(group):
             atts = [_att(r[auto]) for r in group]
             ratio = statistics.fmean(_inst(r[auto]) / _inst(r["static-peak"]) for r in group)
             cells.append(f"{statistics.fmean(atts):.4f} / {min(atts):.4f} {ratio:>14.3f}")
-        print(f"{name:<18} {len(group):>3} | {cells[0]:>28} | {cells[1]:>29}")
+        print(f"{name:<18} {len(group):>3} | {cells[0]:>28} | {cells[1]:>29}"
+              + (f" | oracle {cells[2]:>28}" if len(cells) > 2 else ""))
 
     for shape in dict.fromkeys(r["shape"] for r in rows):
         summary(shape, [r for r in rows if r["shape"] == shape])
@@ -243,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-decode", type=int, default=Scenario.max_decode)
     ap.add_argument("--start-delay-s", type=float, default=Scenario.start_delay_s)
     ap.add_argument("--policy", default=Scenario.policy)
+    ap.add_argument("--oracle", action="store_true",
+                    help="add the clairvoyant reference (bench.sim.oracle): pools from a "
+                         "steady-state table, sized for the true rate a start ahead")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     ap.add_argument("--out", default=None, help="write table.json here")
     args = ap.parse_args(argv)
@@ -253,20 +303,27 @@ def main(argv: list[str] | None = None) -> int:
     sc = Scenario(args.duration_s, args.peak_rps, args.slowdown, args.slo_ttft, args.slo_tpot,
                   args.max_prefill, args.max_decode, args.start_delay_s, policy=args.policy)
     t0 = time.perf_counter()
+    tables = oracle_tables(names, sc, args.jobs) if args.oracle else None
+    if tables is not None:
+        for b, table in tables.items():
+            logger.info("oracle table, gamma(%g) gaps: %s", b,
+                        ", ".join(f"{lv:g}: {p}+{d}" for lv, (p, d) in table.items()))
     jobs = [(shape, seed) for shape in names for seed in range(args.seeds)]
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
             rows = list(pool.map(one_row, *zip(*jobs, strict=True),
-                                 [sc] * len(jobs)))
+                                 [sc] * len(jobs), [tables] * len(jobs)))
     else:
-        rows = [one_row(shape, seed, sc) for shape, seed in jobs]
+        rows = [one_row(shape, seed, sc, tables) for shape, seed in jobs]
     print_table(rows, sc)
     logger.info("done in %.0f s", time.perf_counter() - t0)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "table.json").write_text(json.dumps(
-            {"scenario": sc.__dict__, "tuned": TUNED, "rows": rows}, indent=2) + "\n")
+            {"scenario": sc.__dict__, "tuned": TUNED, "rows": rows,
+             "oracle_tables": {str(b): {str(lv): pl for lv, pl in t.items()}
+                               for b, t in (tables or {}).items()}}, indent=2) + "\n")
     return 0
 
 

@@ -48,3 +48,25 @@ def test_planner_meets_both_slos_on_85_percent_of_the_static_peak_instance_secon
     # the reactive threshold autoscaler does worse on both counts on the same trace
     assert threshold["slo_attainment"] < planner["slo_attainment"]
     assert ratio["threshold"] > ratio["planner"]
+
+
+def test_oracle_steady_state_pool_is_the_smallest_and_grows_with_the_rate() -> None:
+    """The oracle's table entry at a constant rate: meets the target, one prefill fewer does
+    not (so the bisection found the smallest), and a 5x higher rate needs more prefill."""
+    from bench.autoscale_sim import Scenario
+    from bench.sim.oracle import TARGET, SteadyState
+
+    sc = Scenario(max_prefill=8, max_decode=4)
+    state = SteadyState(sc.policy, sc.ttft_slo_s, sc.tpot_slo_s, sc.profile(), sc.max_prefill,
+                        sc.max_decode, duration_s=100.0, warmup_s=30.0)
+
+    def trace(level: float) -> list:
+        return make_trace(state.duration_s, sc.peak_rps * level, seed=1000,
+                          shape=((0.0, 1.0), (1.0, 1.0)))
+
+    low, high = trace(0.2), trace(1.0)
+    p_low, _ = state.pool(low)
+    p_high, d_high = state.pool(high)
+    assert p_high > p_low
+    assert state.attainment(high, p_high, d_high) >= TARGET
+    assert state.attainment(high, p_high - 1, d_high) < TARGET
