@@ -188,9 +188,11 @@ def oracle_tables(shape_names: Sequence[str], sc: Scenario, jobs: int = 1
 
 
 def one_row(shape: str, seed: int, sc: Scenario,
-            tables: dict[float, PoolTable] | None = None) -> dict[str, Any]:
+            tables: dict[float, PoolTable] | None = None, margin: float = 1.0
+            ) -> dict[str, Any]:
     """Planner, threshold, static-peak and static-max on one trace, and the clairvoyant
-    oracle when given its steady-state ``tables`` (per burstiness)."""
+    oracle (sizing for ``margin`` x the level) when given its steady-state ``tables`` (per
+    burstiness)."""
     t0 = time.perf_counter()
     reqs = shape_trace(shape, sc.duration_s, sc.peak_rps, seed)
     profile = sc.profile()
@@ -205,10 +207,12 @@ def one_row(shape: str, seed: int, sc: Scenario,
     if tables is not None:
         table = tables[shapes.BURSTINESS.get(shape, shapes.DEFAULT_BURSTINESS)]
         oracle = OracleController(shapes.knots(shape, sc.duration_s, seed), table,
-                                  sc.start_delay_s + sc.interval_s, sc.interval_s)
+                                  sc.start_delay_s + sc.interval_s, sc.interval_s,
+                                  margin=margin)
         res = run(reqs, sc.policy, AutoscaleSettings("planner", sc.max_prefill, sc.max_decode),
                   sc.ttft_slo_s, sc.tpot_slo_s, profile, oracle)
         row["oracle"] = autoscale_summary(res, sc.ttft_slo_s, sc.tpot_slo_s)
+        row["oracle_margin"] = margin
     p, d, peak = static_peak(reqs, sc)
     row["static-peak"] = peak or row["static-max"]
     row["static_peak_pool"] = f"{p}+{d}" if peak else "none"
@@ -293,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--oracle", action="store_true",
                     help="add the clairvoyant reference (bench.sim.oracle): pools from a "
                          "steady-state table, sized for the true rate a start ahead")
+    ap.add_argument("--oracle-margin", type=float, default=1.0,
+                    help="the oracle sizes for this x the true level (default 1.0)")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     ap.add_argument("--out", default=None, help="write table.json here")
     args = ap.parse_args(argv)
@@ -312,9 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
             rows = list(pool.map(one_row, *zip(*jobs, strict=True),
-                                 [sc] * len(jobs), [tables] * len(jobs)))
+                                 [sc] * len(jobs), [tables] * len(jobs),
+                                 [args.oracle_margin] * len(jobs)))
     else:
-        rows = [one_row(shape, seed, sc, tables) for shape, seed in jobs]
+        rows = [one_row(shape, seed, sc, tables, args.oracle_margin) for shape, seed in jobs]
     print_table(rows, sc)
     logger.info("done in %.0f s", time.perf_counter() - t0)
     if args.out:

@@ -123,20 +123,23 @@ def pool_for(table: PoolTable, level: float) -> tuple[int, int]:
 @dataclass
 class OracleController:
     """A :class:`bench.sim.engine.PoolController` that knows the rate: every ``interval_s``
-    it asks for the table's pool at the highest level of ``knots`` within ``lookahead_s``."""
+    it asks for the table's pool at the highest level of ``knots`` within ``lookahead_s``
+    (times ``margin``)."""
 
     knots: Knots
     table: PoolTable
     lookahead_s: float = 40.0
     interval_s: float = 10.0
     step_s: float = 1.0
+    margin: float = 1.0
+    """Size for the level times this (below 1: fewer instances, to trace the frontier)."""
     asked: list[tuple[float, tuple[int, int]]] = field(default_factory=list)
     """``(time_s, pools)`` of every decision, for tests and reports."""
 
     def _want(self, now_s: float) -> tuple[int, int]:
         n = max(1, round(self.lookahead_s / self.step_s))
         level = max(level_at(self.knots, now_s + i * self.step_s) for i in range(n + 1))
-        return pool_for(self.table, level)
+        return pool_for(self.table, level * self.margin)
 
     def initial(self) -> tuple[int, int]:
         return self._want(0.0)

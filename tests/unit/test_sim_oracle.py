@@ -60,3 +60,8 @@ def test_oracle_asks_for_the_step_a_start_ahead_of_it() -> None:
     blind = OracleController(STEP, TABLE, lookahead_s=0.0)
     assert blind.decide(stats(70.0)) == (2, 1)
     assert blind.decide(stats(110.0)) == (7, 3)
+
+
+def test_margin_scales_the_level_it_sizes_for() -> None:
+    lean = OracleController(STEP, TABLE, lookahead_s=40.0, margin=0.5)
+    assert lean.decide(stats(300.0)) == (4, 2)  # level 1.0 sized as 0.5
