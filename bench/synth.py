@@ -186,6 +186,18 @@ def iter_gamma_rows(n: int, rate_rps: float = 2.0, seed: int = 0,
                   conversation_share, new_session_p, open_sessions, session_ids)
 
 
+def knot_value(knots: Sequence[tuple[float, float]], t: float) -> float:
+    """The value at ``t`` of ``(time, value)`` knots, linearly interpolated; held flat before
+    the first knot and after the last."""
+    i = bisect.bisect_right([k[0] for k in knots], t)
+    if i == 0:
+        return knots[0][1]
+    if i >= len(knots):
+        return knots[-1][1]
+    (t0, v0), (t1, v1) = knots[i - 1], knots[i]
+    return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+
+
 def iter_varying_rows(knots: Sequence[tuple[float, float]], seed: int = 0,
                       burstiness: float = 0.5, conversation_share: float = 0.8,
                       new_session_p: float = 0.25, open_sessions: int = 300,
@@ -199,19 +211,10 @@ def iter_varying_rows(knots: Sequence[tuple[float, float]], seed: int = 0,
     rng = random.Random(seed)
     end = knots[-1][0]
 
-    def rate_at(t: float) -> float:
-        i = bisect.bisect_right([k[0] for k in knots], t)
-        if i == 0:
-            return knots[0][1]
-        if i >= len(knots):
-            return knots[-1][1]
-        (t0, r0), (t1, r1) = knots[i - 1], knots[i]
-        return r0 + (r1 - r0) * (t - t0) / (t1 - t0)
-
     def gap(t: float) -> float:
         # the gap is drawn at the rate of its start: fine while the rate changes slowly
         # compared with the mean gap
-        return rng.gammavariate(burstiness, 1.0 / (rate_at(t) * burstiness))
+        return rng.gammavariate(burstiness, 1.0 / (knot_value(knots, t) * burstiness))
 
     for row in _gamma(rng, None, gap, conversation_share, new_session_p, open_sessions,
                       session_ids):

@@ -18,13 +18,13 @@ gives through transitions (cold caches on added instances, queues left on the ol
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from bench.sim.engine import IntervalStats, simulate
 from bench.sim.sweep import SweepConfig, make_policy
 from bench.sim.workload import SimRequest
+from bench.synth import knot_value
 from router.autoscale.profile import InstanceProfile
 
 TARGET = 0.95
@@ -37,14 +37,7 @@ PoolTable = dict[float, tuple[int, int]]
 
 def level_at(knots: Knots, t: float) -> float:
     """The relative rate at ``t`` of linearly interpolated ``(time_s, level)`` knots."""
-    times = [k[0] for k in knots]
-    i = bisect.bisect_right(times, t)
-    if i == 0:
-        return knots[0][1]
-    if i >= len(knots):
-        return knots[-1][1]
-    (t0, r0), (t1, r1) = knots[i - 1], knots[i]
-    return r0 + (r1 - r0) * (t - t0) / (t1 - t0)
+    return knot_value(knots, t)
 
 
 def smallest_pool(attains: Callable[[int, int], bool], max_prefill: int, max_decode: int
