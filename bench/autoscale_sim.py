@@ -52,6 +52,7 @@ from bench.sim.autoscale import (
 from bench.sim.engine import PoolController, RunResult, simulate
 from bench.sim.oracle import (
     LEVELS,
+    TARGET,
     OracleController,
     PoolTable,
     SteadyState,
@@ -66,7 +67,6 @@ from router.autoscale.profile import InstanceProfile
 
 logger = logging.getLogger(__name__)
 
-TARGET = 0.95
 #: seed of the oracle's constant-rate traces (none of the table's 0 .. N-1)
 STEADY_SEED = 1000
 #: shape -> seeds the planner's knobs were tuned on; every other pair is held out

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from bench.sim.autoscale import autoscale_summary
 from bench.sim.engine import IntervalStats, simulate
 from bench.sim.sweep import SweepConfig, make_policy
 from bench.sim.workload import SimRequest
@@ -28,6 +29,7 @@ from bench.synth import knot_value
 from router.autoscale.profile import InstanceProfile
 
 TARGET = 0.95
+"""Share of requests within both SLOs a pool must keep (static-peak's and the table's)."""
 #: relative rates (of the trace's peak) the steady-state table is measured at
 LEVELS: tuple[float, ...] = (0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
@@ -82,9 +84,7 @@ class SteadyState:
         warm = sum(r.arrival_s < self.warmup_s for r in reqs)
         res = simulate(reqs, make_policy(self.policy, cfg), prefill, decode, pp, dp,
                        rebalance_threshold_s=self.ttft_slo_s, warmup=warm)
-        ok = sum(a <= self.ttft_slo_s and b <= self.tpot_slo_s
-                 for a, b in zip(res.ttft_s, res.req_tpot_s, strict=True))
-        return ok / len(res.ttft_s) if res.ttft_s else 0.0
+        return float(autoscale_summary(res, self.ttft_slo_s, self.tpot_slo_s)["slo_attainment"])
 
     def pool(self, reqs: Sequence[SimRequest]) -> tuple[int, int]:
         """The smallest pool meeting :data:`TARGET` on ``reqs`` (the maximum if none does)."""
