@@ -44,6 +44,12 @@ class RouterMetrics:
             "pdserve_router_requests_total",
             "Requests answered by the router, by endpoint, HTTP status and served model.",
             ["endpoint", "status", "model_name"], registry=r)
+        self.requests_received = Counter(
+            "pdserve_router_requests_received_total",
+            "Valid requests for a served model, counted on arrival (before admission control "
+            "and placement): the arrival rate the autoscaler plans for. "
+            "pdserve_router_requests_total counts answers, when they end.",
+            ["endpoint", "model_name"], registry=r)
         self.request_duration = Histogram(
             "pdserve_router_request_duration_seconds",
             "Time from request arrival to the last byte sent to the client.",

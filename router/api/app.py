@@ -254,6 +254,7 @@ class RouterService:
         if not token_ids:  # no tokenizer on this host: place by the text itself
             self.metrics.tokenizer_fallbacks.inc()
             token_ids = approximate_ids(_prompt_text(req))
+        self.metrics.requests_received.labels(endpoint=endpoint.name, model_name=req.model).inc()
         self._admit(req.model, pd_ok)
         # hashed once here; prefix-aware policies and the load accounting reuse the blocks
         route = RouteRequest(request_id=clock.request_id, model=req.model,

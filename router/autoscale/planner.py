@@ -21,8 +21,8 @@ Decode: the mean TPOT fits the step-time scale. Each fit is an EWMA. Then:
 
 - scale up at once (at most ``max_scale_up_factor`` x current per interval);
 - scale down ``max_scale_down_step`` instances at a time, only after ``scale_down_cooldown_s``
-  since the pool last
-  changed, never while one of its instances is still starting, and only if the remaining
+  since the pool last changed, to no fewer than the most any decision within that cooldown
+  asked for, never while one of its instances is still starting, and only if the remaining
   instances stay below ``safety_utilisation``;
 - panic: when the observed p90 latency breaks its SLO by ``panic_factor`` while the model says
   the pool is big enough, add one instance per interval (none while one is still starting)
@@ -176,6 +176,8 @@ class Decision:
 @dataclass
 class _PoolState:
     last_change_s: float = -math.inf
+    asked: list[tuple[float, int]] = field(default_factory=list)
+    """(time, instances needed) of the decisions within the last scale-down cooldown."""
     panic_until_s: float = -math.inf
     correction: float = 1.0
 
@@ -306,8 +308,12 @@ class Planner:
             self._first_s = obs.now_s - obs.interval_s
         cold = 1.0 + (cfg.cold_headroom - 1.0) * max(
             0.0, 1.0 - (obs.now_s - self._first_s) / cfg.cold_s) if cfg.cold_s > 0 else 1.0
+        # An interval with no arrival is planned like any other: the level still remembers the
+        # traffic (it decays to nothing within a few intervals once the traffic has stopped).
+        # Planning it as zero load let one empty interval scale a pool down and the next one,
+        # with a single arrival, scale it straight back up.
         planned_rate = max(rate_hat, base * min(factor, cfg.free_headroom), base * cold,
-                           min(base * factor, ceiling_rate)) if rate > 0 or rate_hat > 0 else 0.0
+                           min(base * factor, ceiling_rate))
         headroom = planned_rate / rate_hat if rate_hat > 0 else 1.0
         if obs.prefilled is not None:
             self._backlog = max(0.0, self._backlog + obs.arrivals - obs.prefilled)
@@ -332,27 +338,36 @@ class Planner:
         decode_rate = planned_rate if cfg.decode_headroom else rate_hat
         load_d = (decode_rate + backlog_rate) * osl_hat
         cap_d = decode_now.tokens_per_s(cfg.tpot_slo_s)
+        idle = rate <= 0 and rate_hat <= 0
         p = self._decide("prefill", obs.prefill_replicas, load_p, cap_p, obs.ttft_p90_s,
-                         cfg.ttft_slo_s, obs.now_s, obs.prefill_starting)
+                         cfg.ttft_slo_s, obs.now_s, obs.prefill_starting, idle)
         d = self._decide("decode", obs.decode_replicas, load_d, cap_d, obs.tpot_p90_s,
-                         cfg.tpot_slo_s, obs.now_s, obs.decode_starting)
+                         cfg.tpot_slo_s, obs.now_s, obs.decode_starting, idle)
         return (replace(p, predicted_load=rate_hat * isl_hat, observed_load=rate * isl_now,
                         headroom=headroom),
                 replace(d, predicted_load=rate_hat * osl_hat, observed_load=rate * osl_now,
                         headroom=headroom))
 
     def _decide(self, pool: Pool, current: int, load: float, capacity: float,
-                observed_p90: float | None, slo: float, now: float, starting: int) -> Decision:
-        """``capacity``: load one instance takes within the SLO."""
+                observed_p90: float | None, slo: float, now: float, starting: int,
+                idle: bool = False) -> Decision:
+        """``capacity``: load one instance takes within the SLO. ``idle``: no arrival in the
+        interval and none forecast (with no capacity to size by, only that lets a pool shrink)."""
         cfg, state = self.config, self._pools[pool]
         ceiling = (cfg.max_prefill_replicas if pool == "prefill" else cfg.max_decode_replicas) \
             or cfg.max_replicas
-        if load <= 0:
+        if load <= 0 or (capacity <= 0 and idle):
             needed = cfg.min_replicas
         elif capacity <= 0:
             needed = ceiling
         else:
             needed = math.ceil(load / (capacity * cfg.target_utilisation))
+        # Scale-down stabilisation (as Kubernetes' HPA does): shrink only to the largest size
+        # asked for within the cooldown, so one quiet interval cannot shrink a pool that the
+        # interval before needed (and that the next one asks back).
+        state.asked = [(t, n) for t, n in state.asked if t > now - cfg.scale_down_cooldown_s]
+        state.asked.append((now, needed))
+        stable = max(n for _, n in state.asked)
         desired, reason = current, "steady"
         breach = observed_p90 is not None and observed_p90 > cfg.panic_factor * slo
         if breach and needed <= current:
@@ -368,17 +383,17 @@ class Planner:
             desired = min(needed, cap)
             reason = "panic" if reason == "panic" else "scale_up"
         elif needed < current:
-            if load <= 0:
+            if load <= 0 or capacity <= 0:
                 remaining_util = 0.0
             elif current > 1 and capacity > 0:
                 remaining_util = load / (capacity * (current - 1))
             else:
                 remaining_util = math.inf
-            if (starting > 0 or now < state.panic_until_s
+            if (starting > 0 or now < state.panic_until_s or stable >= current
                     or now - state.last_change_s < cfg.scale_down_cooldown_s):
                 reason = "cooldown"
             elif remaining_util <= cfg.safety_utilisation:
-                desired = max(needed, current - cfg.max_scale_down_step)
+                desired = max(stable, current - cfg.max_scale_down_step)
                 reason = "scale_down"
         bounded = min(ceiling, max(cfg.min_replicas, desired))
         if bounded != desired:

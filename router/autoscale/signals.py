@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from router.autoscale.planner import Observation
 from router.samples import Samples, total
 
+ARRIVALS = "pdserve_router_requests_received_total"
+"""The router's counter of requests as they arrive."""
+
 
 def histogram_delta(before: Samples, after: Samples, name: str
                     ) -> tuple[float, float, list[tuple[float, float]]]:
@@ -85,10 +88,12 @@ def observe(before: Snapshot, after: Snapshot) -> Observation:
     Lengths are per request served (vLLM's per-request histograms), not per arrival: in a
     backlog fewer are served than arrive, and dividing by arrivals would shrink the lengths
     just when the load grows. The p90 uncached prompt is the p90 prompt scaled by the uncached
-    share of prompt tokens (vLLM's histogram counts whole prompts)."""
+    share of prompt tokens (vLLM's histogram counts whole prompts). Arrivals are counted when
+    they reach the router, not when they are answered: answers to long streams come in lumps
+    (three streams started together end together), and an interval between two lumps would read
+    as no load at all."""
     interval = max(1e-9, after.time_s - before.time_s)
-    arrivals = max(0.0, total(after.router, "pdserve_router_requests_total", status="200")
-                   - total(before.router, "pdserve_router_requests_total", status="200"))
+    arrivals = max(0.0, total(after.router, ARRIVALS) - total(before.router, ARRIVALS))
     isl_tokens = _worker_delta(before.prefill, after.prefill,
                                "vllm:prompt_tokens_by_source_total", source="local_compute")
     hit_tokens = _worker_delta(before.prefill, after.prefill,

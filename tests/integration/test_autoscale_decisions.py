@@ -39,7 +39,7 @@ def snapshots(requests: float) -> tuple[Snapshot, Snapshot]:
                      _s("vllm:request_generation_tokens_count", n)])
 
     def router(n: float) -> dict:
-        return dict([_s("pdserve_router_requests_total", n, status="200")])
+        return dict([_s("pdserve_router_requests_received_total", n)])
 
     return (Snapshot(0.0, router(0), {"p0": prefill(0)}, {"d0": decode(0)}),
             Snapshot(10.0, router(requests), {"p0": prefill(requests)},

@@ -3,6 +3,7 @@ model, token counters equal the usage the worker returned, ITL counts the gaps o
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from collections.abc import Callable
 
@@ -13,6 +14,7 @@ from router.samples import Samples
 from tests.fakes.fake_worker import DECODE_PIECES, FakeWorker
 from tests.support.metrics import scrape, value
 from tests.support.router import stream_request, wait_metrics
+from tests.support.waiting import eventually
 
 FAKE_PROMPT_TOKENS = 7  # the usage record of tests.fakes.fake_worker
 FAKE_COMPLETION_TOKENS = len(DECODE_PIECES)
@@ -127,3 +129,29 @@ def test_model_label_never_takes_client_input(
     assert value(s, "pdserve_router_requests_total", status="400", model_name="") == 1
     assert value(s, "pdserve_router_requests_total", status="200", model_name="tiny") == 1
     assert value(s, "pdserve_router_prompt_tokens_total", model_name="") == 0
+
+
+def test_arrivals_are_counted_when_they_arrive_not_when_answered(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    """The autoscaler's arrival rate: a request whose decode has not answered yet is already
+    counted as received, while the answer counter has nothing yet (negative control); a request
+    for an unknown model is no arrival."""
+    url = start_router(decode_timeout_s=3.0)
+    for fake in fakes.values():
+        if fake.role == "decode":
+            fake.mode = "stall"
+    assert client.post(url + "/v1/completions",
+                       json={"model": "nobody-serves-this", "prompt": "x"}).status_code == 404
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(client.post, url + "/v1/completions",
+                             json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
+        s = eventually(lambda: scrape(url), lambda m: value(
+            m, "pdserve_router_in_flight_requests", role="decode") == 1, timeout_s=30)
+        assert value(s, "pdserve_router_requests_received_total", endpoint="completions",
+                     model_name="tiny") == 1
+        assert value(s, "pdserve_router_requests_total", model_name="tiny") == 0
+        assert answer.result(timeout=60).status_code >= 500  # the stalled decode timed out
+    s = scrape(url)
+    assert value(s, "pdserve_router_requests_total", model_name="tiny") == 1
+    assert value(s, "pdserve_router_requests_received_total") == 1

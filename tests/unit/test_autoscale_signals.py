@@ -24,7 +24,7 @@ def _prefill(compute: float, hit: float, prompt_le: dict[float, float]) -> dict:
 
 
 def _router(ok: float, ttft_le: dict[float, float]) -> dict:
-    out = dict([_sample("pdserve_router_requests_total", ok, status="200")])
+    out = dict([_sample("pdserve_router_requests_received_total", ok)])
     for le, count in ttft_le.items():
         out.update([_sample("pdserve_router_ttft_seconds_bucket", count, le=str(le))])
     return out
