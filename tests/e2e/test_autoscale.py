@@ -89,8 +89,25 @@ def one_request(url: str, max_tokens: int) -> bool:
         return False
 
 
+def _decisions(redis_url: str) -> list[dict]:
+    """The autoscaler's recorded decisions, oldest first."""
+    raw = redis.Redis.from_url(redis_url).lrange("pdserve:autoscaler:decisions", 0, -1)
+    return [json.loads(d) for d in reversed(raw)]
+
+
 def test_decode_pool_grows_under_load_and_shrinks_after(autoscaled: tuple[str, str]) -> None:
     url, redis_url = autoscaled
+    try:
+        _grow_and_shrink(url, redis_url)
+    except BaseException:
+        # what the autoscaler decided, for the failure report: every size change, the last few
+        for d in [d for d in _decisions(redis_url) if d["desired"] != d["current"]] + \
+                _decisions(redis_url)[-8:]:
+            print(json.dumps(d))
+        raise
+
+
+def _grow_and_shrink(url: str, redis_url: str) -> None:
     assert {k: len(v) for k, v in workers(redis_url).items()} == {"prefill": 1, "decode": 1}
     prefill_url = workers(redis_url)["prefill"][0]
     stop, results = threading.Event(), []
@@ -118,10 +135,13 @@ def test_decode_pool_grows_under_load_and_shrinks_after(autoscaled: tuple[str, s
     # Load gone: after the cooldown the pool drains back to one worker; a trickle of requests
     # keeps flowing through the drain and every one of them succeeds.
     trickle: list[bool] = []
+    load_ended = time.monotonic()
     eventually(lambda: (trickle.append(one_request(url, 8)), len(workers(redis_url)["decode"]))[1],
                lambda n: n == 1, timeout_s=360, interval_s=1)
+    print(f"autoscale e2e: back to one decode worker {time.monotonic() - load_ended:.0f} s "
+          f"after the load ended ({len(trickle)} trickle requests)")
     assert results and all(results), f"{results.count(False)} of {len(results)} failed"
-    assert trickle and all(trickle)
+    assert trickle and all(trickle), f"{trickle.count(False)} of {len(trickle)} failed"
 
     # No leaked KV through the scale-down: every lease was released by a pull (none had to
     # expire), and the prefill worker holds no blocks at the end.
@@ -131,7 +151,6 @@ def test_decode_pool_grows_under_load_and_shrinks_after(autoscaled: tuple[str, s
     eventually(lambda: value(scrape(prefill_url), "vllm:kv_cache_usage_perc"),
                lambda usage: usage == 0.0, timeout_s=15)
 
-    decisions = [json.loads(d) for d in
-                 redis.Redis.from_url(redis_url).lrange("pdserve:autoscaler:decisions", 0, -1)]
-    reasons = {(d["pool"], d["reason"]) for d in decisions if d["desired"] != d["current"]}
+    reasons = {(d["pool"], d["reason"]) for d in _decisions(redis_url)
+               if d["desired"] != d["current"]}
     assert ("decode", "scale_up") in reasons and ("decode", "scale_down") in reasons
