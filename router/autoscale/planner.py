@@ -385,7 +385,7 @@ class Planner:
         elif needed < current:
             if load <= 0 or capacity <= 0:
                 remaining_util = 0.0
-            elif current > 1 and capacity > 0:
+            elif current > 1:
                 remaining_util = load / (capacity * (current - 1))
             else:
                 remaining_util = math.inf

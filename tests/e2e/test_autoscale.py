@@ -15,6 +15,7 @@ import httpx
 import pytest
 import redis
 
+from router.autoscale.actuators import decisions_key
 from router.errors import RegistryError
 from router.state.registry import WorkerRegistry
 from tests.support.cluster import SERVED_NAME, running_cluster
@@ -91,7 +92,7 @@ def one_request(url: str, max_tokens: int) -> bool:
 
 def _decisions(redis_url: str) -> list[dict]:
     """The autoscaler's recorded decisions, oldest first."""
-    raw = redis.Redis.from_url(redis_url).lrange("pdserve:autoscaler:decisions", 0, -1)
+    raw = redis.Redis.from_url(redis_url).lrange(decisions_key("pdserve"), 0, -1)
     return [json.loads(d) for d in reversed(raw)]
 
 
@@ -101,8 +102,8 @@ def test_decode_pool_grows_under_load_and_shrinks_after(autoscaled: tuple[str, s
         _grow_and_shrink(url, redis_url)
     except BaseException:
         # what the autoscaler decided, for the failure report: every size change, the last few
-        for d in [d for d in _decisions(redis_url) if d["desired"] != d["current"]] + \
-                _decisions(redis_url)[-8:]:
+        decisions = _decisions(redis_url)
+        for d in [d for d in decisions if d["desired"] != d["current"]] + decisions[-8:]:
             print(json.dumps(d))
         raise
 
