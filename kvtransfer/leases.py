@@ -4,8 +4,14 @@ A lease starts when the scheduler hands a finished prefill's blocks to the conne
 when a decode worker releases it after its pull, or when it expires. The answer to a release
 tells the decode whether its read is valid: ``True`` means the blocks were still held when the
 release arrived, and since a decode releases only after every read completed, nothing it read
-can have been overwritten. ``False`` means the lease had expired first and the read must be
+can have been overwritten. ``False`` means the lease had ended first and the read must be
 discarded (vLLM then recomputes).
+
+Leases are one-shot and bound to a secret. Each carries a random token (in the router-signed
+``kv_transfer_params``); a release or renewal must echo it, or it is refused and the lease is
+left alone. The first matching release ends the lease; any later release of the same id is
+answered ``False``: its blocks may already hold another request's KV. A lease lives at most
+``life_factor`` times its first length, however often it is renewed.
 
 While the decode's scheduler still queues the request (overload: no KV blocks or run slots
 free), it renews the lease every third of its length, so a slow decode does not turn into a
@@ -13,76 +19,104 @@ recompute storm; a decode that gives up releases at once.
 
 A release may arrive before the grant (the scheduler tells the worker about new leases one
 engine step after the request finished). The blocks cannot have been freed before the grant,
-so such an early release is answered ``True`` and finishes the lease as soon as it is granted.
+so such an early release is answered ``True`` once per (id, token) and finishes the lease when
+it is granted with that token.
 
-Parameters: ``memory_s`` (default 600) is how long expired and early-released ids are
-remembered, bounding state while keeping late answers truthful.
+Parameters: ``memory_s`` (default 600) is how long released, expired and early-released ids
+are remembered, bounding state while keeping late answers truthful (longer than the router's
+signature lifetime, so no validly signed params outlive the memory of their lease).
 """
 
 from __future__ import annotations
 
+import hmac
 import threading
+from dataclasses import dataclass
+
+
+@dataclass
+class _Lease:
+    expires_at: float
+    hard_deadline: float
+    token: str
 
 
 class LeaseTable:
     """Thread-safe lease bookkeeping shared by the release responder and ``get_finished``."""
 
-    def __init__(self, memory_s: float = 600.0) -> None:
+    def __init__(self, memory_s: float = 600.0, life_factor: float = 4.0) -> None:
         self._memory_s = memory_s
+        self._life_factor = life_factor
         self._lock = threading.Lock()
-        self._active: dict[str, float] = {}      # request id -> expiry time
-        self._expired: dict[str, float] = {}     # request id -> when it expired
-        self._early: dict[str, float] = {}       # released before granted -> release time
-        self._finished: set[str] = set()         # blocks may be freed now
+        self._active: dict[str, _Lease] = {}
+        self._ended: dict[str, float] = {}              # released or expired id -> when
+        self._early: dict[tuple[str, str], float] = {}  # (id, token) released before granted
+        self._finished: set[str] = set()                # blocks may be freed now
         self.num_released = 0
         self.num_expired = 0
         self.num_renewed = 0
+        self.num_refused = 0
+        """Releases and renewals refused: wrong token, or a lease already ended (a repeat)."""
 
-    def grant(self, request_id: str, expires_at: float) -> None:
-        """Start holding ``request_id``'s blocks until ``expires_at``."""
+    def grant(self, request_id: str, expires_at: float, token: str, now: float) -> None:
+        """Start holding ``request_id``'s blocks until ``expires_at`` (``now`` is the grant
+        time: the lease never outlives ``now + life_factor * (expires_at - now)``)."""
         with self._lock:
-            if self._early.pop(request_id, None) is not None:
+            if self._early.pop((request_id, token), None) is not None:
                 self._finished.add(request_id)
+                self._ended[request_id] = now
                 self.num_released += 1
                 return
-            self._active[request_id] = expires_at
+            life = max(expires_at - now, 0.0) * self._life_factor
+            self._active[request_id] = _Lease(expires_at, now + life, token)
 
-    def release(self, request_id: str, now: float) -> bool:
-        """A decode finished reading; True when its read is valid (blocks were still held)."""
+    def release(self, request_id: str, token: str, now: float) -> bool:
+        """A decode finished reading; True when its read is valid (the lease was held and the
+        token is its own). Every later release of the id is False."""
         with self._lock:
-            if request_id in self._active:
+            lease = self._active.get(request_id)
+            if lease is not None:
+                if not hmac.compare_digest(lease.token.encode(), token.encode()):
+                    self.num_refused += 1
+                    return False
                 del self._active[request_id]
+                self._ended[request_id] = now
                 self._finished.add(request_id)
                 self.num_released += 1
                 return True
-            if request_id in self._expired:
+            if request_id in self._ended or (request_id, token) in self._early:
+                self.num_refused += 1
                 return False
-            self._early.setdefault(request_id, now)
+            self._early[(request_id, token)] = now
             return True
 
-    def renew(self, request_id: str, expires_at: float) -> bool:
+    def renew(self, request_id: str, token: str, expires_at: float) -> bool:
         """A decode still queues ``request_id``: hold its blocks until ``expires_at`` (never
-        shortened). False when the lease is gone (expired or released): its read would fail."""
+        shortened, never past the lease's life cap). False when the lease is gone or the token
+        is not its own: a read would fail."""
         with self._lock:
-            if request_id in self._active:
-                self._active[request_id] = max(self._active[request_id], expires_at)
-                self.num_renewed += 1
-                return True
-            return False
+            lease = self._active.get(request_id)
+            if lease is None or not hmac.compare_digest(lease.token.encode(), token.encode()):
+                self.num_refused += 1
+                return False
+            lease.expires_at = min(max(lease.expires_at, expires_at), lease.hard_deadline)
+            self.num_renewed += 1
+            return True
 
     def expire(self, now: float) -> list[str]:
         """End every lease past its expiry; returns their ids (their blocks become free)."""
         with self._lock:
-            gone = [rid for rid, deadline in self._active.items() if deadline <= now]
+            gone = [rid for rid, lease in self._active.items() if lease.expires_at <= now]
             for rid in gone:
                 del self._active[rid]
-                self._expired[rid] = now
+                self._ended[rid] = now
                 self._finished.add(rid)
             self.num_expired += len(gone)
             horizon = now - self._memory_s
-            for table in (self._expired, self._early):
-                for rid in [r for r, t in table.items() if t < horizon]:
-                    del table[rid]
+            for rid in [r for r, t in self._ended.items() if t < horizon]:
+                del self._ended[rid]
+            for key in [k for k, t in self._early.items() if t < horizon]:
+                del self._early[key]
             return gone
 
     def take_finished(self) -> set[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +30,15 @@ REMOTE_NUM_TOKENS = "remote_num_tokens"
 """Prompt tokens whose KV the prefill holds. A decode request may extend the prompt (the
 router appends the token the prefill sampled, see ``router.api.first_token``); only this many
 tokens are pulled, the rest are computed locally."""
+REMOTE_LEASE_TOKEN = "remote_lease_token"
+"""A random secret the prefill draws per lease; a release or renewal must echo it. It travels
+only inside the router-signed params, so a peer that merely reaches the control channel (and
+can guess request ids) cannot end or extend someone else's lease."""
 
-# Release round trip: decode -> prefill "done <request id>", prefill answers one of these.
-# Renewal: decode -> prefill "renew <request id>" while the request waits in the decode's
-# queue (the lease is extended by its length; "expired" when it is gone already).
+# Release round trip: decode -> prefill "done <lease token> <request id>", prefill answers one
+# of these. Renewal: decode -> prefill "renew <lease token> <request id>" while the request
+# waits in the decode's queue (the lease is extended by its length, up to its life cap;
+# "expired" when it is gone already). A lease is one-shot: a second release is "expired".
 RELEASE_PREFIX = b"done "
 RENEW_PREFIX = b"renew "
 RELEASE_OK = b"ok"
@@ -113,6 +119,8 @@ class RemotePrefill:
     handshake_wire: str
     num_tokens: int | None = None
     """Tokens the remote KV covers (None: the whole prompt, as older prefills sent)."""
+    lease_token: str = ""
+    """The lease's secret, echoed by the release and renewals (``REMOTE_LEASE_TOKEN``)."""
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> RemotePrefill | None:
@@ -124,30 +132,47 @@ class RemotePrefill:
             return cls(str(params[REMOTE_ENGINE_ID]), str(params[REMOTE_REQUEST_ID]),
                        tuple(int(b) for b in params[REMOTE_BLOCK_IDS]),
                        str(params[REMOTE_HANDSHAKE]),
-                       None if num_tokens is None else int(num_tokens))
+                       None if num_tokens is None else int(num_tokens),
+                       str(params.get(REMOTE_LEASE_TOKEN) or ""))
         except (KeyError, TypeError, ValueError):
             return None
 
 
-def release_message(request_id: str) -> bytes:
+def new_lease_token() -> str:
+    """A fresh per-lease secret (128 random bits, URL-safe, no spaces)."""
+    return secrets.token_urlsafe(16)
+
+
+def release_message(request_id: str, lease_token: str) -> bytes:
     """The decode -> prefill message that ends a lease after a pull."""
-    return RELEASE_PREFIX + request_id.encode()
+    return RELEASE_PREFIX + _lease_ref(request_id, lease_token)
 
 
-def parse_release(payload: bytes) -> str | None:
-    """Request id of a release message, or None for anything else."""
-    if not payload.startswith(RELEASE_PREFIX):
-        return None
-    return payload[len(RELEASE_PREFIX):].decode(errors="replace")
+def parse_release(payload: bytes) -> tuple[str, str] | None:
+    """(request id, lease token) of a release message, or None for anything else."""
+    return _parse_lease_ref(payload, RELEASE_PREFIX)
 
 
-def renew_message(request_id: str) -> bytes:
+def renew_message(request_id: str, lease_token: str) -> bytes:
     """The decode -> prefill message that extends a lease while the request is queued."""
-    return RENEW_PREFIX + request_id.encode()
+    return RENEW_PREFIX + _lease_ref(request_id, lease_token)
 
 
-def parse_renew(payload: bytes) -> str | None:
-    """Request id of a renewal message, or None for anything else."""
-    if not payload.startswith(RENEW_PREFIX):
+def parse_renew(payload: bytes) -> tuple[str, str] | None:
+    """(request id, lease token) of a renewal message, or None for anything else."""
+    return _parse_lease_ref(payload, RENEW_PREFIX)
+
+
+def _lease_ref(request_id: str, lease_token: str) -> bytes:
+    if not lease_token or " " in lease_token:
+        raise ValueError("a lease token is required and holds no space")
+    return lease_token.encode() + b" " + request_id.encode()
+
+
+def _parse_lease_ref(payload: bytes, prefix: bytes) -> tuple[str, str] | None:
+    if not payload.startswith(prefix):
         return None
-    return payload[len(RENEW_PREFIX):].decode(errors="replace")
+    token, sep, request_id = payload[len(prefix):].partition(b" ")
+    if not sep or not token or not request_id:
+        return None
+    return request_id.decode(errors="replace"), token.decode(errors="replace")

@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 _MAX_TRACES = 4096
 
 _COUNTERS = ("pulls", "pulls_same_host", "pull_failures", "pulled_bytes", "pulled_blocks",
-             "leases_released", "leases_expired", "leases_renewed", "refused_params")
+             "leases_released", "leases_expired", "leases_renewed", "leases_refused",
+             "refused_params")
 PULL_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
                         5.0, 10.0)
 
@@ -71,11 +72,13 @@ class TransferStats(KVConnectorStats):
         """The W3C trace context ``request_id`` arrived with (vLLM tracing on)."""
         self.data["traces"][request_id] = headers
 
-    def record_leases(self, released: int, expired: int, renewed: int = 0) -> None:
-        """Leases ended (and renewals granted) since the last report."""
+    def record_leases(self, released: int, expired: int, renewed: int = 0,
+                      refused: int = 0) -> None:
+        """Leases ended, renewals granted and lease messages refused since the last report."""
         self.data["leases_released"] += released
         self.data["leases_expired"] += expired
         self.data["leases_renewed"] += renewed
+        self.data["leases_refused"] += refused
 
     def record_refused(self) -> None:
         """One request whose ``kv_transfer_params`` were refused (unsigned, forged, stale)."""
@@ -130,6 +133,8 @@ class TransferPromMetrics(KVConnectorPromMetrics):
             "leases_expired": "Prefill leases that expired before any release.",
             "leases_renewed": "Prefill lease renewals granted to decodes still queueing the "
                               "request.",
+            "leases_refused": "Lease releases or renewals the prefill refused: a wrong lease "
+                              "token, or a lease already released or expired (a repeat).",
             "refused_params": "Requests whose kv_transfer_params were refused (unsigned, forged "
                               "or stale signature): served without lease or pull.",
         }

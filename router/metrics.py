@@ -105,6 +105,11 @@ class RouterMetrics:
             "pdserve_router_upstream_retries_total",
             "Upstream calls retried on another worker, by role.",
             ["role"], registry=r)
+        self.kv_params_withdrawn = Counter(
+            "pdserve_router_kv_params_withdrawn_total",
+            "Decode retries sent without the prefill's kv_transfer_params because the failed "
+            "attempt may have pulled and released them (the retry recomputes the prompt).",
+            registry=r)
         self.routing_decisions = Counter(
             "pdserve_router_routing_decisions_total",
             "Placement decisions by worker role and reason (dualmap: cache_affinity, "

@@ -29,8 +29,8 @@ class PdserveMetadata(KVConnectorMetadata):
     """Decode: requests whose blocks are allocated and must be pulled."""
     releases: list[RemotePrefill] = field(default_factory=list)
     """Decode: leases to end without reading (full local prefix hit, or aborted before pull)."""
-    leases: dict[str, float] = field(default_factory=dict)
-    """Prefill: new leases, request id -> expiry on the monotonic clock."""
+    leases: dict[str, tuple[float, str]] = field(default_factory=dict)
+    """Prefill: new leases, request id -> (expiry on the monotonic clock, lease token)."""
     renewals: list[RemotePrefill] = field(default_factory=list)
     """Decode: leases to extend because their requests still wait in this engine's queue."""
 

@@ -22,10 +22,12 @@ from kvtransfer.protocol import (
     REMOTE_BLOCK_IDS,
     REMOTE_ENGINE_ID,
     REMOTE_HANDSHAKE,
+    REMOTE_LEASE_TOKEN,
     REMOTE_NUM_TOKENS,
     REMOTE_REQUEST_ID,
     Handshake,
     RemotePrefill,
+    new_lease_token,
 )
 from kvtransfer.signing import KeyringFile, current
 from kvtransfer.stats import TransferStats
@@ -46,7 +48,7 @@ class SchedulerHalf:
         self.handshake_wire: str | None = None
         self._pulls: list[PullSpec] = []
         self._releases: list[RemotePrefill] = []
-        self._leases: dict[str, float] = {}
+        self._leases: dict[str, tuple[float, str]] = {}
         self._awaiting_schedule: set[str] = set()
         # decode: requests that will pull but wait in the queue -> (remote, next renewal)
         self._queued: dict[str, tuple[RemotePrefill, float]] = {}
@@ -73,8 +75,15 @@ class SchedulerHalf:
 
     def on_new_request(self, request: Request) -> None:
         """Check the params' signature; timeline: a decode request that will pull, or a
-        prefill that will lease, arrived."""
+        prefill that will lease, arrived. Params that are not a JSON object (vLLM lets
+        ``vllm_xargs`` carry a string or a list there) are dropped: the request runs plain."""
         params = request.kv_transfer_params
+        if params is not None and not isinstance(params, dict):
+            logger.warning("request %s: kv_transfer_params of type %s dropped",
+                           request.request_id, type(params).__name__)
+            self.stats.record_refused()
+            request.kv_transfer_params = None
+            return
         if not params:
             return
         if (params.get(DO_REMOTE_PREFILL) or params.get(DO_REMOTE_DECODE)) and \
@@ -203,7 +212,8 @@ class SchedulerHalf:
         if self.handshake_wire is None:
             logger.error("request %s: no transport handshake yet, blocks freed", request.request_id)
             return False, None
-        self._leases[request.request_id] = time.monotonic() + self.config.lease_s
+        token = new_lease_token()
+        self._leases[request.request_id] = (time.monotonic() + self.config.lease_s, token)
         self.stats.record_event(request.request_id, "prefill_done")
         return True, {
             DO_REMOTE_PREFILL: True,
@@ -213,6 +223,7 @@ class SchedulerHalf:
             REMOTE_BLOCK_IDS: list(block_ids),
             REMOTE_HANDSHAKE: self.handshake_wire,
             REMOTE_NUM_TOKENS: min(request.num_computed_tokens, request.num_prompt_tokens),
+            REMOTE_LEASE_TOKEN: token,
             "lease_s": self.config.lease_s,
         }
 

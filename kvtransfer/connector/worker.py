@@ -128,7 +128,7 @@ class WorkerHalf:
         self._load_errors: set[int] = set()
         self._stop = threading.Event()
         self._responder: threading.Thread | None = None
-        self._reported_leases = (0, 0, 0)
+        self._reported_leases = (0, 0, 0, 0)
         self._next_prune = 0.0
         # lease_released stamps from the responder thread (deque: thread-safe append/pop)
         self._release_events: collections.deque[tuple[str, float]] = collections.deque()
@@ -183,14 +183,15 @@ class WorkerHalf:
             for msg in incoming:
                 renewed = parse_renew(msg.payload)
                 if renewed is not None:
-                    held = self.leases.renew(renewed, time.monotonic() + self.config.lease_s)
+                    held = self.leases.renew(*renewed, time.monotonic() + self.config.lease_s)
                     msg.reply(RELEASE_OK if held else RELEASE_EXPIRED)
                     continue
-                request_id = parse_release(msg.payload)
-                if request_id is None:
+                released = parse_release(msg.payload)
+                if released is None:
                     logger.warning("unknown message of %d bytes ignored", len(msg.payload))
                     continue
-                valid = self.leases.release(request_id, time.monotonic())
+                request_id, token = released
+                valid = self.leases.release(request_id, token, time.monotonic())
                 if valid:
                     self._release_events.append((request_id, time.time()))
                 logger.debug("release of %s: %s", request_id, "ok" if valid else "expired")
@@ -199,9 +200,10 @@ class WorkerHalf:
     # ---------------------------------------------------------------- per step
     def start_step(self, meta: PdserveMetadata) -> None:
         """Take this step's leases, pulls and releases from the scheduler half."""
-        for request_id, expires_at in meta.leases.items():
-            logger.debug("lease %s granted for %.1f s", request_id, expires_at - time.monotonic())
-            self.leases.grant(request_id, expires_at)
+        for request_id, (expires_at, token) in meta.leases.items():
+            now = time.monotonic()
+            logger.debug("lease %s granted for %.1f s", request_id, expires_at - now)
+            self.leases.grant(request_id, expires_at, token, now)
             self.stats.record_event(request_id, "lease_granted")
         for remote in meta.releases:
             self._send_release_only(remote)
@@ -217,6 +219,9 @@ class WorkerHalf:
             return state
         assert self._engine is not None and self._handshake is not None
         hs = Handshake.from_wire(remote.handshake_wire)
+        if hs.engine_id != remote.engine_id:
+            raise HandshakeError(f"handshake of engine {hs.engine_id} sent for engine "
+                                 f"{remote.engine_id}")
         if hs.compat != self._handshake.compat or len(hs.regions) != len(self._regions):
             raise HandshakeError(f"engine {hs.engine_id} is incompatible (compat {hs.compat} "
                                  f"!= {self._handshake.compat})")
@@ -233,6 +238,8 @@ class WorkerHalf:
         now = time.monotonic()
         local = spec.local_block_ids
         try:
+            if not spec.remote.lease_token:
+                raise KVTransferError("the params carry no lease token")
             if len(local) > len(spec.remote.block_ids):
                 raise KVTransferError(f"{len(local)} local blocks for "
                                       f"{len(spec.remote.block_ids)} remote blocks")
@@ -257,7 +264,8 @@ class WorkerHalf:
     def _send_release_only(self, remote: RemotePrefill) -> None:
         try:
             state = self._peer(remote)
-            transfer = state.peer.request(release_message(remote.request_id))
+            transfer = state.peer.request(release_message(remote.request_id,
+                                                                remote.lease_token))
         except Exception as exc:
             logger.warning("could not release lease %s: %s (it will expire)",
                            remote.request_id, exc)
@@ -268,7 +276,8 @@ class WorkerHalf:
         """Extend a lease whose request still waits in our queue (answer not needed: if it
         expired anyway, the pull fails and vLLM recomputes)."""
         try:
-            transfer = self._peer(remote).peer.request(renew_message(remote.request_id))
+            transfer = self._peer(remote).peer.request(renew_message(remote.request_id,
+                                                                      remote.lease_token))
         except Exception as exc:
             logger.warning("could not renew lease %s: %s", remote.request_id, exc)
             return
@@ -318,8 +327,9 @@ class WorkerHalf:
                 if self._corruption_on() and pull.spec.local_block_ids:
                     self._corrupt(pull.spec.local_block_ids)
                 try:
-                    pull.transfer = pull.peer.request(release_message(pull.spec.remote.request_id))
-                except KVTransferError as exc:
+                    pull.transfer = pull.peer.request(release_message(
+                        pull.spec.remote.request_id, pull.spec.remote.lease_token))
+                except (KVTransferError, ValueError) as exc:
                     del self._pulls[request_id]
                     self._fail(pull.spec, f"release: {exc}")
                     continue
@@ -367,11 +377,11 @@ class WorkerHalf:
     def take_stats(self) -> TransferStats | None:
         """Telemetry since the last call, or None when nothing happened."""
         released, expired = self.leases.num_released, self.leases.num_expired
-        renewed = self.leases.num_renewed
-        last_released, last_expired, last_renewed = self._reported_leases
+        renewed, refused = self.leases.num_renewed, self.leases.num_refused
+        last_released, last_expired, last_renewed, last_refused = self._reported_leases
         self.stats.record_leases(released - last_released, expired - last_expired,
-                                 renewed - last_renewed)
-        self._reported_leases = (released, expired, renewed)
+                                 renewed - last_renewed, refused - last_refused)
+        self._reported_leases = (released, expired, renewed, refused)
         while self._release_events:
             request_id, at = self._release_events.popleft()
             self.stats.record_event(request_id, "lease_released", at)

@@ -35,6 +35,7 @@ from router.api.schemas import (
 from router.api.timeline import PhaseClock
 from router.api.tokenization import TokenizerCache, approximate_ids
 from router.api.tracing import RequestTracer
+from router.api.untrusted import refuse_worker_only_fields
 from router.config import RouterSettings
 from router.errors import APIError, InvalidRequestError
 from router.metrics import RouterMetrics
@@ -236,9 +237,7 @@ class RouterService:
                                       f"{self.settings.max_body_bytes}",
                                       code="request_too_large", status=413)
         body = parse_json_body(raw)
-        if "kv_transfer_params" in body:
-            raise InvalidRequestError("kv_transfer_params is set by the router, not by clients",
-                                      code="invalid_parameter", param="kv_transfer_params")
+        refuse_worker_only_fields(body)
         req = validate_request(endpoint, body)
         records = self.cluster.workers(model=req.model)
         if not records:

@@ -102,9 +102,10 @@ def parse_prefill(data: Any) -> FirstToken | None:
 
 
 def continuation_body(body: Mapping[str, Any], first: FirstToken,
-                      kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+                      kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
     """The decode request (always ``/v1/completions``): prompt ids + the first token, one
-    token less to generate, the prefill's ``kv_transfer_params``."""
+    token less to generate, the prefill's ``kv_transfer_params`` (None: the decode computes
+    the prompt itself)."""
     out: dict[str, Any] = {k: body[k] for k in _SAMPLING if k in body}
     out["model"] = body["model"]
     out["prompt"] = [*first.prompt_token_ids, first.token_id]
@@ -116,7 +117,8 @@ def continuation_body(body: Mapping[str, Any], first: FirstToken,
     out["stream"] = True
     if body.get("stream_options") is not None:
         out["stream_options"] = body["stream_options"]
-    out["kv_transfer_params"] = kv_transfer_params
+    if kv_transfer_params is not None:
+        out["kv_transfer_params"] = kv_transfer_params
     return out
 
 

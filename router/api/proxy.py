@@ -4,8 +4,11 @@ Workers are chosen and booked through :class:`router.placement.Placement`; relay
 :mod:`router.api.relay`, upstream errors and the same-worker retry rule :mod:`router.api.upstream`.
 
 Prefill failures (connect, timeout, 5xx, no ``kv_transfer_params``) are retried on another prefill
-worker; decode failures are retried on another decode worker with the same ``kv_transfer_params``
-as long as no byte reached the client. Once a stream has started, an upstream failure becomes one
+worker; decode failures are retried on another decode worker as long as no byte reached the
+client. A decode that may have received the prefill's ``kv_transfer_params`` may have pulled and
+released that lease (its blocks may hold another request's KV by now), so its retry carries no
+params and computes the prompt itself; only a decode that was never reached (connect refused)
+is retried with them. Once a stream has started, an upstream failure becomes one
 final ``data: {"error": ...}`` event followed by ``data: [DONE]``. Every upstream call has a
 connect and a read timeout, so nothing waits forever. Upstream 4xx answers are the client's fault
 and are relayed unchanged.
@@ -34,7 +37,12 @@ from router.api.relay import FirstOutput, RelayResponse, relay_body
 from router.api.rewrite import decode_body, encode, prefill_body
 from router.api.schemas import Endpoint
 from router.api.timeline import PhaseClock
-from router.api.upstream import allow_same_worker_retry, no_workers, upstream_error
+from router.api.upstream import (
+    allow_same_worker_retry,
+    may_have_reached,
+    no_workers,
+    upstream_error,
+)
 from router.api.usage import StreamWatch, Usage, body_usage
 from router.config import RouterSettings
 from router.errors import UpstreamError
@@ -263,13 +271,19 @@ class PDProxy:
         """Run the decode (``kv_params`` from the prefill), or the whole request on one worker
         (``kv_params`` None: a decode worker skipping the prefill hop, or an aggregated worker,
         ``role``); ``first_choice`` is a worker already chosen for the first attempt."""
-        content = encode(decode_body(body, self.signed(kv_params)) if kv_params is not None
-                         else body)
+        plain = encode(body)
+        content = plain if kv_params is None else encode(decode_body(body,
+                                                                     self.signed(kv_params)))
         headers = self._headers(route, incoming)
         tried: set[str] = set()
         retried: set[str] = set()
         last: UpstreamError | None = None
+        last_exc: Exception | None = None  # None after a failed attempt: the worker answered
         for attempt in range(self.settings.decode_retries + 1):
+            if attempt and content is not plain and may_have_reached(last_exc):
+                content = plain  # the params may be spent: this decode computes the prompt
+                self.metrics.kv_params_withdrawn.inc()
+            last_exc = None
             if attempt == 0 and first_choice is not None:
                 worker: WorkerRecord | None = first_choice
                 tried.add(first_choice.worker_id)
@@ -319,7 +333,7 @@ class PDProxy:
                     if not handed_over:
                         await resp.aclose()
             except httpx.HTTPError as exc:
-                last = upstream_error(role, worker, exc)
+                last, last_exc = upstream_error(role, worker, exc), exc
                 self._failed(worker, last)
                 allow_same_worker_retry(exc, worker, tried, retried)
                 continue
@@ -338,14 +352,15 @@ class PDProxy:
         """Stream the prefill's token now, then the decode's continuation from it (see
         ``router.api.first_token``). Decode failures before its first byte are retried on
         another decode worker; after it, they end the stream with one error event."""
-        content = encode(continuation_body(body, first, self.signed(kv_params)))
+        contents = [encode(continuation_body(body, first, self.signed(kv_params))),
+                    encode(continuation_body(body, first, None))]
         headers = self._headers(route, incoming)
         rewriter = ContinuationRewriter(endpoint, first)
         state: dict[str, Any] = {"done": False, "status": 200}
         metrics = self.metrics
         watch = StreamWatch()
 
-        async def decode_once(worker: WorkerRecord) -> AsyncIterator[bytes]:
+        async def decode_once(worker: WorkerRecord, content: bytes) -> AsyncIterator[bytes]:
             request = self.client.build_request("POST", worker.http_url + "/v1/completions",
                                                 content=content, headers=headers,
                                                 timeout=self._decode_timeout)
@@ -376,6 +391,7 @@ class PDProxy:
             tried: set[str] = set()
             retried: set[str] = set()
             last: UpstreamError | None = None
+            reached = False  # a decode may have pulled: the params are spent
             for attempt in range(self.settings.decode_retries + 1):
                 worker = await self._choose_or_wait("decode", route, tried)
                 if worker is None:
@@ -383,10 +399,12 @@ class PDProxy:
                 clock.mark("decode_chosen")
                 if attempt:
                     metrics.upstream_retries.labels(role="decode").inc()
+                    if reached:
+                        metrics.kv_params_withdrawn.inc()
                 self.begin("decode", route, worker)
                 relayed = ok = False
                 try:
-                    async for out in decode_once(worker):
+                    async for out in decode_once(worker, contents[reached]):
                         if not relayed:
                             clock.mark("decode_first_byte")
                             relayed = True
@@ -400,6 +418,8 @@ class PDProxy:
                         upstream_error("decode", worker, exc)
                     self._failed(worker, err)
                     last = err
+                    reached = reached or may_have_reached(
+                        exc if isinstance(exc, httpx.HTTPError) else None)
                     if relayed:
                         break
                     if isinstance(exc, httpx.HTTPError):

@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from router.api.untrusted import TEMPLATE_CALL_KWARGS
+
 logger = logging.getLogger(__name__)
 
 
@@ -107,7 +109,9 @@ def _render_chat(tok: Any, messages: list[dict[str, Any]], extra: Mapping[str, A
     if extra.get("tools"):
         kwargs["tools"] = extra["tools"]
     if isinstance(extra.get("chat_template_kwargs"), dict):
-        kwargs.update(extra["chat_template_kwargs"])
+        # template variables only: never a client's template or a call argument
+        kwargs.update({k: v for k, v in extra["chat_template_kwargs"].items()
+                       if k not in TEMPLATE_CALL_KWARGS})
     out = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kwargs)
     if isinstance(out, Mapping) or hasattr(out, "input_ids"):
         out = out["input_ids"]

@@ -24,6 +24,18 @@ def upstream_error(role: str, worker: WorkerRecord, exc: Exception) -> UpstreamE
                          kind=kind)
 
 
+# Failures that prove the request never reached the worker (nobody accepted the connection,
+# or no connection was free): the worker cannot have pulled the prefill's KV.
+_NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+def may_have_reached(exc: Exception | None) -> bool:
+    """Whether a failed upstream call may have reached the worker (``None``: it answered,
+    e.g. a 5xx). A decode reached with signed ``kv_transfer_params`` may have pulled and
+    released the prefill's lease, so those params must not be sent again."""
+    return not isinstance(exc, _NEVER_SENT)
+
+
 # Errors of a pooled keep-alive connection the worker closed just as we reused it: the worker
 # may be fine, so one retry on the same worker is allowed (useful when it is the only one).
 _STALE_CONNECTION = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)

@@ -1,64 +1,113 @@
-"""Lease bookkeeping on the prefill side (time is an argument)."""
+"""Lease bookkeeping on the prefill side (time is an argument): one-shot, token-bound, capped."""
 
 from __future__ import annotations
 
 from kvtransfer.leases import LeaseTable
 
+TOK = "secret-token-1"
+
 
 def test_release_before_expiry_is_valid_and_frees() -> None:
     t = LeaseTable()
-    t.grant("r1", expires_at=10.0)
+    t.grant("r1", expires_at=10.0, token=TOK, now=0.0)
     assert t.num_active == 1
-    assert t.release("r1", now=5.0) is True
+    assert t.release("r1", TOK, now=5.0) is True
     assert t.take_finished() == {"r1"}
     assert t.num_active == 0 and t.num_released == 1
 
 
+def test_a_second_release_is_refused_once_the_blocks_may_be_reused() -> None:
+    """Review finding 2: a decode that pulled and released, then failed, must not make a retry
+    read the freed blocks as valid. The first release is ok (the control); the repeat is not."""
+    t = LeaseTable()
+    t.grant("r1", expires_at=10.0, token=TOK, now=0.0)
+    assert t.release("r1", TOK, now=1.0) is True
+    assert t.take_finished() == {"r1"}  # the prefill frees the blocks now
+    assert t.release("r1", TOK, now=2.0) is False
+    assert t.num_refused == 1 and t.num_released == 1
+
+
+def test_a_release_with_another_token_is_refused_and_leaves_the_lease_held() -> None:
+    """Review finding 8: a peer that knows the id but not the token cannot end the lease."""
+    t = LeaseTable()
+    t.grant("r1", expires_at=10.0, token=TOK, now=0.0)
+    assert t.release("r1", "forged", now=1.0) is False
+    assert t.num_active == 1 and t.take_finished() == set()
+    assert t.release("r1", TOK, now=2.0) is True  # the real decode still can
+
+
 def test_expiry_frees_and_a_late_release_is_refused() -> None:
     t = LeaseTable()
-    t.grant("r1", expires_at=10.0)
+    t.grant("r1", expires_at=10.0, token=TOK, now=0.0)
     assert t.expire(now=9.9) == []
     assert t.expire(now=10.0) == ["r1"]
     assert t.take_finished() == {"r1"}
-    assert t.release("r1", now=11.0) is False
+    assert t.release("r1", TOK, now=11.0) is False
     assert t.take_finished() == set()
     assert t.num_expired == 1
 
 
-def test_release_before_grant_finishes_at_grant() -> None:
+def test_release_before_grant_finishes_at_grant_once() -> None:
     t = LeaseTable()
-    assert t.release("r1", now=1.0) is True  # blocks cannot have been freed before the grant
+    assert t.release("r1", TOK, now=1.0) is True  # blocks cannot have been freed before grant
+    assert t.release("r1", TOK, now=1.5) is False  # one-shot even before the grant
     assert t.take_finished() == set()
-    t.grant("r1", expires_at=30.0)
+    t.grant("r1", expires_at=30.0, token=TOK, now=2.0)
     assert t.take_finished() == {"r1"}
     assert t.num_active == 0
+    assert t.release("r1", TOK, now=3.0) is False
+
+
+def test_an_early_release_with_another_token_does_not_end_the_lease() -> None:
+    t = LeaseTable()
+    assert t.release("r1", "forged", now=1.0) is True  # nothing to check it against yet
+    t.grant("r1", expires_at=30.0, token=TOK, now=2.0)
+    assert t.num_active == 1 and t.take_finished() == set()
+    assert t.release("r1", TOK, now=3.0) is True
 
 
 def test_finished_ids_are_reported_once() -> None:
     t = LeaseTable()
-    t.grant("a", 5.0)
-    t.grant("b", 50.0)
-    t.release("b", 1.0)
+    t.grant("a", 5.0, TOK, 0.0)
+    t.grant("b", 50.0, TOK, 0.0)
+    t.release("b", TOK, 1.0)
     t.expire(6.0)
     assert t.take_finished() == {"a", "b"}
     assert t.take_finished() == set()
 
 
-def test_memory_of_expired_ids_is_bounded() -> None:
+def test_memory_of_ended_ids_is_bounded() -> None:
+    """Ids are forgotten after ``memory_s`` (longer than a signature lives, so no validly
+    signed params can still name them); an unknown id is then an early release again."""
     t = LeaseTable(memory_s=100.0)
-    t.grant("old", 1.0)
+    t.grant("old", 1.0, TOK, 0.0)
     t.expire(2.0)
+    assert t.release("old", TOK, 50.0) is False  # remembered
     t.expire(500.0)  # forgets "old"
-    assert t.release("old", 501.0) is True  # unknown again: treated as an early release
+    assert t.release("old", TOK, 501.0) is True
 
 
-def test_renewal_extends_only_a_held_lease() -> None:
+def test_renewal_extends_only_a_held_lease_with_its_token() -> None:
     t = LeaseTable()
-    t.grant("r1", expires_at=10.0)
-    assert t.renew("r1", expires_at=25.0) is True
-    assert t.renew("r1", expires_at=12.0) is True  # never shortened
+    t.grant("r1", expires_at=10.0, token=TOK, now=0.0)
+    assert t.renew("r1", TOK, expires_at=25.0) is True
+    assert t.renew("r1", TOK, expires_at=12.0) is True  # never shortened
+    assert t.renew("r1", "forged", expires_at=39.0) is False
     assert t.expire(now=20.0) == []  # without the renewal it would have expired at 10
     assert t.expire(now=25.0) == ["r1"]
-    assert t.renew("r1", expires_at=40.0) is False  # gone: its pull will fail and recompute
-    assert t.renew("never-granted", expires_at=40.0) is False
+    assert t.renew("r1", TOK, expires_at=40.0) is False  # gone: its pull fails, recompute
+    assert t.renew("never-granted", TOK, expires_at=40.0) is False
     assert t.num_renewed == 2
+
+
+def test_renewals_never_outlive_the_life_cap() -> None:
+    """Review finding 8: renewals alone cannot pin KV forever (cap: 4 x the first length)."""
+    t = LeaseTable(life_factor=4.0)
+    t.grant("r1", expires_at=10.0, token=TOK, now=0.0)
+    for now in range(5, 100, 5):
+        t.renew("r1", TOK, expires_at=now + 10.0)
+        if t.expire(float(now)):
+            break
+    assert t.take_finished() == {"r1"}
+    assert t.num_expired == 1
+    assert now == 40  # the cap, though every renewal asked for 10 s more

@@ -12,7 +12,9 @@ from kvtransfer.protocol import (
     RemotePrefill,
     compat_hash,
     parse_release,
+    parse_renew,
     release_message,
+    renew_message,
 )
 
 HS = Handshake("eng-1", b"\x00\x01ucx-address",
@@ -46,9 +48,25 @@ def test_remote_prefill_requires_every_field() -> None:
     assert RemotePrefill.from_params(None) is None
 
 
-def test_release_message_round_trips() -> None:
-    assert parse_release(release_message("cmpl-1-0")) == "cmpl-1-0"
+def test_release_and_renew_messages_carry_the_lease_token() -> None:
+    assert parse_release(release_message("cmpl-1 0", "tok")) == ("cmpl-1 0", "tok")
+    assert parse_renew(renew_message("cmpl-1-0", "tok")) == ("cmpl-1-0", "tok")
     assert parse_release(b"hello") is None
+    assert parse_release(b"done cmpl-1-0") is None  # no token: not a release at all
+    assert parse_renew(release_message("cmpl-1-0", "tok")) is None
+    with pytest.raises(ValueError):
+        release_message("cmpl-1-0", "")
+
+
+def test_the_lease_token_travels_in_the_params() -> None:
+    params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r",
+              "remote_block_ids": [1], "remote_handshake": HS.to_wire(),
+              "remote_lease_token": "tok"}
+    parsed = RemotePrefill.from_params(params)
+    assert parsed is not None and parsed.lease_token == "tok"
+    old = RemotePrefill.from_params({k: v for k, v in params.items()
+                                     if k != "remote_lease_token"})
+    assert old is not None and old.lease_token == ""  # a pull without one refuses to start
 
 
 def test_connector_config_rejects_unknown_and_bad_values() -> None:

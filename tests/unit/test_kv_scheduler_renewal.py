@@ -36,3 +36,20 @@ def test_renewals_while_queued_and_none_after_allocation() -> None:
     meta = half.build_connector_meta()
     assert [r.request_id for r in meta.renewals] == ["remote-a"]
     assert [p.request_id for p in meta.pulls] == ["b"]
+
+
+def test_params_that_are_not_an_object_are_dropped_not_crashing_the_engine() -> None:
+    """Review finding 7: vLLM copies ``vllm_xargs.kv_transfer_params`` (a string or a list is
+    allowed there) into the request; the connector and vLLM's own scheduler call ``.get`` on
+    it. The connector turns it into None (the request runs plain) and counts a refusal."""
+    half = SchedulerHalf("engine", ConnectorConfig(lease_s=1.0))
+    for bad in ("x", ["do_remote_prefill"], 5):
+        request = SimpleNamespace(request_id="r", kv_transfer_params=bad, trace_headers=None,
+                                  prompt_token_ids=[1, 2])
+        half.on_new_request(request)
+        assert request.kv_transfer_params is None
+        assert half.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert half.stats.data["refused_params"] == 3
+    control = _request("ok", 1.0)  # a real dict is kept
+    half.on_new_request(control)
+    assert control.kv_transfer_params["do_remote_prefill"] is True

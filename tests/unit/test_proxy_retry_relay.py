@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Message, Scope
 
+from router.api.first_token import FirstToken
 from router.api.proxy import PDProxy
 from router.api.schemas import COMPLETIONS
 from router.api.timeline import PhaseClock
@@ -116,11 +117,13 @@ class Workers:
 
     scripts: dict[str, list[Behaviour]]
     calls: list[str] = field(default_factory=list)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
     streams: list[ScriptedStream] = field(default_factory=list)
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         worker = request.url.host
         self.calls.append(worker)
+        self.bodies.append(json.loads(request.content))
         step = self.scripts[worker].pop(0)
         if isinstance(step, type):
             raise step(f"{worker}: scripted failure", request=request)
@@ -341,6 +344,57 @@ async def test_failure_before_the_first_byte_is_retried_not_relayed(
     assert body == b"".join(EVENTS)
     assert rig.workers.calls == ["d1", "d1"] and rig.retries("decode") == 1
     assert rig.in_flight() == {}
+
+
+# ---- (b2) a decode that may have pulled: its retry carries no kv_transfer_params ----------
+
+def withdrawn(rig: Rig) -> float:
+    return total(parse_samples(rig.metrics.render().decode()),
+                 "pdserve_router_kv_params_withdrawn_total")
+
+
+@pytest.mark.parametrize("failure", [500, httpx.ReadTimeout, httpx.ReadError,
+                                     httpx.RemoteProtocolError])
+async def test_a_decode_that_may_have_pulled_is_retried_without_the_params(
+        rig_of: Callable[..., Rig], failure: Behaviour) -> None:
+    """Review finding 2: the failed decode may have pulled and released the prefill's lease,
+    whose blocks may hold another request's KV by now; the retry computes the prompt."""
+    answer = {"choices": [{"text": "abc"}], "usage": {"prompt_tokens": 3,
+                                                      "completion_tokens": 3}}
+    rig = rig_of(p1=[], d1=[failure, answer], d2=[answer])
+    response = await decode(rig, stream=False)
+    assert response.status_code == 200
+    first, retry = rig.workers.bodies
+    assert first["kv_transfer_params"] == KV
+    assert "kv_transfer_params" not in retry
+    assert withdrawn(rig) == 1 and rig.retries("decode") == 1
+    assert rig.in_flight() == {}
+
+
+async def test_a_decode_never_reached_is_retried_with_the_params(
+        rig_of: Callable[..., Rig]) -> None:
+    """Negative control: connect refused means nothing reached that decode: the params are
+    still unspent and the retry pulls."""
+    answer = {"choices": [{"text": "abc"}], "usage": {"prompt_tokens": 3,
+                                                      "completion_tokens": 3}}
+    rig = rig_of(p1=[], d1=[httpx.ConnectError], d2=[answer])
+    await decode(rig, stream=False)
+    assert [b["kv_transfer_params"] for b in rig.workers.bodies] == [KV, KV]
+    assert withdrawn(rig) == 0 and rig.retries("decode") == 1
+
+
+async def test_a_continued_stream_retries_without_the_params_once_a_decode_was_reached(
+        rig_of: Callable[..., Rig]) -> None:
+    """The first-token path: the same rule for the continuation's decode."""
+    first = FirstToken("cmpl-1", 0, MODEL, "x", 7, (1, 2, 3))
+    rig = rig_of(p1=[], d1=[500], d2=[httpx.ConnectError], d3=[Script(EVENTS)])
+    request, clock = route()
+    body = await play(rig.proxy.continue_stream(COMPLETIONS, BODY, first, KV, request, {},
+                                                clock))
+    assert body.endswith(b"data: [DONE]\n\n") and b"error" not in body
+    assert [("kv_transfer_params" in b) for b in rig.workers.bodies] == [True, False, False]
+    assert rig.workers.bodies[2]["prompt"] == [1, 2, 3, 7]  # the prompt is computed there
+    assert withdrawn(rig) == 2
 
 
 # ---- (c) bookkeeping after a client hang-up ------------------------------------------------

@@ -1,0 +1,64 @@
+"""Fields of a client body that only the router (or an operator) may set, refused up front.
+
+vLLM reads several of them from more than one place: ``kv_transfer_params`` also from
+``vllm_xargs`` (a string there used to crash the worker's engine core), and a Jinja chat
+template from ``chat_template`` or ``chat_template_kwargs.chat_template``, which vLLM itself
+refuses unless started with ``--trust-request-chat-template`` (CVE-2025-61620: a template runs
+on the server). The router renders templates too, so it must refuse them before rendering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from router.errors import InvalidRequestError
+
+ROUTER_ONLY_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+"""Top-level fields the router sets on the upstream calls it makes."""
+
+WORKER_ONLY_XARGS = ("kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode")
+"""``vllm_xargs`` keys vLLM copies into the engine's per-request state."""
+
+TEMPLATE_CALL_KWARGS = frozenset({
+    "chat_template", "tokenize", "return_dict", "return_tensors", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "padding", "truncation", "max_length", "continue_final_message",
+    "add_generation_prompt", "conversation", "documents", "tools",
+})
+"""``apply_chat_template`` arguments that are not template variables: a client may not set
+them through ``chat_template_kwargs`` (the template is the server's, the call is the router's)."""
+
+def refuse_worker_only_fields(body: Mapping[str, Any]) -> None:
+    """Raise a 400 when ``body`` sets anything a client may not (see the module docstring)."""
+    for name in ROUTER_ONLY_FIELDS:
+        if name in body:
+            raise InvalidRequestError(f"{name} is set by the router, not by clients",
+                                      code="invalid_parameter", param=name)
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, Mapping):
+        for name in WORKER_ONLY_XARGS:
+            if name in xargs:
+                raise InvalidRequestError(f"vllm_xargs.{name} is set by the router, not by "
+                                          "clients", code="invalid_parameter",
+                                          param=f"vllm_xargs.{name}")
+    if body.get("chat_template") is not None:
+        raise _untrusted_template("chat_template")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, Mapping):
+            raise InvalidRequestError("chat_template_kwargs must be an object",
+                                      code="invalid_type", param="chat_template_kwargs")
+        if kwargs.get("chat_template") is not None:
+            raise _untrusted_template("chat_template_kwargs.chat_template")
+        reserved = sorted(TEMPLATE_CALL_KWARGS.intersection(kwargs) - {"chat_template"})
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may only hold template variables, not {reserved}",
+                code="invalid_parameter", param=f"chat_template_kwargs.{reserved[0]}")
+
+
+def _untrusted_template(param: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        "a chat template is passed with the request; this server renders only its own "
+        "templates (refused request with untrusted chat template)",
+        code="untrusted_chat_template", param=param)
