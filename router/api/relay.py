@@ -9,11 +9,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from router.api.upstream_errors import stable_error_body
 from router.api.usage import has_content, split_events
 
 
 def relay_body(resp_content: bytes, status: int, content_type: str | None) -> Response:
-    """A worker's whole (non-streamed) answer, relayed as it came."""
+    """A worker's whole (non-streamed) answer, relayed as it came; a 4xx refusal in our stable
+    error envelope instead of vLLM's (``router.api.upstream_errors``)."""
+    if 400 <= status < 500:
+        return Response(content=stable_error_body(resp_content, status), status_code=status,
+                        media_type="application/json")
     return Response(content=resp_content, status_code=status,
                     media_type=content_type or "application/json")
 

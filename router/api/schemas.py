@@ -16,7 +16,10 @@ from router.errors import InvalidRequestError
 
 StrictPositiveInt = Annotated[int, Strict(), Field(gt=0)]
 StrictInt = Annotated[int, Strict()]
-TokenIds = list[Annotated[int, Strict(), Field(ge=0)]]
+TokenIds = list[Annotated[int, Strict(), Field(ge=0, le=2**32 - 1)]]  # vLLM: uint32
+# Strict floats take JSON integers too (``"temperature": 0``) but not strings or booleans.
+Penalty = Annotated[float, Strict(), Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+_INT64 = 2**63
 
 
 class _OpenAIRequest(BaseModel):
@@ -28,6 +31,18 @@ class _OpenAIRequest(BaseModel):
     best_of: StrictPositiveInt | None = None
     stream: StrictBool | None = None
     stream_options: dict[str, Any] | None = None
+    # Sampling parameters, with the ranges vLLM's SamplingParams._verify_args enforces: checked
+    # here so a bad value is answered with our envelope before any worker is touched.
+    temperature: Annotated[float, Strict(), Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Strict(), Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Strict(), Field(ge=-1)] | None = None
+    """-1 and 0 both disable top-k in vLLM; otherwise the number of candidates kept."""
+    min_p: Annotated[float, Strict(), Field(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Strict(), Field(gt=0.0, allow_inf_nan=False)] | None = None
+    seed: Annotated[int, Strict(), Field(ge=-_INT64, lt=_INT64)] | None = None
+    min_tokens: Annotated[int, Strict(), Field(ge=0)] | None = None
 
 
 class CompletionRequest(_OpenAIRequest):
@@ -59,7 +74,8 @@ COMPLETIONS = Endpoint(name="completions", path="/v1/completions", chat=False)
 CHAT_COMPLETIONS = Endpoint(name="chat_completions", path="/v1/chat/completions", chat=True)
 
 _VALUE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal",
-                 "too_short", "too_long", "string_too_short", "string_too_long"}
+                 "too_short", "too_long", "string_too_short", "string_too_long",
+                 "finite_number"}
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -111,6 +127,10 @@ def validate_request(endpoint: Endpoint, body: dict[str, Any]) -> _OpenAIRequest
         raise InvalidRequestError(
             "best_of > 1 is not supported in prefill/decode disaggregated mode",
             code="invalid_value", param="best_of")
+    max_tokens = requested_max_tokens(req)
+    if req.min_tokens is not None and max_tokens is not None and req.min_tokens > max_tokens:
+        raise InvalidRequestError(f"min_tokens ({req.min_tokens}) must be at most max_tokens "
+                                  f"({max_tokens})", code="invalid_value", param="min_tokens")
     if isinstance(req, CompletionRequest):
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):

@@ -100,6 +100,11 @@ BAD_BODIES = [
     (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": "5"}).encode(), 400,
      "invalid_type"),
     (json.dumps({"model": "tiny", "prompt": "x", "n": 3}).encode(), 400, "invalid_value"),
+    (json.dumps({"model": "tiny", "prompt": "x", "temperature": "hot"}).encode(), 400,
+     "invalid_type"),
+    (json.dumps({"model": "tiny", "prompt": "x", "temperature": -1}).encode(), 400,
+     "invalid_value"),
+    (json.dumps({"model": "tiny", "prompt": "x", "top_p": 5}).encode(), 400, "invalid_value"),
     (json.dumps({"model": "tiny", "prompt": "hello world " * 40}).encode(), 400,
      "context_length_exceeded"),
 ]
@@ -158,8 +163,26 @@ def test_prefill_client_error_is_relayed_not_retried(
     fakes["p0"].mode = "bad_request"
     resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
     assert resp.status_code == 400
-    assert resp.json()["error"]["message"] == "injected bad request"
+    # vLLM's envelope (an integer code, an exception name as type) leaves in the stable one
+    assert resp.json() == {"error": {"message": "injected bad request",
+                                     "type": "invalid_request_error", "param": None,
+                                     "code": "invalid_value"}}
     assert calls(fakes) == {"p0": 1, "p1": 0, "d0": 0, "d1": 0}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_decode_client_error_is_relayed_in_the_stable_envelope(
+        stream: bool, fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router(first_token_from_prefill=False)
+    fakes["d0"].mode = "bad_request"
+    resp = client.post(url + "/v1/completions",
+                       json={"model": "tiny", "prompt": "hi", "stream": stream})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"] == {"message": "injected bad request",
+                                    "type": "invalid_request_error", "param": None,
+                                    "code": "invalid_value"}
+    assert calls(fakes) == {"p0": 1, "p1": 0, "d0": 1, "d1": 0}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])

@@ -99,6 +99,49 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
      "context_length_exceeded", "messages"),
 ]
 
+# Sampling parameters, at the bounds of vLLM's SamplingParams._verify_args (vllm 0.32).
+SAMPLING_CASES: list[tuple[str, str, Any, int, str, str | None]] = [
+    (f"{name}={value!r}", path, {"model": "tiny", **({"messages": MSG} if path == CHAT
+                                                     else {"prompt": "hi"}), name: value},
+     400, code, name)
+    for name, value, code, path in [
+        ("temperature", "hot", "invalid_type", C),
+        ("temperature", -1, "invalid_value", C),
+        ("temperature", -0.01, "invalid_value", CHAT),
+        ("temperature", 2.5, "invalid_value", C),
+        ("temperature", True, "invalid_type", C),
+        ("top_p", 5, "invalid_value", C),
+        ("top_p", 0, "invalid_value", CHAT),
+        ("top_p", 1.01, "invalid_value", C),
+        ("top_p", "1", "invalid_type", C),
+        ("top_k", -2, "invalid_value", C),
+        ("top_k", 1.5, "invalid_type", CHAT),
+        ("top_k", "5", "invalid_type", C),
+        ("min_p", 1.5, "invalid_value", C),
+        ("min_p", -0.1, "invalid_value", C),
+        ("presence_penalty", 2.5, "invalid_value", C),
+        ("presence_penalty", -2.01, "invalid_value", CHAT),
+        ("frequency_penalty", -3, "invalid_value", C),
+        ("frequency_penalty", [1], "invalid_type", C),
+        ("repetition_penalty", 0, "invalid_value", C),
+        ("repetition_penalty", -1.0, "invalid_value", CHAT),
+        ("seed", 1.5, "invalid_type", C),
+        ("seed", "42", "invalid_type", C),
+        ("seed", 2**63, "invalid_value", C),
+        ("min_tokens", -1, "invalid_value", C),
+    ]
+] + [
+    ("min-tokens-above-max-tokens", C,
+     {"model": "tiny", "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "invalid_value",
+     "min_tokens"),
+    ("temperature-nan", C, b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', 400,
+     "invalid_value", "temperature"),
+    ("repetition-penalty-inf", C,
+     b'{"model": "tiny", "prompt": "hi", "repetition_penalty": Infinity}', 400, "invalid_value",
+     "repetition_penalty"),
+]
+CASES += SAMPLING_CASES
+
 
 @pytest.mark.parametrize(("path", "body", "status", "code", "param"),
                          [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -120,6 +163,14 @@ async def test_bad_request_table(client: httpx.AsyncClient, path: str, body: Any
     {"model": "tiny", "prompt": "hello world", "max_tokens": 8},
     {"model": "tiny", "prompt": [[1, 2, 3]], "max_tokens": 8, "some_vllm_field": {"x": 1}},
     {"model": "tiny", "prompt": ["hello"]},
+    # the edges vLLM accepts pass too (ints where floats go, top_k's two "off" values, nulls)
+    {"model": "tiny", "prompt": "hi", "temperature": 0, "top_p": 1, "top_k": -1, "min_p": 0,
+     "presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 1, "seed": -1,
+     "min_tokens": 0, "max_tokens": 1},
+    {"model": "tiny", "prompt": "hi", "temperature": 2, "top_p": 0.01, "top_k": 0, "min_p": 1,
+     "seed": 2**63 - 1, "min_tokens": 2, "max_tokens": 2},
+    {"model": "tiny", "prompt": "hi", "temperature": None, "top_p": None, "top_k": None,
+     "seed": None, "repetition_penalty": None},
 ])
 async def test_valid_requests_pass_validation(client: httpx.AsyncClient,
                                               body: dict[str, Any]) -> None:
