@@ -20,7 +20,7 @@ from router.api.auth import ApiKeyMiddleware, ApiKeys
 from router.api.context import SCOPE_KEY, RequestIdMiddleware, new_request_id
 from router.api.errors import error_response, install_error_handlers
 from router.api.proxy import PDProxy
-from router.api.relay import RelayResponse
+from router.api.relay import RelayResponse, relay_body
 from router.api.schemas import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -30,12 +30,14 @@ from router.api.schemas import (
     parse_json_body,
     requested_max_tokens,
     single_prompt,
+    tokenize_model,
     validate_request,
 )
 from router.api.timeline import PhaseClock
 from router.api.tokenization import TokenizerCache, approximate_ids
 from router.api.tracing import RequestTracer
 from router.api.untrusted import refuse_worker_only_fields
+from router.api.version import versions
 from router.config import RouterSettings
 from router.errors import APIError, InvalidRequestError
 from router.metrics import RouterMetrics
@@ -368,8 +370,11 @@ class RouterService:
             body = parse_json_body(raw)
         except APIError as err:
             return error_response(err)
-        model = body.get("model")
-        records = self.cluster.workers(model=model) if isinstance(model, str) else []
+        try:
+            model = tokenize_model(body.get("model"), self.cluster.models())
+        except APIError as err:
+            return error_response(err)
+        records = self.cluster.workers(model=model)
         if not records:
             return error_response(model_not_found(model))
         worker = min(records, key=lambda r: self.tracker.in_flight(r.worker_id))
@@ -385,8 +390,7 @@ class RouterService:
             return error_response(APIError(f"worker {worker.worker_id} answered "
                                            f"{resp.status_code}", status=502,
                                            code="upstream_error", type="upstream_error"))
-        return Response(resp.content, status_code=resp.status_code,
-                        media_type=resp.headers.get("content-type", "application/json"))
+        return relay_body(resp.content, resp.status_code, resp.headers.get("content-type"))
 
     def models(self) -> dict[str, Any]:
         data = []
@@ -473,6 +477,10 @@ def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None
     @app.get("/workers")
     async def workers(prompt: str | None = None) -> dict[str, Any]:
         return await service.workers(prompt)
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        return versions()
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -158,3 +158,19 @@ def single_prompt(req: CompletionRequest) -> str | list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         return prompt[0]  # type: ignore[return-value]
     return prompt  # type: ignore[return-value]
+
+
+def tokenize_model(model: object, served: list[str]) -> str:
+    """The model a ``/tokenize`` or ``/detokenize`` body names; like vLLM's own endpoints the
+    field is optional: without it, the only served model (400 ``missing_field`` when several
+    are served or none)."""
+    if model is None:
+        if len(served) == 1:
+            return served[0]
+        listed = ", ".join(served) if served else "none is served"
+        raise InvalidRequestError(f"missing required field 'model' (served: {listed})",
+                                  code="missing_field", param="model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequestError("'model' must be a non-empty string", code="invalid_type",
+                                  param="model")
+    return model

