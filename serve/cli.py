@@ -148,10 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         from router.autoscale.service import settings_from_args as scale_settings
 
         return asyncio.run(run_autoscaler(scale_settings(args)))
+    from serve.errors import StartupError
     from serve.supervisor import run_cluster
     from serve.supervisor import settings_from_args as up_settings
 
-    return asyncio.run(run_cluster(up_settings(args)))
+    try:
+        settings = up_settings(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        return asyncio.run(run_cluster(settings))
+    except StartupError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

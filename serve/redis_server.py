@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import redis
 from redis.exceptions import (
@@ -95,3 +96,39 @@ def start_redis(port: int | None = None, ready_timeout_s: float = 10.0) -> Redis
         time.sleep(0.05)
     server.stop()
     raise RuntimeError(f"redis-server did not answer on port {port} within {ready_timeout_s} s")
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+
+
+def startable_port(url: str) -> int | None:
+    """The port of ``url`` when a Redis we start (plain, loopback, no password) can serve it."""
+    parts = urlsplit(url)
+    if parts.scheme != "redis" or parts.hostname not in LOOPBACK_HOSTS or parts.password \
+            or parts.username:
+        return None
+    return parts.port or 6379
+
+
+def ensure_redis(url: str) -> tuple[RedisServer | None, str]:
+    """The Redis at ``url`` when one answers (None, ``url``); otherwise a ``redis-server`` we
+    start, on ``url``'s own port when ``url`` is a plain loopback URL whose port is free (the URL
+    is then unchanged), else on a free port: (server, the URL to use instead)."""
+    from serve.preflight import port_free
+
+    if redis_reachable(url):
+        return None, url
+    port = startable_port(url)
+    if port is not None and port_free("127.0.0.1", port):
+        server = start_redis(port)
+        logger.info("no Redis at %s: started one there", redacted_url(url))
+        return server, url
+    server = start_redis()
+    parts = urlsplit(url)
+    db = parts.path if parts.scheme in ("redis", "rediss") and len(parts.path) > 1 else "/0"
+    actual = f"redis://127.0.0.1:{server.port}{db}"
+    why = "its port is taken" if port is not None else "pdserve cannot start a Redis for it"
+    logger.warning("no Redis answers at %s and %s: started one at %s; give other commands "
+                   "(pdserve worker, pdserve autoscale status) --redis-url %s",
+                   redacted_url(url), why, actual, actual)
+    return server, actual

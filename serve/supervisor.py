@@ -32,14 +32,10 @@ from router import settings as shared
 from router.autoscale.actuators import DesiredReplicas
 from router.state.registry import WorkerRegistry
 from serve.cpu_layout import CpuPlan, cpu_list, plan_cpus
+from serve.errors import StartupError
+from serve.preflight import check_model, check_policies, check_port_free
 from serve.process import child_setup
-from serve.redis_server import (
-    RedisServer,
-    free_port,
-    redacted_url,
-    redis_reachable,
-    start_redis,
-)
+from serve.redis_server import RedisServer, ensure_redis, free_port, redacted_url
 from serve.worker import stop_process
 
 logger = logging.getLogger(__name__)
@@ -200,10 +196,10 @@ class Cluster:
             from serve.tiny_model import build_tiny_model
 
             self.model = str(build_tiny_model())
-        if not redis_reachable(self.redis_url):
-            self.redis = start_redis()
-            self.redis_url = self.redis.url
-            logger.info("no Redis at %s: started one at %s", s.redis_url, self.redis_url)
+        try:
+            self.redis, self.redis_url = ensure_redis(s.redis_url)
+        except RuntimeError as exc:  # redis-server missing or not answering
+            raise StartupError(str(exc)) from exc
         for role, count in (("prefill", s.prefill), ("decode", s.decode),
                             ("aggregated", s.aggregated)):
             for _ in range(min(1, count) if s.autoscale and role != "aggregated" else count):
@@ -265,22 +261,29 @@ class Cluster:
         return next((slot for slot in self.cpu_plan.slots if slot not in held), ())
 
     def _children(self) -> list[subprocess.Popen[bytes]]:
-        procs = [w.proc for w in self.workers]
-        return [p for p in [*procs, self.router, self.autoscaler] if p is not None]
+        return [p for _, p in self._named_children()]
+
+    def _named_children(self) -> list[tuple[str, subprocess.Popen[bytes]]]:
+        named = [(f"{w.role} worker {w.url}", w.proc) for w in self.workers]
+        return [(name, p) for name, p in [*named, ("router", self.router),
+                                          ("autoscaler", self.autoscaler)] if p is not None]
 
     async def wait_ready(self) -> None:
-        """Wait until the router reports both pools live; fail if a child dies first."""
+        """Wait until the router reports both pools live; :class:`StartupError` naming the
+        child that died first, or the timeout."""
         deadline = asyncio.get_running_loop().time() + self.settings.ready_timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
             while asyncio.get_running_loop().time() < deadline:
-                dead = [p for p in self._children() if p.poll() is not None]
+                dead = [(n, p) for n, p in self._named_children() if p.poll() is not None]
                 if dead:
-                    raise RuntimeError(f"{len(dead)} cluster process(es) exited during start-up")
+                    name, proc = dead[0]
+                    raise StartupError(f"{name} exited during start-up "
+                                       f"({exit_reason(proc.returncode)}); its output is above")
                 with contextlib.suppress(httpx.HTTPError):
                     if (await client.get(f"{self.url}/health")).status_code == 200:
                         return
                 await asyncio.sleep(0.5)
-        raise TimeoutError(f"cluster not ready within {self.settings.ready_timeout_s} s")
+        raise StartupError(f"cluster not ready within {self.settings.ready_timeout_s:g} s")
 
     def supervise(self) -> None:
         """Restart crashed children with backoff (``restart_delay_s``), logging why they
@@ -352,8 +355,11 @@ class Cluster:
             self.workers.remove(worker)
         logger.info("drained and stopped %s worker %s", worker.role, worker_id)
 
-    def stop(self) -> None:
-        """Autoscaler and router first, then workers (they deregister), then our Redis."""
+    def stop(self) -> int:
+        """Autoscaler and router first, then workers (they deregister), then our Redis; returns
+        how many of these processes were still running."""
+        running = sum(p.poll() is None for p in self._children()) + (
+            self.redis is not None and self.redis.process.poll() is None)
         for proc in (self.autoscaler, self.router):
             if proc is not None:
                 stop_process(proc, timeout_s=10)
@@ -366,6 +372,7 @@ class Cluster:
             self.redis.stop()
         if self._secret_dir is not None:
             self._secret_dir.cleanup()
+        return running
 
 
 async def _idle(client: httpx.AsyncClient, url: str) -> bool:
@@ -382,15 +389,26 @@ async def _idle(client: httpx.AsyncClient, url: str) -> bool:
         "vllm:kv_cache_usage_perc")) == 0.0
 
 
+def preflight(settings: ClusterSettings) -> None:
+    """What can be checked before anything starts; :class:`StartupError` on the first problem."""
+    passed_on = dict(settings.passed_on)
+    check_policies(settings.policy, passed_on.get("decode_policy"))
+    check_port_free(settings.host, settings.port)
+    check_model(settings.model)
+
+
 async def run_cluster(settings: ClusterSettings) -> int:
-    """`pdserve up` in the foreground: start, print the URL when ready, stop on a signal."""
+    """`pdserve up` in the foreground: start, print the URL when ready, stop on a signal.
+    Raises :class:`StartupError` (after stopping whatever it started) when it cannot start."""
+    preflight(settings)
     cluster = Cluster(settings)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    cluster.start()
+    failed = False
     try:
+        cluster.start()
         ready = asyncio.create_task(cluster.wait_ready())
         stop = asyncio.create_task(stopping.wait())
         done, _ = await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -425,8 +443,13 @@ async def run_cluster(settings: ClusterSettings) -> int:
             if registry is not None and desired is not None:
                 await registry.close()
                 await desired.close()
+    except StartupError:
+        failed = True
+        raise
     finally:
-        await asyncio.to_thread(cluster.stop)
+        stopped = await asyncio.to_thread(cluster.stop)
+        if not failed:  # after a failed start, the cause stays the last line
+            print(f"pdserve stopped ({stopped} processes)", flush=True)
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:

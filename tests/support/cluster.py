@@ -58,6 +58,8 @@ class Cluster:
     transport: str = "ucx"
     """The workers' KV transport (`pdserve worker --kv-transport`)."""
     ready: threading.Event = field(default_factory=threading.Event)
+    pump: threading.Thread | None = None
+    """Reads `up`'s output into ``output`` until it closes."""
 
     def sign(self, params: dict[str, Any]) -> dict[str, Any]:
         """``params`` signed as the router signs them (kvtransfer.signing)."""
@@ -109,7 +111,8 @@ def launch_cluster(model_dir: Path, tmp: Path, *, transport: str | None = None,
     proc = subprocess.Popen([*cmd, *extra_args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
     cluster = Cluster(proc, f"http://127.0.0.1:{port}", **cluster_fields)
-    threading.Thread(target=_pump, args=(cluster,), daemon=True).start()
+    cluster.pump = threading.Thread(target=_pump, args=(cluster,), daemon=True)
+    cluster.pump.start()
     return cluster
 
 
@@ -157,8 +160,13 @@ def stop_cluster(cluster: Cluster, *, expect_workers: int | None = None) -> None
     finally:
         if cluster.traces is not None:
             cluster.traces.close()
-    if check:
+    if expect_workers is not None:
         assert code == 0, "".join(cluster.output[-30:])
+        if cluster.pump is not None:
+            cluster.pump.join(timeout=10)
+        # one closing line counts what it stopped: router, the workers, the Redis it started
+        assert any(line.startswith(f"pdserve stopped ({expect_workers + 2} processes)")
+                   for line in cluster.output[-20:]), "".join(cluster.output[-20:])
         assert leaves is not None and len(leaves.stop()) == len(worker_urls) == expect_workers
         assert not any(_port_open(u) for u in [*worker_urls, cluster.url])
 

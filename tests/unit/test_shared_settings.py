@@ -462,7 +462,7 @@ def test_up_child_command_lines_parse_in_the_children(monkeypatch: pytest.Monkey
 
     monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "s" * 32)
     monkeypatch.setattr(supervisor.subprocess, "Popen", FakePopen)
-    monkeypatch.setattr(supervisor, "redis_reachable", lambda url: True)
+    monkeypatch.setattr(supervisor, "ensure_redis", lambda url: (None, url))  # one answers
     monkeypatch.setattr(supervisor, "free_port", lambda host: 8123)
     args = _parser().parse_args(["up", "--model", "m", "--autoscale", "--redis-url",
                                  "redis://r:1/0", "--policy", "least_loaded", "--kv-lease-s",
