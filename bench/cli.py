@@ -64,6 +64,13 @@ class ServerInfo:
     max_model_len: int | None = None
 
 
+def server_root(url: str) -> str:
+    """``--url`` as the server root: the ``.../v1`` base URL OpenAI clients (and the
+    `pdserve ready` line) use works too."""
+    root = url.strip().rstrip("/")
+    return root.removesuffix("/v1").rstrip("/") if root.endswith("/v1") else root
+
+
 def server_info(url: str, model: str | None = None, timeout_s: float = 10.0) -> ServerInfo:
     """Served model name (the first one unless ``model`` is given), its path and context."""
     try:
@@ -72,7 +79,9 @@ def server_info(url: str, model: str | None = None, timeout_s: float = 10.0) -> 
         data = resp.json().get("data") or []
     except (httpx.HTTPError, ValueError) as exc:
         if model is None:
-            raise SystemExit(f"cannot list models at {url}: {exc}; pass --model") from exc
+            raise SystemExit(f"cannot list models at {url}/v1/models: {exc}; is --url the "
+                             "server (http://HOST:PORT or http://HOST:PORT/v1) and is it up? "
+                             "(--model skips this listing)") from exc
         return ServerInfo(model)
     entry = next((d for d in data if d.get("id") == model), data[0] if data else {})
     name = model or entry.get("id")
@@ -373,7 +382,9 @@ def _progress(args: argparse.Namespace) -> bool:
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", required=True, help="base URL of an OpenAI-compatible server")
+    p.add_argument("--url", required=True, type=server_root,
+                   help="an OpenAI-compatible server: its root (http://127.0.0.1:8000) or the "
+                        ".../v1 URL `pdserve ready` prints")
     p.add_argument("--model", help="served model name (default: the first in /v1/models)")
     p.add_argument("--tokenizer", help="tokenizer dir or hub id (default: the server's model)")
     p.add_argument("--seed", type=int, default=0, help="seed of all prompt randomness")

@@ -196,3 +196,28 @@ def test_synthetic_and_trace_are_exclusive(fake_url: str, tmp_path: Path) -> Non
               "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="give --trace FILE or --synthetic"):
         main(["replay", "--url", fake_url, "--model", "fake", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/", "/"])
+def test_replay_takes_the_v1_url_pdserve_ready_prints(fake_url: str, tmp_path: Path,
+                                                      suffix: str) -> None:
+    """`pdserve ready: http://HOST:PORT/v1` is what users copy: it lists the model and posts to
+    /v1/completions, not /v1/v1/... (no --model: the listing itself is exercised)."""
+    out = tmp_path / "v1"
+    rc = main(["replay", "--synthetic", "--num-prompts", "3", "--input-len", "8",
+               "--output-len", "2", "--request-rate", "100", "--url", fake_url + suffix,
+               "--tokenizer", str(build_tiny_model()), "--out", str(out), "--no-progress",
+               "--no-plots"])
+    assert rc == 0
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["completed"] == 3 and doc["failed"] == 0
+
+
+def test_unreachable_url_names_the_forms_it_takes(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit) as info:
+        main(["replay", "--synthetic", "--num-prompts", "1", "--url", url + "/v1",
+              "--out", str(tmp_path)])
+    message = str(info.value)
+    assert f"cannot list models at {url}/v1/models" in message
+    assert "http://HOST:PORT/v1" in message and "pass --model" not in message
