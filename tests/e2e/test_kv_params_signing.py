@@ -81,3 +81,27 @@ def test_decode_reads_only_from_signed_params(cluster: Cluster, plain: Plain,
         value(after, "pdserve_kv_pulls_total") + 1
     # End the victim's lease the normal way.
     _post(workers["decode"], other, cluster.sign(victim["kv_transfer_params"]), 2)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_vllm_xargs_kv_params_do_not_kill_a_worker(cluster: Cluster, plain: Plain,
+                                                   workers: dict[str, str], role: str) -> None:
+    """Security review finding 7: vLLM copies ``vllm_xargs.kv_transfer_params`` (a string or
+    a list is allowed there) into the engine's request, where calling ``.get`` on it in the
+    scheduler kills the EngineCore. A caller that reaches a worker port directly sends it: the
+    worker may refuse that one request (vLLM 0.32's API server fails it with a 500 before the
+    engine sees it; the connector drops such params if they get there), but the engine lives
+    and serves the next request. (The router refuses the field with a 400:
+    tests/unit/test_router_untrusted_fields.py; the connector's guard:
+    tests/unit/test_kv_scheduler_renewal.py.)"""
+    url = workers[role]
+    for bad in ("x", ["do_remote_prefill"], ""):
+        resp = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": SERVED_NAME, "prompt": "hello", "max_tokens": 2, "temperature": 0,
+            "vllm_xargs": {"kv_transfer_params": bad}})
+        assert resp.status_code in (200, 400, 500), resp.text
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    out = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": SERVED_NAME, "prompt": "hello", "max_tokens": 4, "temperature": 0}).json()
+    assert out["choices"][0]["text"] == complete(plain.url, "hello", max_tokens=4)[
+        "choices"][0]["text"]

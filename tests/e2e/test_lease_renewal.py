@@ -1,5 +1,7 @@
-"""Lease renewal against the real UCX cluster: a renewed lease outlives its length and the
-decode's late pull succeeds; the same pull without renewal fails (the lease expired)."""
+"""Leases against the real UCX cluster: a renewed lease outlives its length and the decode's
+late pull succeeds; the same pull without renewal fails (the lease expired). A lease is
+one-shot and bound to its token: a peer on the control channel cannot release it twice, nor
+release or renew it without the token from the signed params."""
 
 from __future__ import annotations
 
@@ -10,7 +12,13 @@ from typing import Any
 import httpx
 import pytest
 
-from kvtransfer.protocol import RELEASE_OK, Handshake, renew_message
+from kvtransfer.protocol import (
+    RELEASE_EXPIRED,
+    RELEASE_OK,
+    Handshake,
+    release_message,
+    renew_message,
+)
 from kvtransfer.transport.ucx import UcxEngine
 from tests.e2e.conftest import LEASE_S
 from tests.e2e.test_pd_equivalence import complete
@@ -49,7 +57,8 @@ def test_renewed_lease_outlives_its_length(cluster: Cluster, plain: Plain,
         peer = engine.connect(hs.ucx_address)
         deadline = time.monotonic() + LEASE_S + 4.0  # past the lease of both requests
         while time.monotonic() < deadline:  # what a decode does while the request queues
-            reply = peer.request(renew_message(keep["remote_request_id"]))
+            reply = peer.request(renew_message(keep["remote_request_id"],
+                                               keep["remote_lease_token"]))
             reply.wait(10.0)
             assert reply.result() == RELEASE_OK
             time.sleep(LEASE_S / 3)
@@ -69,3 +78,42 @@ def test_renewed_lease_outlives_its_length(cluster: Cluster, plain: Plain,
     p1 = scrape(workers["prefill"])
     assert value(p1, "pdserve_kv_leases_renewed_total") - \
         value(p0, "pdserve_kv_leases_renewed_total") >= 3
+
+
+def _ask(peer: Any, payload: bytes) -> bytes:
+    reply = peer.request(payload)
+    reply.wait(10.0)
+    return bytes(reply.result())
+
+
+def test_a_lease_is_released_once_and_only_with_its_token(cluster: Cluster, plain: Plain,
+                                                          workers: dict[str, str],
+                                                          tiny_model_dir: Path) -> None:
+    """Security review findings 2 and 8, against the real prefill's control channel. A repeat
+    release (what a retried decode sent before the fix) is answered "expired", so a second
+    reader of the freed blocks recomputes; a release or renewal with a guessed token is
+    refused and leaves the lease held for its real reader."""
+    spent_prompt, held_prompt = make_prompts(tiny_model_dir, [300, 300], seed=32, tag="once")
+    spent = _prefill(cluster, workers["prefill"], spent_prompt)
+    held = _prefill(cluster, workers["prefill"], held_prompt)
+    hs = Handshake.from_wire(spent["remote_handshake"])
+    p0 = scrape(workers["prefill"])
+    with UcxEngine(name="test-rogue", same_host=False) as engine:
+        peer = engine.connect(hs.ucx_address)
+        done = release_message(spent["remote_request_id"], spent["remote_lease_token"])
+        assert _ask(peer, done) == RELEASE_OK  # control: the first release is valid
+        assert _ask(peer, done) == RELEASE_EXPIRED  # the repeat: blocks may be reused
+        rid = held["remote_request_id"]
+        assert _ask(peer, release_message(rid, "guessed")) == RELEASE_EXPIRED
+        assert _ask(peer, renew_message(rid, "guessed")) == RELEASE_EXPIRED
+    # The forged release did not end the lease: its real reader still pulls it.
+    d0 = scrape(workers["decode"])
+    assert _decode(cluster, workers["decode"], held_prompt, held) == \
+        complete(plain.url, held_prompt)["choices"][0]["text"]
+    d1 = scrape(workers["decode"])
+    assert value(d1, "pdserve_kv_pulls_total") == value(d0, "pdserve_kv_pulls_total") + 1
+    assert value(d1, "pdserve_kv_pull_failures_total") == \
+        value(d0, "pdserve_kv_pull_failures_total")
+    p1 = scrape(workers["prefill"])
+    assert value(p1, "pdserve_kv_leases_refused_total") - \
+        value(p0, "pdserve_kv_leases_refused_total") == 3
