@@ -114,7 +114,8 @@ def _pct(ours: float, theirs: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.agreement",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--url", help="server to measure (default: start a tiny vLLM server)")
     ap.add_argument("--model", default="tiny-llama", help="served model name")
     ap.add_argument("--tokenizer", help="tokenizer dir (default: the tiny model)")

@@ -279,7 +279,8 @@ def print_table(rows: Sequence[dict[str, Any]], sc: Scenario) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the table; ``--out DIR`` also writes ``DIR/table.json``."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.autoscale_sim",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(shapes.SHAPES))
     ap.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1 per shape")
     ap.add_argument("--duration-s", type=float, default=Scenario.duration_s)

@@ -171,7 +171,8 @@ def measure(url: str, rate: float, n: int, tokens: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.client_speed",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--rate", type=float, action="append",
                     help="target req/s; repeatable (default 500, 750, 1000)")
     ap.add_argument("--requests", type=int, default=5000)

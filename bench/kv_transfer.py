@@ -321,7 +321,7 @@ def run_wire(wire: str, args: argparse.Namespace, layout: Layout, runs: list[Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.kv_transfer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--wire", default=",".join(WIRES),
                         help=f"comma-separated, from {list(WIRES)}")

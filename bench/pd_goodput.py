@@ -119,7 +119,8 @@ def sweep(url: str, trace: Path, out: Path, args: argparse.Namespace) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.pd_goodput",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--duration", type=float, default=120.0, help="trace seconds at 1 req/s")
     parser.add_argument("--rates", default="4,8,12,16,24", help="req/s tried in ascending order")

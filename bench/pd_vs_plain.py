@@ -323,7 +323,8 @@ def print_report(results: list[SetupResult], breakdown: bool) -> dict[str, objec
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.pd_vs_plain",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -52,7 +52,8 @@ def measure(name: str, n_instances: int, decisions: int, seed: int = 0) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     """Print a markdown table."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.policy_speed",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default=shared.default("policy"))
     p.add_argument("--instances", default="16,256,1000")
     p.add_argument("--decisions", type=int, default=20_000)

@@ -23,7 +23,8 @@ from router.policy.registry import create_prefill_policy
 
 def main(argv: list[str] | None = None) -> int:
     """Run once and print the numbers."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.sim_scale",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=1_000_000)
     p.add_argument("--prefill", type=int, default=1000)
     p.add_argument("--decode", type=int, default=1000)

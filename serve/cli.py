@@ -20,6 +20,7 @@ from serve.commands import run as run_plugin
 def _parser() -> argparse.ArgumentParser:
     from router.config import package_version
     from serve import supervisor, worker
+    from serve.tiny_model import default_tiny_model_dir
 
     parser = argparse.ArgumentParser(prog="pdserve",
                                      description="Disaggregated prefill/decode serving on vLLM.")
@@ -40,8 +41,12 @@ def _parser() -> argparse.ArgumentParser:
                    "same-host reads)", add_help=False)
     from router.autoscale.service import add_autoscale_args
 
-    scale = sub.add_parser("autoscale", help="size the prefill and decode pools to the SLOs "
-                           "(`pdserve autoscale status`: its recent decisions)")
+    scale = sub.add_parser(
+        "autoscale", help="size the prefill and decode pools to the SLOs "
+        "(`pdserve autoscale status`: its recent decisions)",
+        description="Size the prefill and decode pools to the SLOs.",
+        epilog="subcommand: `pdserve autoscale status [--changes] [--limit N]` prints the "
+               "autoscaler's recent decisions (see `pdserve autoscale status -h`)")
     add_autoscale_args(scale)
     config = sub.add_parser("config", help="the settings pdserve commands share")
     csub = config.add_subparsers(dest="config_command", required=True)
@@ -54,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="build models")
     msub = model.add_subparsers(dest="model_command", required=True)
     tiny = msub.add_parser("tiny", help="write the tiny offline Llama + tokenizer")
-    tiny.add_argument("--out", default=None, help="output dir (default: the cache)")
+    tiny.add_argument("--out", default=None,
+                      help=f"output dir (default: {default_tiny_model_dir()}, under "
+                           "$PDSERVE_CACHE/models when set)")
     tiny.add_argument("--force", action="store_true", help="rebuild even if cached")
     return parser
 
@@ -76,7 +83,8 @@ def show_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
         return json.dumps({"command": command, "settings": rows}, indent=2) + "\n"
     head = ("setting", "value", "source", "flag", "env")
     cells: list[tuple[str, ...]] = [
-        head, *[(r["setting"], str(r["value"]), r["source"], r["flag"], r["env"]) for r in rows]]
+        head, *[(r["setting"], "unset" if r["value"] is None else str(r["value"]), r["source"],
+                 r["flag"], r["env"]) for r in rows]]
     widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
     return "".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
                    + "\n" for row in cells)

@@ -38,7 +38,13 @@ from bench.sim.autoscale import (
     plot_replicas,
 )
 from bench.sim.engine import RunResult, simulate
-from bench.sim.report import write_autoscale_report, write_report, write_summary
+from bench.sim.report import (
+    autoscale_table,
+    comparison_table,
+    write_autoscale_report,
+    write_report,
+    write_summary,
+)
 from bench.sim.sweep import (
     SweepConfig,
     effective_capacity,
@@ -161,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed, "reference_rps": reference}
     write_summary(out, summary)
     write_report(out, summary, meta, curves, ttfts, loads)
+    print(comparison_table(summary) + f"\nwrote {out / 'report.md'} (summary.json and plots "
+          "beside it)", flush=True)
     return 0
 
 
@@ -189,6 +197,8 @@ def _replay(names: list[str], reqs: list[SimRequest], cfg: SweepConfig,
             "min": settings.min_replicas, "slo_ttft_s": cfg.ttft_slo_s,
             "slo_tpot_s": cfg.tpot_slo_s, "seed": args.seed}
     write_autoscale_report(out, summary, meta)
+    print(autoscale_table(summary) + f"\nwrote {out / 'report.md'} (summary.json and "
+          "replicas.png beside it)", flush=True)
     return 0
 
 

@@ -21,7 +21,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,44 +194,55 @@ class Autoscaler:
 
 
 def add_autoscale_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve autoscale` (its own mirror PDSERVE_AUTOSCALE_* env vars; the SLOs, Redis
-    and log level are the shared settings of ``router.settings``)."""
-    env = os.environ.get
+    """Flags of `pdserve autoscale`: each of its own reads PDSERVE_AUTOSCALE_<FLAG> (the pool
+    ceilings also their older PDSERVE_MAX_PREFILL / PDSERVE_MAX_DECODE); the SLOs, Redis and log
+    level are the shared settings of ``router.settings``. Every help line names its env var and
+    default."""
     shared.add_arguments(parser, "autoscale")
-    parser.add_argument("--router", "--router-url", dest="router",
-                        default=env("PDSERVE_AUTOSCALE_ROUTER", "http://127.0.0.1:8000"))
-    parser.add_argument("--interval-s", type=float,
-                        default=float(env("PDSERVE_AUTOSCALE_INTERVAL_S", "10")))
-    parser.add_argument("--profile", default=env("PDSERVE_AUTOSCALE_PROFILE"),
-                        help="profile JSON from `pdserve bench profile`")
-    parser.add_argument("--min-replicas", type=int, default=1)
-    parser.add_argument("--max-prefill", type=int, default=int(env("PDSERVE_MAX_PREFILL", "4")))
-    parser.add_argument("--max-decode", type=int, default=int(env("PDSERVE_MAX_DECODE", "4")))
-    parser.add_argument("--cooldown-s", type=float,
-                        default=float(env("PDSERVE_AUTOSCALE_COOLDOWN_S", "60")))
-    parser.add_argument("--predictor", default="holt", choices=["last", "ewma", "holt"])
-    parser.add_argument("--burst-quantile", type=float,
-                        default=float(env("PDSERVE_AUTOSCALE_BURST_QUANTILE", "0.9")),
-                        help="size for this quantile of the rate's overshoots over a start "
-                             "time (0: no burst headroom)")
-    parser.add_argument("--burst-window-s", type=float,
-                        default=float(env("PDSERVE_AUTOSCALE_BURST_WINDOW_S", "900")),
-                        help="history the burst headroom is learned from")
-    parser.add_argument("--correction-alpha", type=float, default=0.3,
-                        help="EWMA weight of the online model fits (0: the profile as is)")
-    parser.add_argument("--actuator", default=env("PDSERVE_AUTOSCALE_ACTUATOR", "redis"),
-                        choices=["redis", "compose", "kubernetes"])
-    parser.add_argument("--compose-project", default=env("PDSERVE_AUTOSCALE_COMPOSE_PROJECT", ""),
-                        help="compose project the compose actuator scales (default: the "
-                             "autoscaler container's own, else $COMPOSE_PROJECT_NAME)")
-    parser.add_argument("--drain-timeout-s", type=float,
-                        default=float(env("PDSERVE_AUTOSCALE_DRAIN_TIMEOUT_S", "150")),
-                        help="compose actuator: stop a replica being removed after this long "
-                             "even if it is not idle")
-    parser.add_argument("--namespace", default=env("PDSERVE_AUTOSCALE_NAMESPACE", "pdserve"))
-    parser.add_argument("--prefill-deployment", default="pdserve-prefill")
-    parser.add_argument("--decode-deployment", default="pdserve-decode")
-    parser.add_argument("--metrics-port", type=int, default=0)
+
+    def flag(name: str, default: Any, help: str, *, type: Callable[[str], Any] = str,
+             legacy_env: str | None = None, aliases: tuple[str, ...] = (), **kw: Any) -> None:
+        env_name = "PDSERVE_AUTOSCALE_" + name.lstrip("-").replace("-", "_").upper()
+        raw = os.environ.get(env_name)
+        if raw is None and legacy_env is not None:
+            raw = os.environ.get(legacy_env)
+        envs = env_name + (f" or {legacy_env}" if legacy_env else "")
+        shown = "unset" if default in (None, "") else default
+        parser.add_argument(name, *aliases, type=type,
+                            default=default if raw is None else type(raw),
+                            help=f"{help} ({envs}; default {shown})", **kw)
+
+    flag("--router", "http://127.0.0.1:8000", "router whose metrics give the load",
+         metavar="URL", aliases=("--router-url",))
+    flag("--interval-s", 10.0, "seconds between two planning steps", type=float, metavar="S")
+    flag("--profile", None, "profile JSON from `pdserve bench profile`", metavar="FILE")
+    flag("--min-replicas", 1, "never fewer workers per pool", type=int, metavar="N")
+    flag("--max-prefill", 4, "most prefill workers", type=int, metavar="N",
+         legacy_env="PDSERVE_MAX_PREFILL")
+    flag("--max-decode", 4, "most decode workers", type=int, metavar="N",
+         legacy_env="PDSERVE_MAX_DECODE")
+    flag("--cooldown-s", 60.0, "scale down only to the largest size asked for within this long",
+         type=float, metavar="S")
+    flag("--predictor", "holt", "arrival-rate predictor", choices=["last", "ewma", "holt"])
+    flag("--burst-quantile", 0.9, "size for this quantile of the rate's overshoots over a start "
+         "time (0: no burst headroom)", type=float, metavar="Q")
+    flag("--burst-window-s", 900.0, "history the burst headroom is learned from", type=float,
+         metavar="S")
+    flag("--correction-alpha", 0.3, "EWMA weight of the online model fits (0: the profile as is)",
+         type=float, metavar="A")
+    flag("--actuator", "redis", "who applies the decisions (redis: an autoscaled `pdserve up` "
+         "reads them)", choices=["redis", "compose", "kubernetes"])
+    flag("--compose-project", "", "compose project the compose actuator scales (unset: the "
+         "autoscaler container's own, else $COMPOSE_PROJECT_NAME)", metavar="NAME")
+    flag("--drain-timeout-s", 150.0, "compose actuator: stop a replica being removed after this "
+         "long even if it is not idle", type=float, metavar="S")
+    flag("--namespace", "pdserve", "kubernetes actuator: namespace of the deployments")
+    flag("--prefill-deployment", "pdserve-prefill", "kubernetes actuator: the prefill "
+         "Deployment", metavar="NAME")
+    flag("--decode-deployment", "pdserve-decode", "kubernetes actuator: the decode Deployment",
+         metavar="NAME")
+    flag("--metrics-port", 0, "serve the autoscaler's own /metrics here (0: off)", type=int,
+         metavar="PORT")
 
 
 def settings_from_args(args: argparse.Namespace) -> AutoscalerSettings:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +35,15 @@ def test_unknown_command_is_refused() -> None:
     proc = pdserve("nosuchcommand", "--help")
     assert proc.returncode == 2
     assert "invalid choice: 'nosuchcommand'" in proc.stderr
+
+
+def test_every_bench_module_the_readme_names_calls_itself_by_its_python_m_name() -> None:
+    """`usage: python -m bench.X`, not `usage: X.py`: the usage line is a command to copy."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    modules = sorted(set(re.findall(r"python -m (bench\.[a-z_]+)", readme)))
+    assert len(modules) >= 10, modules
+    for module in modules:
+        proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+                              text=True, timeout=120, check=False)
+        assert proc.returncode == 0, (module, proc.stderr)
+        assert proc.stdout.startswith(f"usage: python -m {module} "), (module, proc.stdout[:80])

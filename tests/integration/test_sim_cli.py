@@ -24,7 +24,8 @@ def trace(tmp_path: Path) -> Path:
     return path
 
 
-def test_writes_summary_report_and_plots(trace: Path, tmp_path: Path) -> None:
+def test_writes_summary_report_and_plots(trace: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     rc = main(["--trace", str(trace), "--prefill", "4", "--decode", "2",
                "--policies", "dualmap,round_robin", "--slo-ttft", "2", "--slo-tpot", "0.1",
@@ -40,6 +41,11 @@ def test_writes_summary_report_and_plots(trace: Path, tmp_path: Path) -> None:
     assert "| dualmap |" in report and "| round_robin |" in report
     for png in ("attainment.png", "ttft_cdf.png", "load.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the results on the terminal too, not only in the files
+    printed = capsys.readouterr().out
+    assert "| dualmap |" in printed and "| round_robin |" in printed
+    assert printed.rstrip().endswith(f"wrote {out / 'report.md'} (summary.json and plots "
+                                      "beside it)")
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -407,6 +407,20 @@ def test_config_show_json_for_one_command() -> None:
     assert rows["kv_lease_s"]["commands"] == ["worker", "up", "chaos"]
 
 
+def test_config_show_prints_unset_and_aligns_columns_to_their_content() -> None:
+    text = _show(["--command", "worker", "--kv-pull-timeout-s", "5"],
+                 {"PDSERVE_KV_LEASE_S": "12"})
+    rows = _rows(text)
+    assert rows["redis_url"][:2] == ["unset", "default"]
+    assert rows["otlp_traces_endpoint"][:2] == ["unset", "default"]
+    assert "None" not in text
+    # each column starts at the same offset on every line, the longest source included
+    lines = text.splitlines()
+    flag, env = lines[0].index("flag"), lines[0].index("env")
+    assert all(line[flag - 2:flag + 2] == "  --" and line[env - 2:env + 8] == "  PDSERVE_"
+               for line in lines[1:]), text
+
+
 def test_config_show_command_line(capsys: pytest.CaptureFixture[str],
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from serve.cli import main
@@ -483,3 +497,50 @@ def test_up_child_command_lines_parse_in_the_children(monkeypatch: pytest.Monkey
     scale_argv = next(c[3:] for c in cmds if c[3:4] == ["autoscale"])
     planner = autoscale_settings(_parser().parse_args(scale_argv)).planner
     assert (planner.ttft_slo_s, planner.tpot_slo_s) == (4.0, 0.2)
+
+
+# ---- pdserve autoscale's own flags ------------------------------------------------------------
+
+def test_autoscale_help_names_every_default_env_var_and_the_status_subcommand(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from serve.cli import _parser, main
+
+    with pytest.raises(SystemExit) as info:
+        main(["autoscale", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+    scale = _sub(_parser(), "autoscale")
+    options = [a for a in scale._actions
+               if a.option_strings and a.dest != "help" and a.help != argparse.SUPPRESS]
+    assert len(options) >= 20
+    for action in options:
+        assert action.help and "default" in action.help and "PDSERVE_" in action.help, (
+            action.option_strings, action.help)
+    assert "PDSERVE_AUTOSCALE_INTERVAL_S; default 10.0" in text
+    assert "PDSERVE_AUTOSCALE_COOLDOWN_S; default 60.0" in text
+    assert "pdserve autoscale status [--changes] [--limit N]" in text
+
+
+def test_autoscale_flags_read_their_env_vars(monkeypatch: pytest.MonkeyPatch) -> None:
+    from router.autoscale.service import settings_from_args
+    from serve.cli import _parser
+
+    monkeypatch.setenv("PDSERVE_AUTOSCALE_MIN_REPLICAS", "2")
+    monkeypatch.setenv("PDSERVE_AUTOSCALE_PREDICTOR", "ewma")
+    monkeypatch.setenv("PDSERVE_AUTOSCALE_METRICS_PORT", "9109")
+    monkeypatch.setenv("PDSERVE_MAX_PREFILL", "6")  # the older name still works
+    monkeypatch.setenv("PDSERVE_AUTOSCALE_MAX_DECODE", "5")
+    s = settings_from_args(_parser().parse_args(["autoscale"]))
+    assert (s.planner.min_replicas, s.planner.predictor, s.metrics_port) == (2, "ewma", 9109)
+    assert (s.planner.max_prefill_replicas, s.planner.max_decode_replicas) == (6, 5)
+    flag = settings_from_args(_parser().parse_args(["autoscale", "--min-replicas", "3"]))
+    assert flag.planner.min_replicas == 3  # a flag beats its env var
+
+
+def test_model_tiny_help_names_the_default_dir(capsys: pytest.CaptureFixture[str]) -> None:
+    from serve.cli import main
+    from serve.tiny_model import default_tiny_model_dir
+
+    with pytest.raises(SystemExit):
+        main(["model", "tiny", "--help"])
+    assert str(default_tiny_model_dir()) in " ".join(capsys.readouterr().out.split())
