@@ -50,6 +50,17 @@ def cpu_list(cpus: tuple[int, ...]) -> str:
     return ",".join(str(c) for c in cpus)
 
 
+def describe_affinity(pinned: tuple[int, ...], inherited: list[int] | tuple[int, ...],
+                      online: int) -> str:
+    """The cores a process runs on, as the log says it: ``cores 2,3`` when it pins itself,
+    ``cores 1 (inherited)`` when its parent pinned it, ``all 4 cores`` when nobody did."""
+    if pinned:
+        return f"cores {cpu_list(pinned)}"
+    if len(inherited) >= online:
+        return f"all {online} cores"
+    return f"cores {cpu_list(tuple(sorted(inherited)))} (inherited)"
+
+
 def worker_cpus(spec: str, role: str, available: list[int] | tuple[int, ...]) -> tuple[int, ...]:
     """Cores one worker pins itself to (empty = leave as is) from ``--cpus``:
 

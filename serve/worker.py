@@ -31,7 +31,7 @@ import httpx
 from kvtransfer.signing import ENV_SECRET, secret_from_env
 from router import settings as shared
 from router.state.registry import WorkerRecord, WorkerRegistry
-from serve.cpu_layout import cpu_list, worker_cpus
+from serve.cpu_layout import describe_affinity, worker_cpus
 from serve.process import child_setup
 from serve.redis_server import free_port
 from serve.tiny_model import SERVE_DTYPE, is_tiny_model
@@ -299,9 +299,10 @@ class WorkerLauncher:
                      *extra)
         cmd = vllm_command(s.model, s.host, self.port, self.served_name, kv, s.max_model_len,
                            extra)
-        cpus = worker_cpus(s.cpus, s.role, sorted(os.sched_getaffinity(0)))
+        inherited = sorted(os.sched_getaffinity(0))
+        cpus = worker_cpus(s.cpus, s.role, inherited)
         logger.info("starting vLLM %s worker on %s (%s)", s.role, self.url,
-                    f"cores {cpu_list(cpus)}" if cpus else "all cores")
+                    describe_affinity(cpus, inherited, os.cpu_count() or len(inherited)))
         self.proc = subprocess.Popen(cmd, env=vllm_env(s.kv_cache_gib, device),
                                      start_new_session=True,
                                      preexec_fn=child_setup(cpus))

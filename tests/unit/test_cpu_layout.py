@@ -39,3 +39,15 @@ def test_worker_cpus(spec: str, role: str, cpus: tuple[int, ...]) -> None:
 def test_worker_cpus_rejects_cores_it_cannot_use(spec: str) -> None:
     with pytest.raises(ValueError):
         worker_cpus(spec, "prefill", [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize(("pinned", "inherited", "online", "said"), [
+    ((2, 3), [0, 1, 2, 3], 4, "cores 2,3"),
+    ((), [1], 2, "cores 1 (inherited)"),  # `pdserve up` pinned it: not "all cores"
+    ((), [0, 1, 2, 3], 4, "all 4 cores"),
+])
+def test_describe_affinity(pinned: tuple[int, ...], inherited: list[int], online: int,
+                           said: str) -> None:
+    from serve.cpu_layout import describe_affinity
+
+    assert describe_affinity(pinned, inherited, online) == said
