@@ -81,6 +81,9 @@ class ClusterSettings:
     kv_events: bool = False
     """Prefill and aggregated workers publish their KV cache events (each on a free port) and
     the router follows them (``--kv-events``)."""
+    quiet_workers: bool = True
+    """vLLM's own start-up chatter (its WARNING lines, FutureWarnings, the resource tracker's
+    exit note) stays out of the terminal; off with ``--log-level DEBUG``."""
     """Shared settings (``router.settings``) given by flag or env, as (name, value): each child
     that takes one (router, workers, autoscaler) gets it as its canonical flag."""
 
@@ -113,6 +116,12 @@ class WorkerProc:
     failures: int = 0
     """Consecutive crashes of this pool slot (reset once a worker ran ``STABLE_S``)."""
 
+
+QUIET_ENV = {
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "PYTHONWARNINGS": "ignore::FutureWarning,ignore:resource_tracker:UserWarning",
+}
+"""Children's environment of a quiet start (each variable only where the user set none)."""
 
 STABLE_S = 60.0
 """A child that ran this long before crashing starts its backoff again from the first step."""
@@ -175,6 +184,8 @@ class Cluster:
         """Children share one keyring: the user's (``PDSERVE_CLUSTER_SECRET[_FILE]``) or a
         fresh random secret in a 0600 file, so only this router can make workers lease or read."""
         env = dict(os.environ)
+        if self.settings.quiet_workers:
+            env.update({name: value for name, value in QUIET_ENV.items() if name not in env})
         if env.get("PDSERVE_CLUSTER_SECRET") or env.get("PDSERVE_CLUSTER_SECRET_FILE"):
             return env
         self._secret_dir = tempfile.TemporaryDirectory(prefix="pdserve-cluster-")
@@ -449,7 +460,8 @@ async def run_cluster(settings: ClusterSettings) -> int:
     finally:
         stopped = await asyncio.to_thread(cluster.stop)
         if not failed:  # after a failed start, the cause stays the last line
-            print(f"pdserve stopped ({stopped} processes)", flush=True)
+            # a line of its own: vLLM's engines end their exit dumps without a newline
+            print(f"\npdserve stopped ({stopped} processes)", flush=True)
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:
@@ -510,5 +522,6 @@ def settings_from_args(args: argparse.Namespace) -> ClusterSettings:
                            cpu_layout=args.cpu_layout, router_args=tuple(args.router_arg),
                            otlp_traces_endpoint=args.otlp_traces_endpoint,
                            kv_events=args.kv_events,
+                           quiet_workers=resolved["log_level"].value != "DEBUG",
                            passed_on=tuple((name, r.value) for name, r in resolved.items()
                                            if r.source != "default"))
