@@ -34,6 +34,7 @@ from bench.client import ClientConfig, RequestResult, RequestSpec, RunResult, ru
 from bench.metrics import PERCENTILES, SCHEDULE_LAG_LIMIT_S, parse_percentiles, summarize
 from bench.prompts import PromptSynthesizer, load_tokenizer
 from bench.report import (
+    RUN_SCHEMA,
     SWEEP_SCHEMA,
     compare_table,
     markdown_summary,
@@ -344,6 +345,17 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schema(doc: Any) -> str:
+    """What a summary file is, for the compare warning."""
+    if isinstance(doc, dict) and isinstance(doc.get("schema"), str):
+        return doc["schema"]
+    if isinstance(doc, dict) and doc and all(
+            isinstance(v, dict) and ("effective_capacity_rps" in v or "autoscale" in v)
+            for v in doc.values()):
+        return "a `pdserve sim` summary"
+    return "not a pdserve summary"
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     docs = []
     for path in (args.a, args.b):
@@ -351,6 +363,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
             docs.append(json.loads(Path(path).read_text(encoding="utf-8")))
         except (OSError, ValueError) as exc:
             raise SystemExit(f"{path}: {exc}") from exc
+    kinds = [_schema(doc) for doc in docs]
+    if kinds[0] != kinds[1] or RUN_SCHEMA not in kinds:
+        print(f"warning: {args.a} is {kinds[0]} and {args.b} is {kinds[1]}: compare two "
+              f"`pdserve bench replay` summaries ({RUN_SCHEMA}); cells either lacks are '-'",
+              file=sys.stderr)
     print(compare_table(docs[0], docs[1], (Path(args.a).parent.name or args.a,
                                            Path(args.b).parent.name or args.b)), end="")
     return 0

@@ -89,6 +89,20 @@ def test_sweep_cli(fake_url: str, tmp_path: Path) -> None:
     assert main(["compare", str(a), str(b)]) == 0
 
 
+def test_compare_warns_when_the_summaries_are_of_different_kinds(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"schema": "pdserve.bench.run/1", "p99_ttft_ms": 12.0}))
+    sim = tmp_path / "sim.json"  # what `pdserve sim` writes: policy -> metrics, no schema
+    sim.write_text(json.dumps({"dualmap": {"effective_capacity_rps": 3.0, "ttft_p99": 0.2}}))
+    assert main(["compare", str(run), str(run)]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main(["compare", str(sim), str(run)]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"warning: {sim} is a `pdserve sim` summary and {run} is "
+                          "pdserve.bench.run/1"), err
+
+
 class CountingServer:
     """A tiny HTTP/1.1 SSE server (raw asyncio, keep-alive) that holds each request
     ``hold_s`` before answering and records the most requests it ever had in flight."""
