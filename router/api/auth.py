@@ -8,17 +8,19 @@ time, each one, so the answer time says nothing about which key or how much of i
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Iterable
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 def _error(message: str, code: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                 "param": None, "code": code}}).encode()
+    """The envelope, serialised as every other error of the router (starlette's compact JSON)."""
+    return bytes(JSONResponse(APIError(message, status=401, code=code).to_dict()).body)
 
 
 class ApiKeys:

