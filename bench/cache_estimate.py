@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -171,6 +172,8 @@ def cluster(model: Path, kv_blocks: int, events_port: int, tmp: Path
                          "endpoint": f"tcp://127.0.0.1:{events_port}", "topic": "kv"})
     procs: dict[str, subprocess.Popen[bytes]] = {}
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    # one fresh cluster secret for the router and both workers (they refuse to start without)
+    env["PDSERVE_CLUSTER_SECRET"] = secrets.token_urlsafe(32)
     try:
         for role in ("prefill", "decode"):
             cmd = [sys.executable, "-m", "serve.cli", "worker", "--role", role, "--model",

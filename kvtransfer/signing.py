@@ -7,12 +7,18 @@ request runs as a plain one (no lease, no read). A client that reaches a worker'
 can therefore neither pin KV blocks nor make a decode read from an address it chose.
 
 Signature: HMAC-SHA256 over the canonical JSON of the params (every key but ``pdserve_sig``,
-sorted, compact) and the signing time, stored as ``{"k": key id, "t": unix time, "m": hex mac}``
-under ``pdserve_sig``. Keys come from a *keyring*: the first key signs, every key verifies, so a
-secret is rotated without downtime (add the new one second, reload everywhere, move it first,
-later drop the old). Parameters:
+sorted, compact), the signing time and a random nonce, stored as ``{"k": key id, "t": unix
+time, "n": nonce, "m": hex mac}`` under ``pdserve_sig``. Keys come from a *keyring*: the first
+key signs, every key verifies, so a secret is rotated without downtime (add the new one second,
+reload everywhere, move it first, later drop the old).
 
-- ``max_age_s`` (default 120 s): older (or more than this in the future: clock skew) is stale.
+A signature is a capability for one call to one engine: the router signs each upstream attempt
+anew with the chosen worker's engine id under ``pdserve_target`` (covered by the MAC), and a
+worker accepts a MAC once (:class:`SeenSignatures`). A blob that leaks (request logs, a rogue
+worker) is useless elsewhere and cannot be replayed. Parameters:
+
+- ``max_age_s`` (default 120 s): older (or more than this in the future: clock skew) is stale;
+  seen MACs are remembered this long, so a replay is refused for as long as it could verify.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import hmac
 import json
 import logging
 import os
+import secrets
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,20 +37,29 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 SIGNATURE_KEY = "pdserve_sig"
+TARGET_KEY = "pdserve_target"
+"""The engine id a signature is for (a worker refuses params signed for another engine)."""
 DEFAULT_MAX_AGE_S = 120.0
 ENV_SECRET = "PDSERVE_CLUSTER_SECRET"
 ENV_SECRET_FILE = "PDSERVE_CLUSTER_SECRET_FILE"
+ENV_API_KEYRING_FILE = "PDSERVE_API_KEYRING_FILE"
+"""Set for a worker's vLLM process: the keyring whose derived API keys it requires on ``/v1``."""
 
 
 def _key_id(secret: bytes) -> str:
     return hashlib.sha256(b"pdserve-key-id:" + secret).hexdigest()[:12]
 
 
-def _canonical(params: Mapping[str, Any], signed_at: float) -> bytes:
+def worker_api_key(secret: bytes) -> str:
+    """The vLLM API key derived from one cluster secret (never the secret itself)."""
+    return hmac.new(secret, b"pdserve-worker-api-key", hashlib.sha256).hexdigest()
+
+
+def _canonical(params: Mapping[str, Any], signed_at: float, nonce: str) -> bytes:
     body = {k: v for k, v in params.items() if k != SIGNATURE_KEY}
     blob = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
                       default=str)
-    return f"{signed_at:.6f}\n".encode() + blob.encode()
+    return f"{signed_at:.6f}\n{nonce}\n".encode() + blob.encode()
 
 
 @dataclass(frozen=True)
@@ -65,17 +82,28 @@ class Keyring:
         return cls(tuple(ln.encode() for ln in lines if ln and not ln.startswith("#")))
 
     @property
+    def worker_api_keys(self) -> tuple[str, ...]:
+        """The workers' vLLM API keys (``--api-key``), one derived from each secret: the router
+        sends the first, a worker accepts any (so no second secret is distributed)."""
+        return tuple(worker_api_key(s) for s in self.secrets)
+
+    @property
     def key_ids(self) -> tuple[str, ...]:
         """Public ids of the secrets (safe to log)."""
         return tuple(_key_id(s) for s in self.secrets)
 
-    def sign(self, params: Mapping[str, Any], now: float) -> dict[str, Any]:
-        """A copy of ``params`` carrying a signature made at ``now`` (unix seconds)."""
+    def sign(self, params: Mapping[str, Any], now: float,
+             target: str | None = None) -> dict[str, Any]:
+        """A copy of ``params`` carrying a fresh signature made at ``now`` (unix seconds) for
+        the engine ``target`` (None: keeps any ``pdserve_target`` already in ``params``)."""
         secret = self.secrets[0]
         signed_at = round(now, 6)
-        mac = hmac.new(secret, _canonical(params, signed_at), hashlib.sha256).hexdigest()
+        nonce = secrets.token_hex(8)
         out = {k: v for k, v in params.items() if k != SIGNATURE_KEY}
-        out[SIGNATURE_KEY] = {"k": _key_id(secret), "t": signed_at, "m": mac}
+        if target is not None:
+            out[TARGET_KEY] = target
+        mac = hmac.new(secret, _canonical(out, signed_at, nonce), hashlib.sha256).hexdigest()
+        out[SIGNATURE_KEY] = {"k": _key_id(secret), "t": signed_at, "n": nonce, "m": mac}
         return out
 
     def verify(self, params: Mapping[str, Any], now: float,
@@ -85,17 +113,57 @@ class Keyring:
         if not isinstance(sig, dict):
             return "unsigned"
         kid, signed_at, mac = sig.get("k"), sig.get("t"), sig.get("m")
+        nonce = sig.get("n")
         if not isinstance(kid, str) or not isinstance(mac, str) or \
+                not isinstance(nonce, str) or \
                 not isinstance(signed_at, int | float) or isinstance(signed_at, bool):
             return "malformed signature"
         if abs(now - float(signed_at)) > max_age_s:
             return f"stale signature ({now - float(signed_at):.1f} s old)"
-        message = _canonical(params, float(signed_at))
+        message = _canonical(params, float(signed_at), nonce)
         ok = False
         for secret in self.secrets:  # every key is tried: no timing hint of which matched
             expected = hmac.new(secret, message, hashlib.sha256).hexdigest()
             ok |= hmac.compare_digest(expected, mac) and _key_id(secret) == kid
         return None if ok else "bad signature"
+
+
+class SeenSignatures:
+    """MACs a worker has accepted, each kept until its signature would be stale anyway.
+
+    Bounded by ``max_entries`` (default 65,536: above any plausible rate x lifetime of one
+    worker); when full, the oldest is forgotten first."""
+
+    def __init__(self, max_entries: int = 65536) -> None:
+        self._max = max_entries
+        self._seen: OrderedDict[str, float] = OrderedDict()  # mac -> forget after
+
+    def first_use(self, mac: str, now: float, keep_s: float) -> bool:
+        """True the first time ``mac`` is shown (and remember it), False on a replay."""
+        while self._seen:
+            oldest, until = next(iter(self._seen.items()))
+            if until > now and len(self._seen) < self._max:
+                break
+            del self._seen[oldest]
+        if mac in self._seen:
+            return False
+        self._seen[mac] = now + keep_s
+        return True
+
+
+def verify_for_engine(keyring: Keyring, params: Mapping[str, Any], now: float,
+                      engine_id: str, seen: SeenSignatures,
+                      max_age_s: float = DEFAULT_MAX_AGE_S) -> str | None:
+    """None when ``params`` carry a valid, fresh signature made for ``engine_id`` and not
+    seen before (it is remembered); else why not (for logs)."""
+    why = keyring.verify(params, now, max_age_s)
+    if why is not None:
+        return why
+    if params.get(TARGET_KEY) != engine_id:
+        return f"signed for engine {params.get(TARGET_KEY)!r}, not this one"
+    if not seen.first_use(str(params[SIGNATURE_KEY]["m"]), now, 2 * max_age_s):
+        return "replayed signature"
+    return None
 
 
 class KeyringFile:
@@ -148,6 +216,6 @@ def secret_from_env(env: Mapping[str, str]) -> tuple[str | None, str | None]:
 
 
 def strip_signature(params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` without a signature (to re-sign what a prefill returned)."""
-    return {k: v for k, v in params.items() if k != SIGNATURE_KEY}
+    """``params`` without a signature or target (to re-sign what a prefill returned)."""
+    return {k: v for k, v in params.items() if k not in (SIGNATURE_KEY, TARGET_KEY)}
 

@@ -150,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         from serve.worker import WorkerLauncher, settings_from_args
 
-        return asyncio.run(WorkerLauncher(settings_from_args(args, extra)).run())
+        try:
+            worker = settings_from_args(args, extra)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return asyncio.run(WorkerLauncher(worker).run())
     if args.command == "autoscale":
         from router.autoscale.service import run_autoscaler
         from router.autoscale.service import settings_from_args as scale_settings

@@ -14,8 +14,12 @@ this module as their ``__main__``.
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping
 from typing import Any
+
+from kvtransfer.signing import ENV_API_KEYRING_FILE, KeyringFile
 
 
 def build_parser() -> tuple[Any, Any]:
@@ -33,6 +37,15 @@ def build_parser() -> tuple[Any, Any]:
     return parser, command
 
 
+def api_key_args(env: Mapping[str, str] = os.environ) -> list[str]:
+    """``--api-key`` arguments derived from the keyring in ``PDSERVE_API_KEYRING_FILE`` (none
+    when unset): added here, not on the command line, so ``ps`` does not show them."""
+    path = env.get(ENV_API_KEYRING_FILE)
+    if not path:
+        return []
+    return ["--api-key", *KeyringFile(path).current().worker_api_keys]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` (default: ``sys.argv[1:]``) as ``vllm serve`` does, then serve."""
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
@@ -41,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     # what vllm.entrypoints.cli.main.main does before parsing (spawn for the engine processes)
     cli_env_setup()
     parser, command = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args([*(sys.argv[1:] if argv is None else argv), *api_key_args()])
     configure_logging_from_args(args)
     command.validate(args)
     args.dispatch_function(args)

@@ -28,7 +28,12 @@ from pathlib import Path
 
 import httpx
 
-from kvtransfer.signing import ENV_SECRET, secret_from_env
+from kvtransfer.signing import (
+    ENV_API_KEYRING_FILE,
+    ENV_SECRET,
+    KeyringFile,
+    secret_from_env,
+)
 from router import settings as shared
 from router.state.registry import WorkerRecord, WorkerRegistry
 from serve.cpu_layout import describe_affinity, worker_cpus
@@ -74,6 +79,9 @@ class WorkerSettings:
     ``kv_transfer_params`` may lease or pull (kvtransfer.signing); handed to vLLM in a 0600 file."""
     cluster_secret_file: str | None = None
     """Keyring file (``PDSERVE_CLUSTER_SECRET_FILE``), re-read on change; wins over the text."""
+    insecure: bool = False
+    """Start a prefill or decode worker without a cluster secret (``--insecure``): anyone who
+    reaches its port may then lease KV and make it pull; refused otherwise (fail closed)."""
     kv_events_port: int = 0
     """Have vLLM publish its KV cache events on ZMQ at this port (all interfaces) and advertise
     ``tcp://<advertise host>:PORT`` in the registry for routers run with ``--kv-events``;
@@ -87,6 +95,16 @@ class WorkerSettings:
             raise ValueError(f"--role must be prefill, decode or aggregated, got {self.role!r}")
         if self.kv_events_port:
             check_kv_events_args(self.kv_events_port, self.extra_vllm_args)
+
+    def check_secure(self) -> None:
+        """Fail closed: a prefill or decode worker without the cluster secret is refused
+        (ValueError) unless ``insecure`` says the operator means it."""
+        if self.role != "aggregated" and not (self.cluster_secret or self.cluster_secret_file) \
+                and not self.insecure:
+            raise ValueError(
+                f"a {self.role} worker needs the cluster secret (PDSERVE_CLUSTER_SECRET or "
+                "PDSERVE_CLUSTER_SECRET_FILE, the router's too): without it anyone who reaches "
+                "this worker could lease its KV or make it read; --insecure starts it anyway")
 
     @property
     def kv_events_endpoint(self) -> str:
@@ -189,6 +207,7 @@ def vllm_env(kv_cache_gib: float, device: str | None = None) -> dict[str, str]:
     :func:`kv_cache_options`), our packages importable."""
     env = dict(os.environ)
     env.pop(ENV_SECRET, None)  # vLLM gets the keyring as a file, never the secret itself
+    env.pop(ENV_API_KEYRING_FILE, None)  # only a worker's own launcher sets it
     env.setdefault("HF_HUB_OFFLINE", "1")
     for name, value in kv_cache_options(kv_cache_gib, device or vllm_device())[0].items():
         env.setdefault(name, value)
@@ -264,6 +283,8 @@ class WorkerLauncher:
         self.handshake_file = os.path.join(self._tmp.name, "handshake.json")
         self.proc: subprocess.Popen[bytes] | None = None
         self.record: WorkerRecord | None = None
+        self._api_key = ""
+        """What vLLM's ``/v1`` takes (derived from the cluster secret; "" without one)."""
         self._stopping = asyncio.Event()
 
     def _keyring_file(self) -> str | None:
@@ -273,8 +294,9 @@ class WorkerLauncher:
         if s.cluster_secret_file:
             return s.cluster_secret_file
         if not s.cluster_secret:
-            logger.warning("no cluster secret (PDSERVE_CLUSTER_SECRET[_FILE]): this worker "
-                           "accepts kv_transfer_params from anyone who reaches its port")
+            logger.warning("no cluster secret (PDSERVE_CLUSTER_SECRET[_FILE], --insecure): this "
+                           "worker takes requests and kv_transfer_params from anyone who "
+                           "reaches its port")
             return None
         path = os.path.join(self._tmp.name, "keyring")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -284,10 +306,11 @@ class WorkerLauncher:
 
     def start_vllm(self) -> subprocess.Popen[bytes]:
         s = self.settings
+        keyring = self._keyring_file()
         kv = None if s.role == "aggregated" else kv_transfer_config(
             self.engine_id, lease_s=s.lease_s, pull_timeout_s=s.pull_timeout_s,
             handshake_file=self.handshake_file, corrupt_pulled_kv_file=s.corrupt_pulled_kv_file,
-            timeline_file=s.timeline_file, signing_keys_file=self._keyring_file(),
+            timeline_file=s.timeline_file, signing_keys_file=keyring,
             transport=s.kv_transport)
         device = vllm_device()
         # first, so that the operator's own extra vLLM arguments override it
@@ -303,7 +326,11 @@ class WorkerLauncher:
         cpus = worker_cpus(s.cpus, s.role, inherited)
         logger.info("starting vLLM %s worker on %s (%s)", s.role, self.url,
                     describe_affinity(cpus, inherited, os.cpu_count() or len(inherited)))
-        self.proc = subprocess.Popen(cmd, env=vllm_env(s.kv_cache_gib, device),
+        env = vllm_env(s.kv_cache_gib, device)
+        if keyring:  # vLLM's /v1 then takes only the router's key (serve.vllm_cli)
+            env[ENV_API_KEYRING_FILE] = keyring
+            self._api_key = KeyringFile(keyring).current().worker_api_keys[0]
+        self.proc = subprocess.Popen(cmd, env=env,
                                      start_new_session=True,
                                      preexec_fn=child_setup(cpus))
         return self.proc
@@ -315,7 +342,8 @@ class WorkerLauncher:
 
             hs = json.loads(Path(self.handshake_file).read_text())
             address = Handshake.from_wire(hs["handshake"]).ucx_address
-        async with httpx.AsyncClient(timeout=5.0) as client:
+        headers = {"authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
             models = (await client.get(f"{self.url}/v1/models")).json()["data"]
         max_len = int(models[0].get("max_model_len") or self.settings.max_model_len or 0)
         return WorkerRecord(worker_id=self.worker_id, role=self.settings.role,  # type: ignore[arg-type]
@@ -404,6 +432,11 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus", default=env("PDSERVE_WORKER_CPUS", "all"),
                         help="cores of this worker's engine: all (default), role (prefill the "
                              "first half of the cores, decode the second), or a list like 0-3")
+    parser.add_argument("--insecure", action="store_true",
+                        default=env("PDSERVE_INSECURE", "") in ("1", "true", "yes"),
+                        help="start a prefill or decode worker without the cluster secret "
+                             "(then anyone who reaches it may lease its KV or make it read); "
+                             "env PDSERVE_INSECURE=1")
     parser.add_argument("--corrupt-pulled-kv-file", default=None, help=argparse.SUPPRESS)
 
 
@@ -416,15 +449,17 @@ def settings_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerSett
 
         model = str(build_tiny_model())
     secret, secret_file = secret_from_env(os.environ)
-    return WorkerSettings(role=args.role, model=model, port=args.port, host=args.host,
-                          advertise_host=args.advertise_host or None,
-                          redis_url=args.redis_url, served_model_name=args.served_model_name,
-                          lease_s=args.kv_lease_s, pull_timeout_s=args.kv_pull_timeout_s,
-                          kv_transport=args.kv_transport, kv_cache_gib=args.kv_cache_gib,
-                          max_model_len=args.max_model_len,
-                          corrupt_pulled_kv_file=args.corrupt_pulled_kv_file,
-                          timeline_file=args.timeline_file,
-                          otlp_traces_endpoint=args.otlp_traces_endpoint, cpus=args.cpus,
-                          kv_events_port=args.kv_events_port,
-                          cluster_secret=secret, cluster_secret_file=secret_file,
-                          extra_vllm_args=tuple(extra))
+    settings = WorkerSettings(role=args.role, model=model, port=args.port, host=args.host,
+                              advertise_host=args.advertise_host or None,
+                              redis_url=args.redis_url, served_model_name=args.served_model_name,
+                              lease_s=args.kv_lease_s, pull_timeout_s=args.kv_pull_timeout_s,
+                              kv_transport=args.kv_transport, kv_cache_gib=args.kv_cache_gib,
+                              max_model_len=args.max_model_len,
+                              corrupt_pulled_kv_file=args.corrupt_pulled_kv_file,
+                              timeline_file=args.timeline_file,
+                              otlp_traces_endpoint=args.otlp_traces_endpoint, cpus=args.cpus,
+                              kv_events_port=args.kv_events_port,
+                              cluster_secret=secret, cluster_secret_file=secret_file,
+                              insecure=args.insecure, extra_vllm_args=tuple(extra))
+    settings.check_secure()
+    return settings

@@ -29,7 +29,7 @@ from kvtransfer.protocol import (
     RemotePrefill,
     new_lease_token,
 )
-from kvtransfer.signing import KeyringFile, current
+from kvtransfer.signing import KeyringFile, SeenSignatures, current, verify_for_engine
 from kvtransfer.stats import TransferStats
 
 if TYPE_CHECKING:
@@ -56,14 +56,16 @@ class SchedulerHalf:
         self.stats = TransferStats()
         self._keyring = (KeyringFile(config.signing_keys_file) if config.signing_keys_file
                          else None)
+        self._seen = SeenSignatures()
 
     def _authorized(self, request: Request, params: dict[str, Any]) -> bool:
-        """With a keyring, only router-signed params may lease or pull; others are stripped
-        (the request then runs as a plain one: no lease, no read)."""
+        """With a keyring, only params the router signed for this engine, used once, may lease
+        or pull; others are stripped (the request then runs as a plain one: no lease, no read)."""
         keyring = current(self._keyring)
         if keyring is None:
             return True
-        why = keyring.verify(params, time.time(), self.config.signature_max_age_s)
+        why = verify_for_engine(keyring, params, time.time(), self.engine_id, self._seen,
+                                self.config.signature_max_age_s)
         if why is None:
             return True
         self.stats.record_refused()

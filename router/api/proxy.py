@@ -44,6 +44,7 @@ from router.api.upstream import (
     upstream_error,
 )
 from router.api.usage import StreamWatch, Usage, body_usage
+from router.api.worker_params import foreign_kv_params
 from router.config import RouterSettings
 from router.errors import UpstreamError
 from router.metrics import RouterMetrics
@@ -181,14 +182,19 @@ class PDProxy:
                 headers[name] = incoming[name]
         if self.settings.api_keys:  # the router's key stays at the router
             headers.pop("authorization", None)
+        keyring = current(self.keyring)
+        if keyring is not None:  # workers' vLLM takes only the key derived from the secret
+            headers["authorization"] = f"Bearer {keyring.worker_api_keys[0]}"
         return headers
 
-    def signed(self, params: dict[str, Any]) -> dict[str, Any]:
-        """``params`` signed for the workers (kvtransfer.signing), or as they are without a
-        keyring; a signature the params came with is never passed on."""
+    def signed(self, params: dict[str, Any], worker: WorkerRecord) -> dict[str, Any]:
+        """``params`` signed for one call to ``worker`` (kvtransfer.signing: bound to its
+        engine id, accepted once), or as they are without a keyring; a signature the params
+        came with is never passed on."""
         keyring = current(self.keyring)
         params = strip_signature(params)
-        return params if keyring is None else keyring.sign(params, time.time())
+        return params if keyring is None else keyring.sign(params, time.time(),
+                                                           target=worker.engine_id)
 
     # -- prefill -----------------------------------------------------------------------------
 
@@ -201,8 +207,7 @@ class PDProxy:
         instead (nothing sent yet). ``token_ids`` asks for the prompt's and the sampled token's
         ids."""
         out = prefill_body(endpoint, body, token_ids=token_ids)
-        out["kv_transfer_params"] = self.signed(out["kv_transfer_params"])
-        content = encode(out)
+        ask = out["kv_transfer_params"]
         headers = self._headers(route, incoming)
         tried: set[str] = set()
         retried: set[str] = set()
@@ -220,8 +225,10 @@ class PDProxy:
             self.begin("prefill", route, worker)
             started = time.perf_counter()
             ok = False
+            out["kv_transfer_params"] = self.signed(ask, worker)
             try:
-                resp = await self.client.post(worker.http_url + endpoint.path, content=content,
+                resp = await self.client.post(worker.http_url + endpoint.path,
+                                              content=encode(out),
                                               headers=headers, timeout=self._prefill_timeout)
                 ok = resp.status_code < 500
             except httpx.HTTPError as exc:
@@ -251,6 +258,13 @@ class PDProxy:
                     kind="missing_kv_transfer_params", code="missing_kv_transfer_params")
                 self._failed(worker, last)
                 continue
+            why = foreign_kv_params(params, worker)
+            if why is not None:  # never sign what would point a decode elsewhere
+                last = UpstreamError(f"prefill worker {worker.worker_id} answered "
+                                     f"kv_transfer_params not its own: {why}", role="prefill",
+                                     kind="foreign_kv_params", code="foreign_kv_params")
+                self._failed(worker, last)
+                continue
             self.tracker.mark_ok(worker.worker_id)
             self.metrics.prefill_duration.labels(
                 endpoint=endpoint.name, model_name=route.model).observe(
@@ -272,16 +286,14 @@ class PDProxy:
         (``kv_params`` None: a decode worker skipping the prefill hop, or an aggregated worker,
         ``role``); ``first_choice`` is a worker already chosen for the first attempt."""
         plain = encode(body)
-        content = plain if kv_params is None else encode(decode_body(body,
-                                                                     self.signed(kv_params)))
         headers = self._headers(route, incoming)
         tried: set[str] = set()
         retried: set[str] = set()
         last: UpstreamError | None = None
         last_exc: Exception | None = None  # None after a failed attempt: the worker answered
         for attempt in range(self.settings.decode_retries + 1):
-            if attempt and content is not plain and may_have_reached(last_exc):
-                content = plain  # the params may be spent: this decode computes the prompt
+            if attempt and kv_params is not None and may_have_reached(last_exc):
+                kv_params = None  # the params may be spent: this decode computes the prompt
                 self.metrics.kv_params_withdrawn.inc()
             last_exc = None
             if attempt == 0 and first_choice is not None:
@@ -296,6 +308,8 @@ class PDProxy:
                 self.metrics.upstream_retries.labels(role=role).inc()
             logger.debug("%s on %s (attempt %d)", role, worker.worker_id, attempt + 1)
             self.begin(role, route, worker)
+            content = plain if kv_params is None else \
+                encode(decode_body(body, self.signed(kv_params, worker)))
             request = self.client.build_request("POST", worker.http_url + endpoint.path,
                                                 content=content, headers=headers,
                                                 timeout=self._decode_timeout)
@@ -352,15 +366,16 @@ class PDProxy:
         """Stream the prefill's token now, then the decode's continuation from it (see
         ``router.api.first_token``). Decode failures before its first byte are retried on
         another decode worker; after it, they end the stream with one error event."""
-        contents = [encode(continuation_body(body, first, self.signed(kv_params))),
-                    encode(continuation_body(body, first, None))]
+        plain = encode(continuation_body(body, first, None))
         headers = self._headers(route, incoming)
         rewriter = ContinuationRewriter(endpoint, first)
         state: dict[str, Any] = {"done": False, "status": 200}
         metrics = self.metrics
         watch = StreamWatch()
 
-        async def decode_once(worker: WorkerRecord, content: bytes) -> AsyncIterator[bytes]:
+        async def decode_once(worker: WorkerRecord, pull: bool) -> AsyncIterator[bytes]:
+            content = encode(continuation_body(body, first, self.signed(kv_params, worker))) \
+                if pull else plain
             request = self.client.build_request("POST", worker.http_url + "/v1/completions",
                                                 content=content, headers=headers,
                                                 timeout=self._decode_timeout)
@@ -404,7 +419,7 @@ class PDProxy:
                 self.begin("decode", route, worker)
                 relayed = ok = False
                 try:
-                    async for out in decode_once(worker, contents[reached]):
+                    async for out in decode_once(worker, not reached):
                         if not relayed:
                             clock.mark("decode_first_byte")
                             relayed = True

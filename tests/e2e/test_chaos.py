@@ -74,9 +74,10 @@ def test_client_faults_really_misbehaved(chaos: tuple[int, dict[str, Any], str])
 def test_stranded_check_sees_a_held_lease(cluster: Cluster, workers: dict[str, str]) -> None:
     """Negative control of the stranded-KV check: a leased, never pulled prefill is reported
     while the lease holds, and not once it expired."""
-    resp = httpx.post(f"{workers['prefill']}/v1/completions", timeout=60, json={
+    resp = httpx.post(f"{workers['prefill']}/v1/completions", timeout=60,
+                      headers=cluster.worker_auth, json={
         "model": SERVED_NAME, "prompt": "stranded " * 200, "max_tokens": 1, "temperature": 0,
-        "kv_transfer_params": cluster.sign({"do_remote_decode": True})})
+        "kv_transfer_params": cluster.sign({"do_remote_decode": True}, workers["prefill"])})
     assert resp.json()["kv_transfer_params"]["remote_block_ids"]
     import asyncio
 

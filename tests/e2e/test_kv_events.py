@@ -36,7 +36,8 @@ def test_the_router_learns_a_prompt_from_the_prefill_engines_events(
     stored0 = value(scrape(cluster.url), STORED, kind="stored")
     # straight to the prefill worker: the router neither routes nor records this request
     prefill_url = registered_workers(cluster)["prefill"]
-    resp = httpx.post(f"{prefill_url}/v1/completions", timeout=120, trust_env=False, json={
+    resp = httpx.post(f"{prefill_url}/v1/completions", timeout=120, trust_env=False,
+                      headers=cluster.worker_auth, json={
         "model": SERVED_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0})
     assert resp.status_code == 200, resp.text
     prompt_tokens = resp.json()["usage"]["prompt_tokens"]

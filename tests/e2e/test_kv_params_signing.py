@@ -20,10 +20,20 @@ from tests.support.prompts import make_prompts
 pytestmark = pytest.mark.vllm
 
 MAX_TOKENS = 12
+LEASE = {"do_remote_decode": True}
+
+
+AUTH: dict[str, str] = {}
+"""The session cluster's worker API key header (set by the autouse fixture below)."""
+
+
+@pytest.fixture(autouse=True)
+def _worker_auth(cluster: Cluster) -> None:
+    AUTH.update(cluster.worker_auth)
 
 
 def _post(url: str, prompt: str, params: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    resp = httpx.post(f"{url}/v1/completions", timeout=120, json={
+    resp = httpx.post(f"{url}/v1/completions", timeout=120, headers=AUTH, json={
         "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "kv_transfer_params": params})
     assert resp.status_code == 200, resp.text
@@ -43,13 +53,13 @@ def test_prefill_leases_only_for_signed_params(cluster: Cluster, plain: Plain,
     assert not unsigned.get("kv_transfer_params")  # no lease, nothing to pull
     assert _refused(workers["prefill"]) == refused + 1
 
-    signed = _post(workers["prefill"], prompt, cluster.sign({"do_remote_decode": True}), 1)
+    signed = _post(workers["prefill"], prompt, cluster.sign(LEASE, workers["prefill"]), 1)
     params = signed["kv_transfer_params"]
     assert params and params["remote_block_ids"]
     assert _refused(workers["prefill"]) == refused + 1
     # Pull it (as the router would), which also ends the lease.
     pulls = value(scrape(workers["decode"]), "pdserve_kv_pulls_total")
-    out = _post(workers["decode"], prompt, cluster.sign(params), MAX_TOKENS)
+    out = _post(workers["decode"], prompt, cluster.sign(params, workers["decode"]), MAX_TOKENS)
     assert out["choices"][0]["text"] == complete(plain.url, prompt)["choices"][0]["text"]
     assert value(scrape(workers["decode"]), "pdserve_kv_pulls_total") == pulls + 1
 
@@ -61,8 +71,8 @@ def test_decode_reads_only_from_signed_params(cluster: Cluster, plain: Plain,
     prompt, other = make_prompts(tiny_model_dir, [400, 400], seed=22, tag="forge")
     ref = complete(plain.url, prompt)["choices"][0]["text"]
     # Another request's blocks, pulled later under this request's lease: a forged read.
-    victim = _post(workers["prefill"], other, cluster.sign({"do_remote_decode": True}), 1)
-    mine = _post(workers["prefill"], prompt, cluster.sign({"do_remote_decode": True}), 1)
+    victim = _post(workers["prefill"], other, cluster.sign(LEASE, workers["prefill"]), 1)
+    mine = _post(workers["prefill"], prompt, cluster.sign(LEASE, workers["prefill"]), 1)
     forged = {**mine["kv_transfer_params"],
               "remote_block_ids": victim["kv_transfer_params"]["remote_block_ids"]}
 
@@ -76,11 +86,12 @@ def test_decode_reads_only_from_signed_params(cluster: Cluster, plain: Plain,
         assert value(after, name) == value(before, name), name
 
     # Control: the same forged params with a valid signature are read from.
-    _post(workers["decode"], prompt, cluster.sign(forged), MAX_TOKENS)
+    _post(workers["decode"], prompt, cluster.sign(forged, workers["decode"]), MAX_TOKENS)
     assert value(scrape(workers["decode"]), "pdserve_kv_pulls_total") == \
         value(after, "pdserve_kv_pulls_total") + 1
     # End the victim's lease the normal way.
-    _post(workers["decode"], other, cluster.sign(victim["kv_transfer_params"]), 2)
+    _post(workers["decode"], other,
+          cluster.sign(victim["kv_transfer_params"], workers["decode"]), 2)
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -96,12 +107,58 @@ def test_vllm_xargs_kv_params_do_not_kill_a_worker(cluster: Cluster, plain: Plai
     tests/unit/test_kv_scheduler_renewal.py.)"""
     url = workers[role]
     for bad in ("x", ["do_remote_prefill"], ""):
-        resp = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        resp = httpx.post(f"{url}/v1/completions", timeout=120, headers=AUTH, json={
             "model": SERVED_NAME, "prompt": "hello", "max_tokens": 2, "temperature": 0,
             "vllm_xargs": {"kv_transfer_params": bad}})
         assert resp.status_code in (200, 400, 500), resp.text
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-    out = httpx.post(f"{url}/v1/completions", timeout=120, json={
+    out = httpx.post(f"{url}/v1/completions", timeout=120, headers=AUTH, json={
         "model": SERVED_NAME, "prompt": "hello", "max_tokens": 4, "temperature": 0}).json()
     assert out["choices"][0]["text"] == complete(plain.url, "hello", max_tokens=4)[
         "choices"][0]["text"]
+
+
+def test_a_signed_blob_is_good_once_and_only_where_it_was_sent(
+        cluster: Cluster, plain: Plain, workers: dict[str, str], tiny_model_dir: Path) -> None:
+    """Security review finding 5: a signature is a capability for one call to one engine. A
+    replayed prefill blob pins nothing more; a decode blob shown to another engine, or shown
+    twice, reads nothing (served plain, still correct). Control: each blob's first use where
+    it was sent is acted on."""
+    prompt = make_prompts(tiny_model_dir, [300], seed=23, tag="once")[0]
+    ref = complete(plain.url, prompt)["choices"][0]["text"]
+    ask = cluster.sign(LEASE, workers["prefill"])
+    params = _post(workers["prefill"], prompt, ask, 1).get("kv_transfer_params")
+    assert params and params["remote_block_ids"]  # control: the first use leases
+    refused = _refused(workers["prefill"])
+    assert not _post(workers["prefill"], prompt, ask, 1).get("kv_transfer_params")
+    assert _refused(workers["prefill"]) == refused + 1
+
+    elsewhere = cluster.sign(params, workers["prefill"])  # signed for the prefill's engine
+    blob = cluster.sign(params, workers["decode"])
+    before = scrape(workers["decode"])
+    for attempt in (elsewhere, blob, blob):
+        out = _post(workers["decode"], prompt, attempt, MAX_TOKENS)
+        assert out["choices"][0]["text"] == ref
+    after = scrape(workers["decode"])
+    assert value(after, "pdserve_kv_pulls_total") == value(before, "pdserve_kv_pulls_total") + 1
+    assert value(after, "pdserve_kv_refused_params_total") == \
+        value(before, "pdserve_kv_refused_params_total") + 2
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_worker_port_serves_only_the_router(cluster: Cluster, workers: dict[str, str],
+                                              role: str) -> None:
+    """Security review finding 6: a caller that reaches a worker's port directly (bypassing
+    the router's API keys, admission and accounting) is refused on ``/v1``, without a key or
+    with a guessed one; control: the key the router derives from the cluster secret works.
+    ``/health`` and ``/metrics`` stay open for probes and Prometheus."""
+    url = workers[role]
+    body = {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 2, "temperature": 0}
+    for headers in ({}, {"authorization": "Bearer guessed"}):
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=headers,
+                          timeout=60).status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers=headers, timeout=10).status_code == 401
+    assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH,
+                      timeout=120).status_code == 200
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200

@@ -30,17 +30,17 @@ pytestmark = pytest.mark.vllm
 
 
 def _prefill(cluster: Cluster, url: str, prompt: str) -> dict[str, Any]:
-    resp = httpx.post(f"{url}/v1/completions", timeout=60, json={
+    resp = httpx.post(f"{url}/v1/completions", timeout=60, headers=cluster.worker_auth, json={
         "model": SERVED_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-        "kv_transfer_params": cluster.sign({"do_remote_decode": True})})
+        "kv_transfer_params": cluster.sign({"do_remote_decode": True}, url)})
     assert resp.status_code == 200, resp.text
     return resp.json()["kv_transfer_params"]
 
 
 def _decode(cluster: Cluster, url: str, prompt: str, params: dict[str, Any]) -> str:
-    resp = httpx.post(f"{url}/v1/completions", timeout=120, json={
+    resp = httpx.post(f"{url}/v1/completions", timeout=120, headers=cluster.worker_auth, json={
         "model": SERVED_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-        "kv_transfer_params": cluster.sign(params)})
+        "kv_transfer_params": cluster.sign(params, url)})
     assert resp.status_code == 200, resp.text
     return str(resp.json()["choices"][0]["text"])
 

@@ -45,9 +45,10 @@ def test_unpulled_lease_expires_and_late_pull_recomputes(pd_cluster: Cluster, pl
     cluster, workers = pd_cluster, pd_workers
     prompt = make_prompts(tiny_model_dir, [600], seed=4, tag=f"lease-{cluster.transport}")[0]
     p0 = scrape(workers["prefill"])
-    prefill = httpx.post(f"{workers['prefill']}/v1/completions", timeout=60, json={
+    prefill = httpx.post(f"{workers['prefill']}/v1/completions", timeout=60,
+                         headers=cluster.worker_auth, json={
         "model": SERVED_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-        "kv_transfer_params": cluster.sign({"do_remote_decode": True})}).json()
+        "kv_transfer_params": cluster.sign({"do_remote_decode": True}, workers["prefill"])}).json()
     params = prefill["kv_transfer_params"]
     assert params["remote_block_ids"], params
     assert value(scrape(workers["prefill"]), "vllm:kv_cache_usage_perc") > 0.0
@@ -61,9 +62,10 @@ def test_unpulled_lease_expires_and_late_pull_recomputes(pd_cluster: Cluster, pl
 
     # A pull after expiry is refused by the release; decode recomputes and is still correct.
     d0 = scrape(workers["decode"])
-    late = httpx.post(f"{workers['decode']}/v1/completions", timeout=120, json={
+    late = httpx.post(f"{workers['decode']}/v1/completions", timeout=120,
+                      headers=cluster.worker_auth, json={
         "model": SERVED_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-        "kv_transfer_params": cluster.sign(params)}).json()
+        "kv_transfer_params": cluster.sign(params, workers["decode"])}).json()
     d1 = scrape(workers["decode"])
     assert late["choices"][0]["text"] == complete(plain.url, prompt)["choices"][0]["text"]
     assert value(d1, "pdserve_kv_pull_failures_total") - \

@@ -97,8 +97,8 @@ def test_a_plain_request_has_no_connector_phases(cluster: Cluster, workers: dict
     d0 = scrape(workers["decode"])
     body = {"model": SERVED_NAME, "prompt": "a plain request " * 20, "max_tokens": 4,
             "temperature": 0}
-    assert httpx.post(f"{workers['decode']}/v1/completions", json=body,
-                      timeout=120).status_code == 200
+    assert httpx.post(f"{workers['decode']}/v1/completions", json=body, timeout=120,
+                      headers=cluster.worker_auth).status_code == 200
     (prompt,) = make_prompts(tiny_model_dir, [150], seed=9, tag="negative")
     _stream(cluster.url, prompt, f"neg-{uuid.uuid4().hex}")
     before = _phase_counts(d0, "pdserve_kv_phase_seconds", DECODE_PHASES)

@@ -32,7 +32,7 @@ def test_router_counts_a_generation_it_did_not_send(cluster: Cluster,
 
     def generate() -> None:
         with httpx.stream("POST", f"{workers['decode']}/v1/completions", json=body,
-                          timeout=120) as resp:
+                          timeout=120, headers=cluster.worker_auth) as resp:
             assert resp.status_code == 200
             for _line in resp.iter_lines():
                 started.set()

@@ -8,6 +8,7 @@ to fail on demand. Runs under uvicorn in a thread on a free loopback port.
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import json
 import os
@@ -22,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kvtransfer.protocol import Handshake
 from router.state.registry import WorkerRecord
 from serve.redis_server import free_port
 
@@ -33,7 +35,11 @@ Mode = Literal[
     "stall_mid_stream",  # stream two chunks, then go silent
     "bad_request",     # answer 400 with an OpenAI error
     "stall",           # never answer (until the client gives up)
+    "foreign_kv_params",  # prefill answers params naming another engine's UCX address
 ]
+
+FAKE_UCX_ADDRESS = b"fake"
+"""What every fake worker registers (and, unless told otherwise, hands out) as its UCX address."""
 
 DECODE_PIECES = ("Hello", " from", " the", " fake", " decoder", ".")
 
@@ -160,7 +166,8 @@ class FakeWorker:
     def record(self) -> WorkerRecord:
         return WorkerRecord(worker_id=self.worker_id, role=self.role, model=self.model,
                             model_path=self.model_path, http_url=self.url,
-                            engine_id=self.engine_id, ucx_address="ZmFrZQ==",
+                            engine_id=self.engine_id,
+                            ucx_address=base64.b64encode(FAKE_UCX_ADDRESS).decode(),
                             max_model_len=self.max_model_len, started_at=1_700_000_000.0)
 
     def start(self, port: int | None = None) -> FakeWorker:
@@ -233,13 +240,18 @@ class FakeWorker:
     def _prefill_answer(self, body: dict[str, Any], rid: str, chat: bool) -> dict[str, Any]:
         answer = self._full_answer(body, rid, chat, pieces=DECODE_PIECES[:1])
         if self.mode != "no_kv_params":
-            answer["kv_transfer_params"] = {
-                "do_remote_prefill": True, "do_remote_decode": False,
-                "remote_block_ids": [1, 2, 3], "remote_engine_id": self.engine_id,
-                "remote_request_id": rid, "remote_host": "127.0.0.1", "remote_port": 5600,
-                "tp_size": 1,
-            }
+            answer["kv_transfer_params"] = self.kv_params(rid)
         return answer
+
+    def kv_params(self, rid: str) -> dict[str, Any]:
+        """What this prefill answers for request ``rid`` (its own engine and UCX address;
+        another address in mode ``foreign_kv_params``)."""
+        address = b"rogue" if self.mode == "foreign_kv_params" else FAKE_UCX_ADDRESS
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": [1, 2, 3], "remote_engine_id": self.engine_id,
+                "remote_request_id": rid, "remote_num_tokens": 7,
+                "remote_handshake": Handshake(self.engine_id, address, (), "fake").to_wire(),
+                "remote_lease_token": "fake-lease-token"}
 
     def _full_answer(self, body: dict[str, Any], rid: str, chat: bool,
                      pieces: tuple[str, ...] = DECODE_PIECES) -> dict[str, Any]:

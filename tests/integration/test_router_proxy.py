@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Any
 
 import httpx
 import pytest
@@ -16,12 +15,6 @@ from router.state.registry import WorkerRecord
 from serve.redis_server import RedisServer, start_redis
 from tests.fakes.fake_worker import DECODE_PIECES, FakeWorker, ServerThread
 from tests.support.router import calls, register, stream_request, wait_metrics
-
-
-def _kv(worker: FakeWorker, rid: str) -> dict[str, Any]:
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
-            "remote_engine_id": worker.engine_id, "remote_request_id": rid,
-            "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
 
 
 def test_completion_two_step_flow_sends_rewritten_bodies(
@@ -42,7 +35,7 @@ def test_completion_two_step_flow_sends_rewritten_bodies(
     assert p0.requests[0].body == {
         "model": "tiny", "prompt": "hello world", "max_tokens": 1, "temperature": 0.0,
         "ignore_eos": True, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
-    assert d0.requests[0].body == {**body, "kv_transfer_params": _kv(p0, "rid-1")}
+    assert d0.requests[0].body == {**body, "kv_transfer_params": p0.kv_params("rid-1")}
     assert p0.requests[0].headers["x-request-id"] == "rid-1"
     assert d0.requests[0].headers["x-request-id"] == "rid-1"
 
@@ -78,7 +71,8 @@ def test_stream_relay_is_byte_identical(
     assert "stream_options" not in prefill and prefill["stream"] is False
     assert prefill["max_tokens"] == 1
     assert prefill.get("max_completion_tokens") == (1 if chat else None)
-    assert fakes["d0"].requests[0].body == {**body, "kv_transfer_params": _kv(fakes["p0"], "s-1")}
+    assert fakes["d0"].requests[0].body == {**body,
+                                            "kv_transfer_params": fakes["p0"].kv_params("s-1")}
 
     endpoint = "chat_completions" if chat else "completions"
     # Stream accounting closes right after the last byte, possibly after the client has it.
@@ -136,7 +130,7 @@ def test_prefill_failure_is_retried_on_other_prefill_worker(
                        headers={"x-request-id": "retry-1"})
     assert resp.status_code == 200, resp.text
     assert calls(fakes) == {"p0": 1, "p1": 1, "d0": 1, "d1": 0}
-    assert fakes["d0"].requests[0].body["kv_transfer_params"] == _kv(fakes["p1"], "retry-1")
+    assert fakes["d0"].requests[0].body["kv_transfer_params"] == fakes["p1"].kv_params("retry-1")
     wait_metrics(client, url, [
         'pdserve_router_upstream_retries_total{role="prefill"} 1.0',
         'pdserve_router_upstream_errors_total{kind="status",role="prefill"} 1.0',
@@ -195,9 +189,11 @@ def test_decode_failure_before_first_byte_is_retried(
     resp = client.post(url + "/v1/completions", json=body, headers={"x-request-id": "dr-1"})
     assert resp.status_code == 200, resp.text
     assert calls(fakes) == {"p0": 1, "p1": 0, "d0": 1, "d1": 1}
-    assert (fakes["d0"].requests[0].body["kv_transfer_params"]
-            == fakes["d1"].requests[0].body["kv_transfer_params"]
-            == _kv(fakes["p0"], "dr-1"))
+    # d0 answered (a 500): it may have pulled and released p0's lease, so the retry on d1
+    # carries no kv_transfer_params and computes the prompt itself (security review #2).
+    assert fakes["d0"].requests[0].body["kv_transfer_params"] == fakes["p0"].kv_params("dr-1")
+    assert "kv_transfer_params" not in fakes["d1"].requests[0].body
+    wait_metrics(client, url, ["pdserve_router_kv_params_withdrawn_total 1.0"])
     if stream:
         assert resp.content == fakes["d1"].sent[0]
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import httpx
 
-from kvtransfer.signing import SIGNATURE_KEY, Keyring, strip_signature
+from kvtransfer.signing import SIGNATURE_KEY, TARGET_KEY, Keyring, strip_signature
 from tests.fakes.fake_worker import FakeWorker
 from tests.support.router import calls
 
@@ -61,11 +61,14 @@ def test_router_signs_what_it_sends_and_clients_cannot_set_kv_params(
     resp = client.post(url + "/v1/completions", json=BODY)
     assert resp.status_code == 200, resp.text
     ring = Keyring.parse(SECRET)
-    prefill = next(r for f in fakes.values() for r in f.requests if f.role == "prefill")
-    decode = next(r for f in fakes.values() for r in f.requests if f.role == "decode")
-    for sent in (prefill.body["kv_transfer_params"], decode.body["kv_transfer_params"]):
-        assert SIGNATURE_KEY in sent
-        assert ring.verify(sent, time.time()) is None
+    sent = [(f, r) for f in fakes.values() for r in f.requests]
+    (p_fake, prefill), = [(f, r) for f, r in sent if f.role == "prefill"]
+    (d_fake, decode), = [(f, r) for f, r in sent if f.role == "decode"]
+    for fake, request in ((p_fake, prefill), (d_fake, decode)):
+        params = request.body["kv_transfer_params"]
+        assert SIGNATURE_KEY in params
+        assert ring.verify(params, time.time()) is None
+        assert params[TARGET_KEY] == fake.engine_id  # bound to the worker it was sent to
     assert strip_signature(prefill.body["kv_transfer_params"]) == {"do_remote_decode": True}
     assert decode.body["kv_transfer_params"]["do_remote_prefill"] is True
     # Another secret does not verify them.
@@ -78,3 +81,20 @@ def test_router_signs_what_it_sends_and_clients_cannot_set_kv_params(
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "kv_transfer_params"
     assert sum(len(f.requests) for f in fakes.values()) == before
+
+
+def test_a_prefill_answering_another_address_is_not_signed_for(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    """Security review finding 5: a prefill whose params name a UCX address other than its
+    registered one (a rogue or confused worker) gets nothing signed: no decode is sent to read
+    from it. Control: the first test of this module, where the same prefill's own params are
+    signed and forwarded."""
+    for fake in fakes.values():
+        if fake.role == "prefill":
+            fake.mode = "foreign_kv_params"
+    url = start_router(cluster_secret=SECRET, prefill_retries=0)
+    resp = client.post(url + "/v1/completions", json=BODY)
+    assert resp.status_code == 502, resp.text
+    assert "not its own" in resp.json()["error"]["message"]
+    assert not [r for f in fakes.values() if f.role == "decode" for r in f.requests]

@@ -61,10 +61,23 @@ class Cluster:
     pump: threading.Thread | None = None
     """Reads `up`'s output into ``output`` until it closes."""
 
-    def sign(self, params: dict[str, Any]) -> dict[str, Any]:
-        """``params`` signed as the router signs them (kvtransfer.signing)."""
+    @property
+    def worker_auth(self) -> dict[str, str]:
+        """The header the router sends its workers' vLLM (``/v1`` takes nothing else)."""
         keyring = Keyring.parse(self.keyring_file.read_text())
-        return keyring.sign(strip_signature(params), time.time())
+        return {"authorization": f"Bearer {keyring.worker_api_keys[0]}"}
+
+    engines: dict[str, str] = field(default_factory=dict)
+    """HTTP URL -> engine id of the registered workers (read on first use)."""
+
+    def sign(self, params: dict[str, Any], worker_url: str) -> dict[str, Any]:
+        """``params`` signed as the router signs them for one call to the worker at
+        ``worker_url`` (kvtransfer.signing: bound to its engine id, accepted once)."""
+        if worker_url not in self.engines:
+            self.engines.update(registered_engines(self))
+        keyring = Keyring.parse(self.keyring_file.read_text())
+        return keyring.sign(strip_signature(params), time.time(),
+                            target=self.engines[worker_url])
 
 
 @dataclass
@@ -209,6 +222,20 @@ def running_plain(model_dir: Path) -> Iterator[Plain]:
         yield plain
     finally:
         stop_plain(plain)
+
+
+def registered_engines(cluster: Cluster) -> dict[str, str]:
+    """HTTP URL -> engine id of the cluster's workers, read from the real Redis registry."""
+    from router.state.registry import WorkerRegistry
+
+    async def read() -> dict[str, str]:
+        registry = WorkerRegistry(cluster.redis_url)
+        try:
+            return {r.http_url: r.engine_id for r in await registry.list()}
+        finally:
+            await registry.close()
+
+    return asyncio.run(read())
 
 
 def registered_workers(cluster: Cluster) -> dict[str, str]:

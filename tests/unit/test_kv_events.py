@@ -246,7 +246,8 @@ def test_worker_kv_events_port_becomes_vllm_config_and_an_advertised_endpoint() 
     parser = argparse.ArgumentParser()
     add_worker_args(parser)
     args = parser.parse_args(["--role", "prefill", "--model", "/m", "--host", "0.0.0.0",
-                              "--advertise-host", "10.0.0.7", "--kv-events-port", "5601"])
+                              "--advertise-host", "10.0.0.7", "--kv-events-port", "5601",
+                              "--insecure"])
     settings = settings_from_args(args, [])
     assert settings.kv_events_endpoint == "tcp://10.0.0.7:5601"
     assert WorkerSettings("prefill", "/m").kv_events_endpoint == ""  # off by default

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from kvtransfer.signing import SIGNATURE_KEY, Keyring, KeyringFile, strip_signature
+from kvtransfer.signing import (
+    SIGNATURE_KEY,
+    TARGET_KEY,
+    Keyring,
+    KeyringFile,
+    SeenSignatures,
+    strip_signature,
+    verify_for_engine,
+)
 
 OLD = "old-secret-0123456789abcdef"
 NEW = "new-secret-fedcba9876543210"
@@ -79,3 +87,35 @@ def test_keyring_file_reloads_on_change_and_survives_a_broken_rewrite(tmp_path: 
     assert source.current().secrets == (NEW.encode(), OLD.encode())
     with pytest.raises(ValueError):
         KeyringFile(str(tmp_path / "missing"))
+
+
+def test_a_signature_is_for_one_engine_and_one_use() -> None:
+    """Review finding 5: a leaked blob is refused on another engine and on a second use;
+    controls: the same blob is accepted once by its own engine, and a fresh signature of the
+    same params (what the router makes for each attempt) is accepted again."""
+    ring = Keyring.parse(OLD)
+    seen = SeenSignatures()
+    blob = ring.sign(PARAMS, NOW, target="engine-a")
+    assert verify_for_engine(ring, blob, NOW, "engine-b", SeenSignatures()).startswith(
+        "signed for engine 'engine-a'")
+    assert verify_for_engine(ring, blob, NOW, "engine-a", seen) is None
+    assert verify_for_engine(ring, blob, NOW + 1, "engine-a", seen) == "replayed signature"
+    again = ring.sign(PARAMS, NOW, target="engine-a")
+    assert again[SIGNATURE_KEY]["n"] != blob[SIGNATURE_KEY]["n"]
+    assert verify_for_engine(ring, again, NOW + 1, "engine-a", seen) is None
+    untargeted = ring.sign(PARAMS, NOW)
+    assert verify_for_engine(ring, untargeted, NOW, "engine-a", seen).startswith(
+        "signed for engine None")
+    moved = {**blob, TARGET_KEY: "engine-b"}  # the target is covered by the MAC
+    assert verify_for_engine(ring, moved, NOW, "engine-b", SeenSignatures()) == "bad signature"
+    assert strip_signature(blob) == PARAMS
+
+
+def test_seen_signatures_are_forgotten_only_once_stale_or_full() -> None:
+    seen = SeenSignatures(max_entries=3)
+    assert seen.first_use("a", now=0.0, keep_s=10.0)
+    assert not seen.first_use("a", now=9.0, keep_s=10.0)
+    assert seen.first_use("a", now=10.5, keep_s=10.0)  # stale by now: it would not verify
+    for mac in ("b", "c", "d"):
+        assert seen.first_use(mac, now=11.0, keep_s=10.0)
+    assert seen.first_use("a", now=11.0, keep_s=10.0)  # the oldest made room

@@ -10,6 +10,7 @@ No uvicorn, no Redis, no sockets.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Message, Scope
 
+from kvtransfer.protocol import Handshake
 from router.api.first_token import FirstToken
 from router.api.proxy import PDProxy
 from router.api.schemas import COMPLETIONS
@@ -36,7 +38,15 @@ from router.state.load import LoadTracker
 from router.state.registry import WorkerRecord
 
 MODEL = "tiny"
-KV = {"remote_engine_id": "engine-p", "remote_block_ids": [1, 2], "remote_request_id": "r"}
+
+def kv_of(worker_id: str) -> dict[str, Any]:
+    """The params prefill ``worker_id`` answers: its own engine and registered UCX address."""
+    engine = f"engine-{worker_id}"
+    return {"remote_engine_id": engine, "remote_block_ids": [1, 2], "remote_request_id": "r",
+            "remote_handshake": Handshake(engine, worker_id.encode(), (), "c").to_wire()}
+
+
+KV = kv_of("p1")
 BODY: dict[str, Any] = {"model": MODEL, "prompt": "hello there", "max_tokens": 4, "stream": True}
 EVENTS = [b'data: {"choices":[{"index":0,"text":"a"}]}\n\n',
           b'data: {"choices":[{"index":0,"text":"b"}]}\n\n',
@@ -140,7 +150,9 @@ class Workers:
 def record(worker_id: str, role: str) -> WorkerRecord:
     return WorkerRecord(worker_id=worker_id, role=role,  # type: ignore[arg-type]
                         model=MODEL, model_path="/nonexistent", http_url=f"http://{worker_id}",
-                        engine_id=f"engine-{worker_id}", ucx_address="", max_model_len=4096,
+                        engine_id=f"engine-{worker_id}",
+                        ucx_address=base64.b64encode(worker_id.encode()).decode(),
+                        max_model_len=4096,
                         started_at=0.0)
 
 
@@ -274,7 +286,7 @@ async def test_other_failures_are_not_retried_on_the_same_worker(
 
 async def test_connect_failure_evicts_and_moves_to_another_worker(
         rig_of: Callable[..., Rig]) -> None:
-    rig = rig_of(p1=[httpx.ConnectError], p2=[{"kv_transfer_params": KV}], d1=[])
+    rig = rig_of(p1=[httpx.ConnectError], p2=[{"kv_transfer_params": kv_of("p2")}], d1=[])
     _, worker, _ = await prefill(rig)
     assert rig.workers.calls == ["p1", "p2"] and worker.worker_id == "p2"
     assert rig.cluster.evicted == ["p1"]
@@ -344,6 +356,23 @@ async def test_failure_before_the_first_byte_is_retried_not_relayed(
     assert body == b"".join(EVENTS)
     assert rig.workers.calls == ["d1", "d1"] and rig.retries("decode") == 1
     assert rig.in_flight() == {}
+
+
+@pytest.mark.parametrize("foreign", [
+    kv_of("p2"),  # another engine's params
+    {**kv_of("p1"), "remote_handshake": kv_of("p2")["remote_handshake"]},  # another address
+    {**kv_of("p1"), "remote_handshake": "not-a-handshake"},
+])
+async def test_params_not_the_prefills_own_are_never_signed(
+        rig_of: Callable[..., Rig], foreign: dict[str, Any]) -> None:
+    """Review finding 5: the router signs only params naming the chosen prefill's registered
+    engine and UCX address; others count as that prefill failing (the next one is asked)."""
+    rig = rig_of(p1=[{"kv_transfer_params": foreign}], p2=[{"kv_transfer_params": kv_of("p2")}],
+                 d1=[])
+    params, worker, _ = await prefill(rig)
+    assert worker.worker_id == "p2" and params == kv_of("p2")
+    assert total(parse_samples(rig.metrics.render().decode()),
+                 "pdserve_router_upstream_errors_total", kind="foreign_kv_params") == 1
 
 
 # ---- (b2) a decode that may have pulled: its retry carries no kv_transfer_params ----------

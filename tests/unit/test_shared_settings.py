@@ -52,7 +52,7 @@ def _worker(argv: list[str]) -> dict[str, Any]:
     from serve.worker import settings_from_args
 
     args, extra = _parser().parse_known_args(["worker", "--role", "prefill", "--model", "m",
-                                              *argv])
+                                              "--insecure", *argv])
     s = settings_from_args(args, extra)
     return {"redis_url": s.redis_url, "log_level": args.log_level,
             "otlp_traces_endpoint": s.otlp_traces_endpoint, "kv_lease_s": s.lease_s,
