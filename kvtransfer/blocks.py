@@ -45,7 +45,7 @@ def build_read_ops(runs: Sequence[tuple[int, int, int]], local: Sequence[RegionS
                              f"!= {rem.block_bytes}")
         dense = loc.block_stride == loc.block_bytes and rem.block_stride == rem.block_bytes
         for l0, r0, n in runs:
-            if max(l0, r0) < 0 or l0 + n > loc.num_blocks or r0 + n > rem.num_blocks:
+            if min(l0, r0) < 0 or l0 + n > loc.num_blocks or r0 + n > rem.num_blocks:
                 raise ValueError(f"run ({l0}, {r0}, {n}) outside region {loc.name}")
             if dense:
                 ops.append((loc.block_addr(l0), rem.block_addr(r0), n * loc.block_bytes, rkey))

@@ -308,7 +308,15 @@ class WorkerHalf:
         for request_id, pull in list(self._pulls.items()):
             status = pull.transfer.poll()
             if status == "pending" and now > pull.deadline:
-                pull.peer.abort()  # no late write may land in blocks vLLM will reuse
+                try:
+                    pull.peer.abort()  # no late write may land in blocks vLLM will reuse
+                except Exception as exc:  # the engine must not die of it
+                    # Reads may still land: keep the blocks out of vLLM's hands and try the
+                    # abort again later, rather than recompute into them now.
+                    logger.error("abort of the pull of %s failed (%s); retrying in %.0f s",
+                                 request_id, exc, self.config.pull_timeout_s)
+                    pull.deadline = now + self.config.pull_timeout_s
+                    continue
                 self._peers = {k: v for k, v in self._peers.items() if v.peer is not pull.peer}
                 del self._pulls[request_id]
                 self._fail(pull.spec, f"timeout in {pull.phase.value} after "

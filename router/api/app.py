@@ -258,7 +258,7 @@ class RouterService:
         self.metrics.requests_received.labels(endpoint=endpoint.name, model_name=req.model).inc()
         self._admit(req.model, pd_ok)
         # hashed once here; prefix-aware policies and the load accounting reuse the blocks
-        route = RouteRequest(request_id=clock.request_id, model=req.model,
+        route = RouteRequest(request_id=clock.upstream_id, model=req.model,
                              prompt_token_ids=token_ids, block_hashes=block_hashes(token_ids))
         clock.mark("validated")
         assert self.proxy is not None, "RouterService.start() was not awaited"

@@ -1,10 +1,15 @@
 """Per-request context: the request id contextvar, the ASGI middleware that sets it, and the
-logging filter that puts it (and the process role) in every log line."""
+logging filter that puts it (and the process role) in every log line.
+
+A request has two ids: the client's (``X-Request-Id`` when it is a sane token, else a fresh
+one), echoed on the response and put in log lines; and the router's own, unique per request
+(:func:`upstream_request_id`), used as the key of its ledgers and sent to the workers."""
 
 from __future__ import annotations
 
 import logging
 import re
+import secrets
 import uuid
 from contextvars import ContextVar
 
@@ -27,6 +32,13 @@ def accept_request_id(raw: str | None) -> str:
     if raw and _VALID_ID.match(raw):
         return raw
     return new_request_id()
+
+
+def upstream_request_id(request_id: str) -> str:
+    """The id the router keys its ledgers by and sends upstream: unique even when clients
+    reuse an ``X-Request-Id`` (two requests under one id would otherwise share, and leak,
+    one ledger entry). The client's id stays a prefix, so logs and timelines still find it."""
+    return f"{request_id}.{secrets.token_hex(4)}"
 
 
 class RequestIdMiddleware:

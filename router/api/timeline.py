@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from router.api.context import upstream_request_id
+
 EVENTS = ("received", "validated", "prefill_chosen", "prefill_answered", "decode_chosen",
           "decode_first_byte", "done")
 PHASES = {
@@ -34,6 +36,9 @@ class PhaseClock:
     """Event stamps of one request; ``mark`` keeps the first stamp of each event."""
 
     request_id: str
+    """The client's id (echoed; see ``router.api.context``)."""
+    upstream_id: str = ""
+    """The router's unique id of this request: its ledgers' key and the workers' request id."""
     mono: dict[str, float] = field(default_factory=dict)
     wall: dict[str, float] = field(default_factory=dict)
     path: str = ""
@@ -47,7 +52,7 @@ class PhaseClock:
     @classmethod
     def start(cls, request_id: str, at: float | None = None) -> PhaseClock:
         """A clock whose ``received`` event is now (or ``at``, a ``perf_counter`` value)."""
-        clock = cls(request_id)
+        clock = cls(request_id, upstream_request_id(request_id))
         now = time.perf_counter()
         clock.mono["received"] = now if at is None else at
         clock.wall["received"] = time.time() - (now - clock.mono["received"])
@@ -78,5 +83,6 @@ class PhaseClock:
 
     def record(self) -> dict[str, object]:
         """The JSON line of the timeline file."""
-        return {"source": "router", "request_id": self.request_id, "path": self.path,
+        return {"source": "router", "request_id": self.request_id,
+                "upstream_id": self.upstream_id, "path": self.path,
                 "events": dict(self.wall), "phases": self.phases()}

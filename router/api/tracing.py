@@ -67,7 +67,9 @@ class RequestTracer:
 
         span = self._tracer.start_span(
             "pdserve.request", context=extract(headers), start_time=_ns(clock.wall["received"]),
-            attributes={"pdserve.request_id": clock.request_id, "pdserve.endpoint": endpoint_name})
+            attributes={"pdserve.request_id": clock.request_id,
+                        "pdserve.upstream_id": clock.upstream_id,
+                        "pdserve.endpoint": endpoint_name})
         inject(headers, context=trace.set_span_in_context(span))
         return span
 

@@ -72,3 +72,39 @@ def test_request_deadline_bounds_a_stalled_answer(
     # The router is not wedged: with the decoders back, the next request is served.
     fakes["d0"].mode = fakes["d1"].mode = "ok"
     assert client.post(url + "/v1/completions", json=BODY).status_code == 200
+
+
+def test_requests_sharing_a_client_id_leak_nothing_in_the_ledger(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    """Security review finding 11: two requests in flight under one ``X-Request-Id`` on one
+    prefill used to share a ledger entry, leaving one's tokens pending forever (enough of them
+    and admission answers 429 to everybody). The router keys its ledger by its own id."""
+    import threading
+
+    for fake in fakes.values():
+        fake.mode = "stall"  # both stay in flight until the router gives up on them
+    url = start_router(policy="consistent_hash", prefill_retries=0, prefill_timeout_s=1.5)
+    statuses: list[int] = []
+
+    def send(prompt: str) -> None:
+        resp = httpx.post(url + "/v1/completions", timeout=30, headers={"x-request-id": "dup"},
+                          json={**BODY, "prompt": prompt})
+        statuses.append(resp.status_code)
+        assert resp.headers["x-request-id"] == "dup"  # the client's id is still echoed
+
+    threads = [threading.Thread(target=send, args=("same prefix " * 3 + tail,))
+               for tail in ("a", "b b b b b b b b")]
+    for thread in threads:
+        thread.start()
+    # control: both really are in flight at once, on the same prefill, with their tokens
+    busy = eventually(lambda: (statuses, client.get(url + "/workers").json()["data"]),
+                      lambda got: any(w["in_flight"] == 2 for w in got[1]), timeout_s=10)[1]
+    (held,) = [w for w in busy if w["in_flight"] == 2]
+    assert held["pending_prefill_tokens"] > 0
+    for thread in threads:
+        thread.join()
+    assert statuses == [504, 504]
+    after = {w["worker_id"]: w for w in client.get(url + "/workers").json()["data"]}
+    assert after[held["worker_id"]]["in_flight"] == 0
+    assert after[held["worker_id"]]["pending_prefill_tokens"] == 0

@@ -17,6 +17,11 @@ from tests.fakes.fake_worker import DECODE_PIECES, FakeWorker, ServerThread
 from tests.support.router import calls, register, stream_request, wait_metrics
 
 
+def _upstream(prefill: FakeWorker) -> str:
+    """The router's id of the first request ``prefill`` received (what it leased under)."""
+    return prefill.requests[0].headers["x-request-id"]
+
+
 def test_completion_two_step_flow_sends_rewritten_bodies(
         fakes: dict[str, FakeWorker], start_router: Callable[..., str],
         client: httpx.Client) -> None:
@@ -35,9 +40,10 @@ def test_completion_two_step_flow_sends_rewritten_bodies(
     assert p0.requests[0].body == {
         "model": "tiny", "prompt": "hello world", "max_tokens": 1, "temperature": 0.0,
         "ignore_eos": True, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
-    assert d0.requests[0].body == {**body, "kv_transfer_params": p0.kv_params("rid-1")}
-    assert p0.requests[0].headers["x-request-id"] == "rid-1"
-    assert d0.requests[0].headers["x-request-id"] == "rid-1"
+    upstream = p0.requests[0].headers["x-request-id"]
+    assert upstream.startswith("rid-1.")  # the client's id, made unique (review finding 11)
+    assert d0.requests[0].body == {**body, "kv_transfer_params": p0.kv_params(upstream)}
+    assert d0.requests[0].headers["x-request-id"] == upstream
 
 
 def test_round_robin_and_least_loaded_spread(
@@ -71,8 +77,8 @@ def test_stream_relay_is_byte_identical(
     assert "stream_options" not in prefill and prefill["stream"] is False
     assert prefill["max_tokens"] == 1
     assert prefill.get("max_completion_tokens") == (1 if chat else None)
-    assert fakes["d0"].requests[0].body == {**body,
-                                            "kv_transfer_params": fakes["p0"].kv_params("s-1")}
+    pulled = fakes["p0"].kv_params(_upstream(fakes["p0"]))
+    assert fakes["d0"].requests[0].body == {**body, "kv_transfer_params": pulled}
 
     endpoint = "chat_completions" if chat else "completions"
     # Stream accounting closes right after the last byte, possibly after the client has it.
@@ -130,7 +136,8 @@ def test_prefill_failure_is_retried_on_other_prefill_worker(
                        headers={"x-request-id": "retry-1"})
     assert resp.status_code == 200, resp.text
     assert calls(fakes) == {"p0": 1, "p1": 1, "d0": 1, "d1": 0}
-    assert fakes["d0"].requests[0].body["kv_transfer_params"] == fakes["p1"].kv_params("retry-1")
+    assert fakes["d0"].requests[0].body["kv_transfer_params"] == \
+        fakes["p1"].kv_params(_upstream(fakes["p1"]))
     wait_metrics(client, url, [
         'pdserve_router_upstream_retries_total{role="prefill"} 1.0',
         'pdserve_router_upstream_errors_total{kind="status",role="prefill"} 1.0',
@@ -191,7 +198,8 @@ def test_decode_failure_before_first_byte_is_retried(
     assert calls(fakes) == {"p0": 1, "p1": 0, "d0": 1, "d1": 1}
     # d0 answered (a 500): it may have pulled and released p0's lease, so the retry on d1
     # carries no kv_transfer_params and computes the prompt itself (security review #2).
-    assert fakes["d0"].requests[0].body["kv_transfer_params"] == fakes["p0"].kv_params("dr-1")
+    assert fakes["d0"].requests[0].body["kv_transfer_params"] == \
+        fakes["p0"].kv_params(_upstream(fakes["p0"]))
     assert "kv_transfer_params" not in fakes["d1"].requests[0].body
     wait_metrics(client, url, ["pdserve_router_kv_params_withdrawn_total 1.0"])
     if stream:

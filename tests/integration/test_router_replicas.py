@@ -108,7 +108,8 @@ def _placements(client: httpx.Client, url: str, tag: str, order: list[int],
         assert resp.status_code == 200, resp.text
         assert resp.headers["x-request-id"] == rid
         got = [wid for wid, f in fakes.items() if f.role == "prefill"
-               and any(r.headers.get("x-request-id") == rid for r in f.requests)]
+               and any(r.headers.get("x-request-id", "").startswith(rid + ".")
+                       for r in f.requests)]
         assert len(got) == 1, f"{rid} reached prefill workers {got}"
         placed[i] = got[0]
     return placed

@@ -58,9 +58,12 @@ def test_strided_regions_read_block_by_block() -> None:
     assert ops.tolist() == [[0, 64, 64, 0], [128, 128, 64, 0]]
 
 
-def test_out_of_range_run_is_rejected() -> None:
+@pytest.mark.parametrize("run", [(99, 0, 2), (-3, 1, 1), (1, -3, 1)])
+def test_out_of_range_run_is_rejected(run: tuple[int, int, int]) -> None:
+    """A negative block id on either side (review finding 19: ``max`` let a negative local id
+    through, an address below the region) is rejected like one past the end."""
     with pytest.raises(ValueError):
-        build_read_ops([(99, 0, 2)], [region("a", 0, 64)], [region("a", 0, 64)], [0])
+        build_read_ops([run], [region("a", 0, 64)], [region("a", 0, 64)], [0])
 
 
 def test_block_size_mismatch_is_rejected() -> None:
