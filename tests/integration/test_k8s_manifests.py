@@ -223,10 +223,17 @@ def _labels_selected(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return True
 
 
+NAMESPACE = "pdserve"
+MONITORING = "monitoring"  # the namespace networkpolicy.yaml expects Prometheus in
+
+
 def _ingress_allows(objs: list[dict[str, Any]], target: dict[str, str], source: dict[str, str],
-                    same_namespace: bool, port: str | None = None) -> bool:
-    """Whether the render's NetworkPolicies let a pod labelled ``source`` reach one labelled
-    ``target`` (on the named ``port``; None = any). Unselected pods allow everything."""
+                    namespace: str, port: str | None = None) -> bool:
+    """Whether the render's NetworkPolicies let a pod labelled ``source`` in ``namespace`` reach
+    one labelled ``target`` in ``pdserve`` (on the named ``port``; None = any). Unselected pods
+    allow everything. A namespace carries only the label Kubernetes sets on every namespace,
+    ``kubernetes.io/metadata.name``."""
+    ns_labels = {"kubernetes.io/metadata.name": namespace}
     policies = [p for p in objs if p["kind"] == "NetworkPolicy"
                 and _labels_selected(p["spec"]["podSelector"], target)
                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
@@ -241,10 +248,10 @@ def _ingress_allows(objs: list[dict[str, Any]], target: dict[str, str], source: 
                 return True
             for peer in rule["from"]:
                 assert "ipBlock" not in peer, "ipBlock peers would bypass the label rules"
-                if "namespaceSelector" in peer:
-                    # {} = any namespace; a non-empty one is not used by these manifests
-                    assert peer["namespaceSelector"] == {}
-                elif not same_namespace:
+                if "namespaceSelector" in peer:  # {} = any namespace
+                    if not _labels_selected(peer["namespaceSelector"], ns_labels):
+                        continue
+                elif namespace != NAMESPACE:
                     continue
                 if _labels_selected(peer.get("podSelector", {}), source):
                     return True
@@ -306,29 +313,140 @@ def test_workers_are_reachable_only_from_router_autoscaler_prometheus_and_worker
                     assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] in {
                         "pdserve-router", "pdserve-autoscaler", "prometheus",
                         "pdserve-worker"}
-        # allowed: the router and autoscaler (this namespace), Prometheus (any namespace), on
-        # the HTTP port; other workers on any port (decode pulls KV from prefill over UCX)
-        assert _ingress_allows(objs, labels, ROUTER, True, "http")
-        assert _ingress_allows(objs, labels, AUTOSCALER, True, "http")
-        assert _ingress_allows(objs, labels, PROMETHEUS, False, "http")
+        # allowed: the router and autoscaler (this namespace), Prometheus (the monitoring
+        # namespace), on the HTTP port; other workers on any port (decode pulls KV over UCX)
+        assert _ingress_allows(objs, labels, ROUTER, NAMESPACE, "http")
+        assert _ingress_allows(objs, labels, AUTOSCALER, NAMESPACE, "http")
+        assert _ingress_allows(objs, labels, PROMETHEUS, MONITORING, "http")
         for role in ("prefill", "decode"):
             peer = {"app.kubernetes.io/name": "pdserve-worker", "app.kubernetes.io/component": role}
-            assert _ingress_allows(objs, labels, peer, True, None)
-        # negative controls: anything else, and the router on another port or namespace
-        for source, same_ns in ((CLIENT, True), (CLIENT, False), (REDIS, True),
-                                (ROUTER, False), (AUTOSCALER, False),
-                                ({"app.kubernetes.io/name": "grafana"}, False)):
-            assert not _ingress_allows(objs, labels, source, same_ns, "http"), source
-        assert not _ingress_allows(objs, labels, ROUTER, True, None)
+            assert _ingress_allows(objs, labels, peer, NAMESPACE, None)
+        # negative controls: anything else, the router on another port or namespace, and a
+        # tenant's pod labelled like Prometheus outside the monitoring namespace (or in ours)
+        for source, ns in ((CLIENT, NAMESPACE), (CLIENT, "tenant-a"), (REDIS, NAMESPACE),
+                           (ROUTER, "tenant-a"), (AUTOSCALER, "tenant-a"),
+                           ({"app.kubernetes.io/name": "grafana"}, MONITORING),
+                           (PROMETHEUS, "tenant-a"), (PROMETHEUS, NAMESPACE),
+                           (CLIENT, MONITORING)):
+            assert not _ingress_allows(objs, labels, source, ns, "http"), (source, ns)
+        assert not _ingress_allows(objs, labels, ROUTER, NAMESPACE, None)
+
+
+def test_every_namespace_selector_is_pinned_to_a_named_namespace(
+        rendered: tuple[str, list[dict]]) -> None:
+    """A peer entry with a namespaceSelector also names the namespace and selects pods in the
+    same entry (an empty selector, or the two in separate entries, admits any namespace)."""
+    overlay, objs = rendered
+    peers = [peer for p in objs if p["kind"] == "NetworkPolicy"
+             for rule in p["spec"].get("ingress", []) for peer in rule.get("from", [])
+             if "namespaceSelector" in peer]
+    assert peers, f"{overlay}: Prometheus needs a peer outside this namespace"
+    for peer in peers:
+        assert peer["namespaceSelector"] == {
+            "matchLabels": {"kubernetes.io/metadata.name": MONITORING}}, peer
+        assert peer["podSelector"]["matchLabels"] == PROMETHEUS, peer
 
 
 def test_redis_is_reachable_only_from_pdserve_pods(rendered: tuple[str, list[dict]]) -> None:
     _, objs = rendered
     for source in (ROUTER, AUTOSCALER, {"app.kubernetes.io/name": "pdserve-worker",
                                         "app.kubernetes.io/component": "decode"}):
-        assert _ingress_allows(objs, REDIS, source, True, "redis"), source
-    for source, same_ns in ((CLIENT, True), (PROMETHEUS, False), (ROUTER, False)):
-        assert not _ingress_allows(objs, REDIS, source, same_ns, "redis"), source
+        assert _ingress_allows(objs, REDIS, source, NAMESPACE, "redis"), source
+    for source, ns in ((CLIENT, NAMESPACE), (PROMETHEUS, MONITORING), (ROUTER, "tenant-a")):
+        assert not _ingress_allows(objs, REDIS, source, ns, "redis"), source
+
+
+# --- secrets: required cluster secret, Redis password, no API token where none is needed ------
+
+CLUSTER_SECRET = "pdserve-cluster"
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion of an env value (a name defined earlier in the list)."""
+    for name, val in env.items():
+        value = value.replace(f"$({name})", val)
+    assert "$(" not in value, f"unexpanded reference in {value!r}"
+    return value
+
+
+def test_cluster_secret_is_required_by_router_and_workers(
+        rendered: tuple[str, list[dict]]) -> None:
+    """Router, prefill and decode read the cluster secret from a file of a Secret that must
+    exist (``optional: false``): a missing Secret keeps the pod from starting rather than
+    starting it unsigned; no pdserve-cluster reference is optional but the client API keys."""
+    overlay, objs = rendered
+    for name in ("pdserve-router", *WORKERS):
+        pod = _by(objs, "Deployment", name)["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        env = {e["name"]: e for e in c["env"]}
+        assert "PDSERVE_CLUSTER_SECRET" not in env  # the file wins; one source only
+        path = Path(env["PDSERVE_CLUSTER_SECRET_FILE"]["value"])
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == str(path.parent)]
+        assert mount["readOnly"] is True
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        secret = volumes[mount["name"]]["secret"]
+        assert secret["secretName"] == CLUSTER_SECRET
+        assert secret["optional"] is False, (overlay, name)
+        assert secret["items"] == [{"key": "secret", "path": path.name}]
+        assert secret["defaultMode"] & 0o077 == 0o040  # the pdserve group (fsGroup) reads it
+    for _, pod in _pod_specs(objs):
+        for c in pod["containers"]:
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref and ref["name"] == CLUSTER_SECRET and ref["key"] != "api-keys":
+                    assert ref.get("optional") is False, (overlay, c["name"], e["name"])
+
+
+def test_redis_requires_the_password_every_client_sends(
+        rendered: tuple[str, list[dict]]) -> None:
+    """Redis starts with requirepass from the Secret (its probe authenticates too); router,
+    workers and autoscaler build PDSERVE_REDIS_URL from the same key by ``$(VAR)`` expansion,
+    and no command line overrides it with a URL without the password."""
+    redis_connection = pytest.importorskip("redis.connection")
+    overlay, objs = rendered
+    pod = _by(objs, "StatefulSet", "pdserve-redis")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    script = " ".join(c.get("command", []) + c.get("args", []))
+    assert "requirepass" in script and "protected-mode no" not in script
+    env = {e["name"]: e for e in c["env"]}
+    # redis-cli (the readiness probe) authenticates with REDISCLI_AUTH
+    assert env["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == {
+        "name": CLUSTER_SECRET, "key": "redis-password", "optional": False}
+    assert "redis-cli" in " ".join(c["readinessProbe"]["exec"]["command"])
+    password = "0123abcd" * 8  # what `openssl rand -hex 32` gives: URL-safe
+    for name in ("pdserve-router", "pdserve-autoscaler", *WORKERS):
+        (c,) = _by(objs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+        resolved: dict[str, str] = {}
+        for e in c["env"]:  # in order: $(VAR) sees only the names defined before it
+            ref = e.get("valueFrom", {}).get("secretKeyRef")
+            if ref == {"name": CLUSTER_SECRET, "key": "redis-password", "optional": False}:
+                resolved[e["name"]] = password
+            elif "value" in e:
+                resolved[e["name"]] = _expand(e["value"], resolved)
+        url = redis_connection.parse_url(resolved["PDSERVE_REDIS_URL"])
+        assert (url["host"], url["port"], url["password"]) == ("pdserve-redis", 6379, password)
+        lines = [c.get("command", []), c.get("args", []),
+                 c.get("readinessProbe", {}).get("exec", {}).get("command", []),
+                 c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])]
+        assert not [a for line in lines for a in line if "redis" in a and "://" in a], name
+
+
+def test_only_the_autoscaler_mounts_a_service_account_token(
+        rendered: tuple[str, list[dict]]) -> None:
+    """Every pod but the autoscaler (which patches the scale subresource) opts out of the
+    automounted token: a compromised worker, router or Redis gets no API credential."""
+    overlay, objs = rendered
+    pods = dict(_pod_specs(objs))
+    assert set(pods) == {"pdserve-router", *WORKERS, "pdserve-autoscaler", "pdserve-redis"}
+    for name, pod in pods.items():
+        if name == "pdserve-autoscaler":
+            assert pod.get("automountServiceAccountToken", True) is True
+            assert pod["serviceAccountName"] == "pdserve-autoscaler"
+        else:
+            assert pod.get("automountServiceAccountToken") is False, (overlay, name)
+            assert "serviceAccountName" not in pod, name
+    (job,) = [d for d in yaml.safe_load_all(MODEL_JOB.read_text()) if d]
+    assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 
 def _pod_specs(objs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
