@@ -36,7 +36,7 @@ from router.api.schemas import (
 from router.api.timeline import PhaseClock
 from router.api.tokenization import TokenizerCache, approximate_ids
 from router.api.tracing import RequestTracer
-from router.api.untrusted import refuse_worker_only_fields
+from router.api.untrusted import read_capped_body, refuse_worker_only_fields
 from router.api.version import versions
 from router.config import RouterSettings
 from router.errors import APIError, InvalidRequestError
@@ -233,11 +233,7 @@ class RouterService:
 
     async def _handle(self, endpoint: Endpoint, request: Request, incoming: dict[str, str],
                       clock: PhaseClock) -> Response:
-        raw = await request.body()
-        if len(raw) > self.settings.max_body_bytes:
-            raise InvalidRequestError(f"request body of {len(raw)} bytes exceeds the limit of "
-                                      f"{self.settings.max_body_bytes}",
-                                      code="request_too_large", status=413)
+        raw = await read_capped_body(request, self.settings.max_body_bytes)
         body = parse_json_body(raw)
         refuse_worker_only_fields(body)
         req = validate_request(endpoint, body)
@@ -362,11 +358,8 @@ class RouterService:
     async def forward(self, path: str, request: Request) -> Response:
         """``/tokenize`` and ``/detokenize``: answered by the least busy worker serving the
         body's ``model`` (vLLM's own endpoints, so ids match what the engine computes)."""
-        raw = await request.body()
-        if len(raw) > self.settings.max_body_bytes:
-            return error_response(InvalidRequestError(
-                "request body too large", code="request_too_large", status=413))
         try:
+            raw = await read_capped_body(request, self.settings.max_body_bytes)
             body = parse_json_body(raw)
         except APIError as err:
             return error_response(err)

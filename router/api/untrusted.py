@@ -1,4 +1,5 @@
-"""Fields of a client body that only the router (or an operator) may set, refused up front.
+"""What a client body may not be or hold, refused up front: more bytes than the router takes, and
+fields that only the router (or an operator) may set.
 
 vLLM reads several of them from more than one place: ``kv_transfer_params`` also from
 ``vllm_xargs`` (a string there used to crash the worker's engine core), and a Jinja chat
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from starlette.requests import Request
 
 from router.errors import InvalidRequestError
 
@@ -62,3 +65,25 @@ def _untrusted_template(param: str) -> InvalidRequestError:
         "a chat template is passed with the request; this server renders only its own "
         "templates (refused request with untrusted chat template)",
         code="untrusted_chat_template", param=param)
+
+
+async def read_capped_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 as soon as it is known to exceed ``limit`` bytes:
+    from ``Content-Length`` before reading, else while it streams in (a chunked upload of
+    gigabytes is never held in memory)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> InvalidRequestError:
+    return InvalidRequestError(f"request body of {size}+ bytes exceeds the limit of {limit}",
+                               code="request_too_large", status=413)

@@ -33,6 +33,11 @@ from router.state.registry import WorkerRecord
 
 logger = logging.getLogger(__name__)
 
+MAX_MESSAGE_BYTES = 16 * 2**20
+"""Largest KV event batch accepted (vLLM's batches are kilobytes)."""
+RECEIVE_QUEUE = 10_000
+"""Messages a SUB socket queues before newer ones are dropped (a gap the router tolerates)."""
+
 ROLES = ("prefill", "aggregated")
 """Roles whose engines' caches the prefill policies model."""
 
@@ -91,6 +96,10 @@ class KVEventSubscriber:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.LINGER, 0)
+        # a publisher is trusted with nothing: one frame over MAX_MESSAGE_BYTES drops the
+        # connection, and at most RECEIVE_QUEUE messages wait (security review finding 9)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         sock.connect(record.kv_events_endpoint)
         logger.info("following the KV events of %s at %s", record.worker_id,
                     record.kv_events_endpoint)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +81,26 @@ def test_the_renderer_ignores_a_client_template_it_would_otherwise_run(
 
 def _contains(seq: list[int], sub: list[int]) -> bool:
     return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+async def test_a_chunked_body_past_the_cap_is_refused_while_it_streams_in(
+        client: httpx.AsyncClient) -> None:
+    """Security review finding 12: a chunked upload (no Content-Length) is cut off once past
+    ``max_body_bytes`` (8 MiB), not read whole into memory first. Control: a small chunked
+    body is read and validated (the only worker is unreachable: 502)."""
+    sent = 0
+
+    async def upload(chunks: int, size: int = 65536) -> AsyncIterator[bytes]:
+        nonlocal sent
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(chunks):
+            sent += 1
+            yield b"x " * (size // 2)
+        yield b'"}'
+
+    resp = await client.post(C, content=upload(1024))  # 64 MiB offered
+    assert resp.status_code == 413, resp.text
+    assert resp.json()["error"]["code"] == "request_too_large"
+    assert sent < 200  # stopped near 8 MiB (128 chunks), far from the 1,024 offered
+    small = await client.post(C, content=upload(2, size=8))
+    assert small.status_code == 502, small.text
