@@ -453,13 +453,14 @@ class PDProxy:
                 return
             state["done"] = True
             clock.mark("done")
-            metrics.requests.labels(endpoint=endpoint.name, status="200",
+            # the client got a 200 and a stream, but the request failed if the decode did
+            metrics.requests.labels(endpoint=endpoint.name, status=str(state["status"]),
                                     model_name=route.model).inc()
             metrics.request_duration.labels(endpoint=endpoint.name,
                                             model_name=route.model).observe(
                 clock.mono["done"] - clock.started)
             self._account(route.model, watch.usage, watch.gaps)
-            self.on_done(clock, 200)
+            self.on_done(clock, state["status"])
 
         return RelayResponse(stream(), status_code=200, media_type="text/event-stream",
                              cleanup=cleanup)

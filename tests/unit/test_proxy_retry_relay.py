@@ -424,6 +424,25 @@ async def test_a_continued_stream_retries_without_the_params_once_a_decode_was_r
     assert [("kv_transfer_params" in b) for b in rig.workers.bodies] == [True, False, False]
     assert rig.workers.bodies[2]["prompt"] == [1, 2, 3, 7]  # the prompt is computed there
     assert withdrawn(rig) == 2
+    assert total(parse_samples(rig.metrics.render().decode()), "pdserve_router_requests_total",
+                 status="200") == 1
+
+
+async def test_a_continued_stream_whose_decodes_all_fail_is_counted_as_failed(
+        rig_of: Callable[..., Rig]) -> None:
+    """Review finding 18: the client saw a 200 and an error event; the request metrics and the
+    timeline record the failure (502), not a success. Control: the stream test above, whose
+    decode answers, is counted as 200."""
+    first = FirstToken("cmpl-1", 0, MODEL, "x", 7, (1, 2, 3))
+    rig = rig_of(p1=[], d1=[500], d2=[500], d3=[500])
+    request, clock = route()
+    body = await play(rig.proxy.continue_stream(COMPLETIONS, BODY, first, KV, request, {},
+                                                clock))
+    assert b"upstream_stream_error" in body
+    samples = parse_samples(rig.metrics.render().decode())
+    assert total(samples, "pdserve_router_requests_total", status="502") == 1
+    assert total(samples, "pdserve_router_requests_total", status="200") == 0
+    assert rig.in_flight() == {}
 
 
 # ---- (c) bookkeeping after a client hang-up ------------------------------------------------
