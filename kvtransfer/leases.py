@@ -24,7 +24,9 @@ it is granted with that token.
 
 Parameters: ``memory_s`` (default 600) is how long released, expired and early-released ids
 are remembered, bounding state while keeping late answers truthful (longer than the router's
-signature lifetime, so no validly signed params outlive the memory of their lease).
+signature lifetime, so no validly signed params outlive the memory of their lease);
+``max_early`` (65,536) bounds the early releases kept (anyone on the control channel can make
+them up; the oldest is forgotten first).
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ class _Lease:
 class LeaseTable:
     """Thread-safe lease bookkeeping shared by the release responder and ``get_finished``."""
 
-    def __init__(self, memory_s: float = 600.0, life_factor: float = 4.0) -> None:
+    def __init__(self, memory_s: float = 600.0, life_factor: float = 4.0,
+                 max_early: int = 65536) -> None:
         self._memory_s = memory_s
         self._life_factor = life_factor
+        self._max_early = max_early
         self._lock = threading.Lock()
         self._active: dict[str, _Lease] = {}
         self._ended: dict[str, float] = {}              # released or expired id -> when
@@ -87,6 +91,8 @@ class LeaseTable:
             if request_id in self._ended or (request_id, token) in self._early:
                 self.num_refused += 1
                 return False
+            if len(self._early) >= self._max_early:  # a flood of made-up ids: oldest go first
+                del self._early[next(iter(self._early))]
             self._early[(request_id, token)] = now
             return True
 

@@ -5,6 +5,18 @@
 
 #include <errno.h>
 #include <string.h>
+#include <sys/random.h>
+
+/* A request id a peer cannot guess (replies are matched by id): 64 random bits, never 0 (the
+ * id of replies we send). Falls back to the sequential counter only if getrandom fails. */
+static uint64_t random_req_id(EngineObject *e)
+{
+    uint64_t id = 0;
+    while (id == 0) {
+        if (getrandom(&id, sizeof(id), 0) != (ssize_t)sizeof(id)) id = e->next_req_id++;
+    }
+    return id;
+}
 
 #ifndef PDSERVE_UCX_SOURCE
 #define PDSERVE_UCX_SOURCE "unknown"
@@ -699,7 +711,7 @@ static PyObject *peer_request(PeerObject *self, PyObject *arg)
     pthread_mutex_lock(&e->lock);
     /* Python + reply path (reply, peer error, send error or abort drops it). */
     xfer_t *x = xfer_new(e, XK_REQUEST, p, 2);
-    if (x != NULL) x->req_id = e->next_req_id++;
+    if (x != NULL) x->req_id = random_req_id(e);
     pthread_mutex_unlock(&e->lock);
     if (x == NULL) {
         pthread_mutex_unlock(&p->oplock);

@@ -229,6 +229,12 @@ static ucs_status_t am_request_cb(void *arg, const void *header, size_t header_l
     r->payload_len = length - h.addr_len;
     if (length) memcpy(r->data, data, length);
     pthread_mutex_lock(&e->lock);
+    if (e->in_count >= IN_QUEUE_MAX) { /* a flood: drop, never grow without bound */
+        e->dropped_am++;
+        pthread_mutex_unlock(&e->lock);
+        free(r);
+        return UCS_OK;
+    }
     if (e->in_tail) e->in_tail->next = r;
     else e->in_head = r;
     e->in_tail = r;

@@ -89,6 +89,10 @@ enum { THP_OFF = 0, THP_ADVISE = 1, THP_COLLAPSE = 2 };
 #define NONCE_LEN 16
 #define LOC_MAGIC "PDSLOC1"
 
+/* Requests (release / renew messages) queued for Python at most: beyond, they are dropped and
+ * counted in dropped_am (a peer's flood must not grow the prefill's memory). */
+#define IN_QUEUE_MAX 16384
+
 /* Knobs, given to Engine(...) by the Python layer (from ConnectorConfig); never read from the
  * environment here.  UCX's own UCX_* variables still apply through ucp_config_read. */
 typedef struct {
@@ -197,7 +201,7 @@ struct EngineObject {
     pthread_cond_t cond;
     int sync_ok;
     inreq_t *in_head, *in_tail;
-    size_t in_count;
+    size_t in_count;           /* at most IN_QUEUE_MAX: more requests are dropped, counted */
     xfer_t *pending;
     peer_t *peers;
     uint64_t next_req_id;

@@ -188,7 +188,8 @@ class WorkerHalf:
                     continue
                 released = parse_release(msg.payload)
                 if released is None:
-                    logger.warning("unknown message of %d bytes ignored", len(msg.payload))
+                    # not a warning: any peer on the control channel could fill the log
+                    logger.debug("unknown message of %d bytes ignored", len(msg.payload))
                     continue
                 request_id, token = released
                 valid = self.leases.release(request_id, token, time.monotonic())

@@ -365,3 +365,44 @@ def test_close_with_live_transfers_is_safe(echo_server: Server) -> None:
         transfer.wait(1.0) if transfer.poll() == "error" else peer.request(b"y")
     with pytest.raises(TransportError):
         engine.register(1 << 20, 4096)
+
+
+def test_request_ids_cannot_be_guessed(tls: str) -> None:
+    """Security review finding 8: replies are matched by request id, so a peer that could guess
+    pending ids could answer a decode's release with its own "ok". Ids are 64 random bits, not
+    1, 2, 3..."""
+    with UcxEngine(name="test-ids-server") as server, UcxEngine(name="test-ids-client") as client:
+        peer = client.connect(server.address)
+        sent = [peer.request(b"done %d" % i) for i in range(32)]
+        got: list[Any] = []
+        deadline = time.monotonic() + DEADLINE_S
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            server.wait_requests(0.1)
+            got += server.poll_requests()
+        ids = [r._req_id for r in got]
+        assert len(ids) == 32 and len(set(ids)) == 32 and 0 not in ids
+        assert max(ids) > 2**40  # sequential ids would all be below 33
+        assert sum(b - a == 1 for a, b in zip(ids, ids[1:], strict=False)) == 0
+        for request in got:
+            request.reply(b"ok")
+        for transfer in sent:  # control: each reply still finds its own request
+            transfer.wait(DEADLINE_S)
+            assert transfer.result() == b"ok"
+
+
+def test_a_request_flood_is_dropped_past_the_queue_cap(tls: str) -> None:
+    """Security review finding 15: requests nobody drains (a peer flooding the prefill's control
+    channel) are queued up to 16,384, then dropped and counted, never grown without bound."""
+    cap, extra = 16384, 200
+    with UcxEngine(name="test-flood-server") as server, \
+            UcxEngine(name="test-flood-client") as client:
+        peer = client.connect(server.address)
+        dropped = server.dropped_messages
+        transfers = [peer.request(b"renew x y") for _ in range(cap + extra)]
+        deadline = time.monotonic() + 60
+        while server.dropped_messages - dropped < extra and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.dropped_messages - dropped == extra
+        assert len(server.poll_requests()) == cap
+        peer.abort()
+        del transfers

@@ -111,3 +111,13 @@ def test_renewals_never_outlive_the_life_cap() -> None:
     assert t.take_finished() == {"r1"}
     assert t.num_expired == 1
     assert now == 40  # the cap, though every renewal asked for 10 s more
+
+
+def test_early_releases_are_bounded() -> None:
+    """Review finding 15: made-up early releases cannot grow the prefill's memory."""
+    t = LeaseTable(max_early=3)
+    for i in range(10):
+        assert t.release(f"made-up-{i}", TOK, now=float(i)) is True
+    assert len(t._early) == 3
+    t.grant("made-up-9", 30.0, TOK, 10.0)  # the newest is still remembered
+    assert t.take_finished() == {"made-up-9"}
