@@ -95,6 +95,10 @@ class RouterSettings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """Accepted ``Authorization: Bearer`` keys (``--api-key``, repeatable; ``PDSERVE_API_KEY``,
     comma-separated); empty = no authentication. ``/health`` and ``/metrics`` stay open."""
+    admin_api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Keys that may also read ``/workers`` (``--admin-api-key``; ``PDSERVE_ADMIN_API_KEY``):
+    with ``api_keys`` set, ``/workers`` (internal URLs, loads, the cache model's view of any
+    prompt) answers 403 to every other key; admin keys pass everywhere."""
     cluster_secret: str | None = field(default=None, repr=False)
     """Cluster keyring text (``PDSERVE_CLUSTER_SECRET``): the router signs every
     ``kv_transfer_params`` it sends so workers act only on its (kvtransfer.signing)."""
@@ -130,7 +134,7 @@ class RouterSettings:
                      "load_poll_interval_s", "disagg_min_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if any(not k or k != k.strip() for k in self.api_keys):
+        if any(not k or k != k.strip() for k in (*self.api_keys, *self.admin_api_keys)):
             raise ConfigError("api keys must be non-empty and have no surrounding spaces")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(
@@ -178,6 +182,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", dest="api_keys", action="append",
                    help="require 'Authorization: Bearer <key>' on the API and /workers "
                    "(repeatable; PDSERVE_API_KEY, comma-separated)")
+    p.add_argument("--admin-api-key", dest="admin_api_keys", action="append",
+                   help="a key that may also read /workers (repeatable; PDSERVE_ADMIN_API_KEY, "
+                   "comma-separated); with --api-key set, other keys get 403 there")
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     return p
 
@@ -234,6 +241,9 @@ def load(
     keys = env.get("PDSERVE_API_KEY")
     if keys:
         values["api_keys"] = tuple(k.strip() for k in keys.split(",") if k.strip())
+    admin = env.get("PDSERVE_ADMIN_API_KEY")
+    if admin:
+        values["admin_api_keys"] = tuple(k.strip() for k in admin.split(",") if k.strip())
     values["cluster_secret"] = env.get("PDSERVE_CLUSTER_SECRET") or None
     values["cluster_secret_file"] = env.get("PDSERVE_CLUSTER_SECRET_FILE") or None
     args = _parser().parse_args(list(argv) if argv is not None else None)
@@ -242,5 +252,5 @@ def load(
     own = {f.name for f in fields(RouterSettings)} - set(shared.COMMANDS["router"])
     for name, value in vars(args).items():
         if value is not None and name in own:
-            values[name] = tuple(value) if name == "api_keys" else value
+            values[name] = tuple(value) if name in ("api_keys", "admin_api_keys") else value
     return RouterSettings(**values)  # type: ignore[arg-type]

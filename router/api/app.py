@@ -437,7 +437,8 @@ def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None
     app.state.router = service
     install_error_handlers(app)
     if settings.api_keys:
-        app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(settings.api_keys))
+        admin = ApiKeys(settings.admin_api_keys) if settings.admin_api_keys else None
+        app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(settings.api_keys), admin=admin)
     app.add_middleware(RequestIdMiddleware)  # outermost: 401s carry x-request-id too
 
     @app.post("/v1/completions")

@@ -1,8 +1,11 @@
 """API keys on the router (``--api-key``, as ``vllm serve --api-key``): OpenAI-style 401.
 
 Every path needs ``Authorization: Bearer <key>`` except the probes (``/health``, ``/metrics``),
-which orchestrators and Prometheus scrape without credentials. Keys are compared in constant
-time, each one, so the answer time says nothing about which key or how much of it matched.
+which orchestrators and Prometheus scrape without credentials. ``/workers`` (internal URLs and
+loads, and with ``?prompt=`` the router's cache model's view of any prompt: an oracle on other
+tenants' prompts) needs an admin key (``--admin-api-key``): 403 for any other. Keys are compared
+in constant time, each one, so the answer time says nothing about which key or how much of it
+matched.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from router.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+ADMIN_PATHS = frozenset({"/workers"})
 
 
-def _error(message: str, code: str) -> bytes:
+def _error(message: str, code: str, status: int = 401) -> bytes:
     """The envelope, serialised as every other error of the router (starlette's compact JSON)."""
-    return bytes(JSONResponse(APIError(message, status=401, code=code).to_dict()).body)
+    return bytes(JSONResponse(APIError(message, status=status, code=code).to_dict()).body)
 
 
 class ApiKeys:
@@ -46,9 +50,11 @@ class ApiKeys:
 class ApiKeyMiddleware:
     """Answers 401 in OpenAI's error envelope unless the request carries a valid key."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+    def __init__(self, app: ASGIApp, keys: ApiKeys, admin: ApiKeys | None = None) -> None:
         self.app = app
         self.keys = keys
+        self.admin = admin
+        """Keys that pass everywhere, ``ADMIN_PATHS`` included (None: nobody reads those)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
@@ -59,15 +65,25 @@ class ApiKeyMiddleware:
             if key == b"authorization":
                 header = value.decode("latin-1")
                 break
-        if self.keys.allows(header):
+        is_admin = self.admin is not None and self.admin.allows(header)
+        if scope.get("path") in ADMIN_PATHS:
+            allowed = is_admin
+        else:
+            allowed = is_admin or self.keys.allows(header)
+        if allowed:
             await self.app(scope, receive, send)
             return
+        status = 401
         if header is None:
             body = _error("You didn't provide an API key. Provide it in the Authorization "
                           "header as 'Bearer <key>'.", "missing_api_key")
+        elif self.keys.allows(header):
+            status = 403
+            body = _error("this path needs an admin key (--admin-api-key)",
+                          "admin_key_required", status)
         else:
             body = _error("Incorrect API key provided.", "invalid_api_key")
-        await send({"type": "http.response.start", "status": 401,
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"www-authenticate", b'Bearer realm="pdserve"'),
                                 (b"content-length", str(len(body)).encode())]})

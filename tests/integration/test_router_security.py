@@ -12,6 +12,7 @@ from tests.fakes.fake_worker import FakeWorker
 from tests.support.router import calls
 
 KEY = "sk-test-0123456789"
+ADMIN = "sk-admin-0123456789"
 SECRET = "cluster-secret-0123456789abcdef"
 BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 4}
 
@@ -19,7 +20,7 @@ BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 4}
 def test_api_key_guards_the_api_and_workers_but_not_probes(
         fakes: dict[str, FakeWorker], start_router: Callable[..., str],
         client: httpx.Client) -> None:
-    url = start_router(api_keys=(KEY, "sk-second-key-000"))
+    url = start_router(api_keys=(KEY, "sk-second-key-000"), admin_api_keys=(ADMIN,))
     for headers, code in (({}, "missing_api_key"),
                           ({"Authorization": "Bearer sk-wrong"}, "invalid_api_key"),
                           ({"Authorization": f"Basic {KEY}"}, "invalid_api_key")):
@@ -38,8 +39,15 @@ def test_api_key_guards_the_api_and_workers_but_not_probes(
     ok = client.post(url + "/v1/completions", json=BODY,
                      headers={"Authorization": "Bearer sk-second-key-000"})
     assert ok.status_code == 200, ok.text
-    assert client.get(url + "/workers", headers={"Authorization": f"Bearer {KEY}"}
+    # /workers (internal URLs, loads, a prompt oracle) is for admins: 403 for a client key
+    # (review finding 10); control: the admin key reads it, and works on the API too.
+    denied = client.get(url + "/workers", params={"prompt": "a guess at another tenant"},
+                        headers={"Authorization": f"Bearer {KEY}"})
+    assert denied.status_code == 403 and denied.json()["error"]["code"] == "admin_key_required"
+    assert client.get(url + "/workers", headers={"Authorization": f"Bearer {ADMIN}"}
                       ).status_code == 200
+    assert client.post(url + "/v1/completions", json=BODY,
+                       headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
     # The router's key is not handed on to the workers.
     sent = [r for f in fakes.values() for r in f.requests]
     assert sent and all("authorization" not in r.headers for r in sent)
