@@ -303,25 +303,36 @@ class WorkerHalf:
             noise = torch.randn(tensor.index_select(dim, index).shape, generator=gen)
             tensor.index_copy_(dim, index, noise.to(tensor.dtype))
 
+    def _abort(self, request_id: str, pull: _Pull, now: float) -> bool:
+        """Abort ``pull``'s peer (every read on it stops; it is reconnected on next use);
+        False when the abort failed: reads may still land, so the blocks stay withheld from
+        vLLM and the abort is tried again after ``pull_timeout_s``."""
+        try:
+            pull.peer.abort()
+        except Exception as exc:  # the engine must not die of it
+            logger.error("abort of the pull of %s failed (%s); retrying in %.0f s",
+                         request_id, exc, self.config.pull_timeout_s)
+            pull.deadline = now + self.config.pull_timeout_s
+            return False
+        self._peers = {k: v for k, v in self._peers.items() if v.peer is not pull.peer}
+        return True
+
     def poll(self) -> tuple[set[str], set[str]]:
         """Advance pulls and leases; returns (finished sending, finished receiving)."""
         now = time.monotonic()
         for request_id, pull in list(self._pulls.items()):
             status = pull.transfer.poll()
-            if status == "pending" and now > pull.deadline:
-                try:
-                    pull.peer.abort()  # no late write may land in blocks vLLM will reuse
-                except Exception as exc:  # the engine must not die of it
-                    # Reads may still land: keep the blocks out of vLLM's hands and try the
-                    # abort again later, rather than recompute into them now.
-                    logger.error("abort of the pull of %s failed (%s); retrying in %.0f s",
-                                 request_id, exc, self.config.pull_timeout_s)
-                    pull.deadline = now + self.config.pull_timeout_s
+            timed_out = status == "pending" and now > pull.deadline
+            # A failed read may still have GETs in flight (a batch failed part-way, or the
+            # control endpoint failed while data still flows): quiesce them before vLLM may
+            # recompute into those blocks (security review finding 16), as after a timeout.
+            if timed_out or (status == "error" and pull.phase is _Phase.READ):
+                if not self._abort(request_id, pull, now):
                     continue
-                self._peers = {k: v for k, v in self._peers.items() if v.peer is not pull.peer}
                 del self._pulls[request_id]
                 self._fail(pull.spec, f"timeout in {pull.phase.value} after "
-                                      f"{self.config.pull_timeout_s} s")
+                                      f"{self.config.pull_timeout_s} s" if timed_out else
+                           f"{pull.phase.value}: {pull.transfer.error}")
                 continue
             if status == "error":
                 del self._pulls[request_id]
