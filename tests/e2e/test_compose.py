@@ -4,9 +4,10 @@ Builds what is missing (Docker engine, base image by debootstrap, images; see
 tests/support/compose.py), brings the cluster up with docker-compose 1.29, streams a completion
 through the published router port with the OpenAI SDK, checks from the workers' own metrics that
 the prompt's KV was pulled from prefill to decode, that Prometheus scrapes the router and the
-workers, that the autoscaler (``--profile autoscale``) grows decode to two serving replicas
-under load and drains it back to one after, and that ``down -v`` leaves no container, network
-or volume of the project.
+workers, that Redis and the workers' /v1 refuse callers on the compose network without the
+generated secrets, that the autoscaler (``--profile autoscale``) grows decode to two serving
+replicas under load and drains it back to one after, and that ``down -v`` leaves no container,
+network or volume of the project.
 """
 
 from __future__ import annotations
@@ -92,8 +93,15 @@ class Cluster:
             return {"error": repr(exc)}
 
     def all_healthy(self) -> dict[str, str]:
+        """Health of every long-running container (the one-shot ``secrets`` has exited)."""
+        one_shot = set(self.containers("secrets"))
         ids = self.compose("ps", "-q").stdout.split()
-        return {cid[:12]: c.container_health(cid) for cid in ids}
+        return {cid[:12]: c.container_health(cid) for cid in ids if cid not in one_shot}
+
+    def exec_sh(self, container: str, script: str) -> str:
+        """stdout of ``sh -c script`` inside ``container``."""
+        return c.run([c.docker_cli(), "exec", container, "sh", "-c", script],
+                     timeout_s=60).stdout
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +123,9 @@ def cluster(images: c.Images) -> Iterator[Cluster]:
         cl.compose("up", "-d", "--no-build", timeout_s=UP_TIMEOUT_S)
         eventually(cl.all_healthy, lambda h: bool(h) and set(h.values()) == {"healthy"},
                    timeout_s=120, interval_s=1)
+        (secrets,) = cl.containers("secrets")  # made the keyring and Redis password
+        state = json.loads(c.run([c.docker_cli(), "inspect", secrets], timeout_s=60).stdout)
+        assert (state[0]["State"]["Status"], state[0]["State"]["ExitCode"]) == ("exited", 0)
         print(f"compose up: {time.monotonic() - started:.0f} s; image steps {images.timings_s}")
         yield cl
     except Exception:
@@ -181,6 +192,53 @@ def test_gpu_profile_reserves_nvidia_gpus_with_the_cuda_image() -> None:
     assert "hf-cache" in compose["volumes"]
 
 
+PDSERVE_SERVICES = ("router", "prefill", "decode", "prefill-gpu", "decode-gpu", "autoscaler")
+
+
+def test_secrets_are_generated_and_each_service_gets_only_its_own() -> None:
+    """Structure (the e2e below checks it in force): a one-shot `secrets` service fills two
+    volumes; the router and workers read the cluster keyring as a file, every pdserve process
+    gets PDSERVE_REDIS_URL from the entrypoint wrapper (no --redis-url on a command line, which
+    would win over it), Redis requires the password, Prometheus's lifecycle API is off."""
+    yaml = pytest.importorskip("yaml", reason="PyYAML not installed")
+    compose = yaml.safe_load((c.DEPLOY / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"redis-password", "cluster-secret"} <= set(compose["volumes"])
+    secrets = services["secrets"]
+    assert secrets["restart"] == "no"
+    assert set(secrets["volumes"]) == {"redis-password:/run/pdserve-secrets/redis",
+                                       "cluster-secret:/run/pdserve-secrets/cluster"}
+    # the user's values reach only this service, which writes them into the volumes
+    assert secrets["environment"] == {"PDSERVE_CLUSTER_SECRET": "${PDSERVE_CLUSTER_SECRET:-}",
+                                      "PDSERVE_REDIS_PASSWORD": "${PDSERVE_REDIS_PASSWORD:-}"}
+    redis_ro = "redis-password:/run/pdserve-secrets/redis:ro"
+    cluster_ro = "cluster-secret:/run/pdserve-secrets/cluster:ro"
+    for name in PDSERVE_SERVICES:
+        svc = services[name]
+        assert "PDSERVE_REDIS_URL" in " ".join(svc["entrypoint"]), name
+        assert not [a for a in svc["command"] if "redis://" in a or a == "--redis-url"], name
+        env = svc.get("environment", {})
+        assert "PDSERVE_CLUSTER_SECRET" not in env and "PDSERVE_REDIS_URL" not in env, name
+        assert redis_ro in svc["volumes"], name
+        if name == "autoscaler":  # Redis only; it never calls a worker's /v1
+            assert cluster_ro not in svc["volumes"] and "PDSERVE_CLUSTER_SECRET_FILE" not in env
+        else:
+            assert cluster_ro in svc["volumes"], name
+            assert env["PDSERVE_CLUSTER_SECRET_FILE"] == "/run/pdserve-secrets/cluster/keyring"
+        # started after Redis (which waits for the secrets): the password file exists
+        assert {"redis", "router"} & set(svc["depends_on"]), name
+    redis = services["redis"]
+    assert "requirepass" in " ".join(redis["command"])
+    assert "protected-mode" not in " ".join(redis["command"])
+    assert redis["volumes"] == [redis_ro]
+    assert redis["depends_on"] == {"secrets": {"condition": "service_completed_successfully"}}
+    assert "REDISCLI_AUTH" in " ".join(redis["healthcheck"]["test"])
+    for name in ("prometheus", "grafana"):
+        mounts = " ".join(services[name].get("volumes", []))
+        assert "pdserve-secrets" not in mounts, name
+    assert "--web.enable-lifecycle" not in services["prometheus"]["command"]
+
+
 def _stream(cluster: Cluster, prompt: str, max_tokens: int = 16) -> str:
     from openai import OpenAI
 
@@ -209,6 +267,56 @@ def test_stream_goes_prefill_pull_decode(cluster: Cluster) -> None:
     eventually(lambda: cluster.metrics(prefill),
                lambda m: m.get("pdserve_kv_leases_released_total", 0)
                > before_p.get("pdserve_kv_leases_released_total", 0), timeout_s=30)
+
+
+REDIS_AUTH = 'REDISCLI_AUTH="$(cat /run/pdserve-secrets/redis/password)"'
+# Run in the router's container: worker URL -> status of GET without a key, with the router's
+# key (derived from the mounted cluster keyring, as the router does) and of /health.
+PROBE_WORKERS = """
+import json, sys, urllib.error, urllib.request as u
+from kvtransfer.signing import KeyringFile
+key = KeyringFile("/run/pdserve-secrets/cluster/keyring").current().worker_api_keys[0]
+def status(url, headers):
+    try:
+        return u.urlopen(u.Request(url, headers=headers), timeout=10).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+out = {}
+for host in sys.argv[1:]:
+    base = f"http://{host}:8100"
+    out[host] = {"models": status(base + "/v1/models", {}),
+                 "models_wrong_key": status(base + "/v1/models",
+                                            {"Authorization": "Bearer " + "0" * 64}),
+                 "models_key": status(base + "/v1/models", {"Authorization": "Bearer " + key}),
+                 "health": status(base + "/health", {})}
+print(json.dumps(out))
+"""
+
+
+def test_redis_and_worker_apis_refuse_callers_without_the_secrets(cluster: Cluster) -> None:
+    """The secrets the `secrets` service generated are in force on the compose network: Redis
+    answers NOAUTH without its password (inside its container and from another one), a
+    worker's /v1 answers 401 without the router's key or with a wrong one. Controls: with the
+    password Redis answers PONG; with the key derived from the keyring /v1 answers 200, and
+    /health needs no key."""
+    (redis,) = cluster.containers("redis")
+    (router,) = cluster.containers("router")
+    assert "NOAUTH" in cluster.exec_sh(redis, "redis-cli ping 2>&1 || true")
+    assert cluster.exec_sh(redis, f"{REDIS_AUTH} redis-cli ping").strip() == "PONG"
+    # from another container on the network (the router's image ships redis-cli)
+    assert "NOAUTH" in cluster.exec_sh(router, "redis-cli -h redis ping 2>&1 || true")
+    assert cluster.exec_sh(router, f"{REDIS_AUTH} redis-cli -h redis ping").strip() == "PONG"
+    out = c.run([c.docker_cli(), "exec", router, "python3", "-c", PROBE_WORKERS, "prefill",
+                 "decode"], timeout_s=60).stdout
+    statuses = json.loads(out)
+    assert statuses == {role: {"models": 401, "models_wrong_key": 401, "models_key": 200,
+                               "health": 200} for role in ("prefill", "decode")}, statuses
+    # the secrets are files, not in any container's config (docker inspect shows no value)
+    for cid in (router, *cluster.containers("prefill")):
+        env = json.loads(c.run([c.docker_cli(), "inspect", cid], timeout_s=60).stdout
+                         )[0]["Config"]["Env"]
+        assert not [e for e in env if e.startswith(("PDSERVE_CLUSTER_SECRET=",
+                                                    "PDSERVE_REDIS_URL="))], env
 
 
 def _prom(cluster: Cluster, query: str) -> list[dict]:
@@ -268,9 +376,10 @@ def _request(cluster: Cluster, max_tokens: int) -> bool:
 def _autoscaler_override(tmp: Path) -> Path:
     """Compose override: the autoscaler with AUTOSCALE_ARGS and the profile mounted."""
     (tmp / "profile.json").write_text(json.dumps(AUTOSCALE_PROFILE))
-    command = ["pdserve", "autoscale", "--actuator", "compose", "--redis-url",
-               "redis://redis:6379/0", "--router-url", "http://router:8000", "--metrics-port",
-               "9400", *AUTOSCALE_ARGS]
+    # no --redis-url: it would win over the PDSERVE_REDIS_URL (with the password) that the
+    # image's entrypoint wrapper builds from the secrets volume
+    command = ["pdserve", "autoscale", "--actuator", "compose", "--router-url",
+               "http://router:8000", "--metrics-port", "9400", *AUTOSCALE_ARGS]
     path = tmp / "autoscale.yml"
     path.write_text(json.dumps({"services": {"autoscaler": {
         "command": command, "volumes": [f"{tmp / 'profile.json'}:/profile.json:ro"]}}}))
@@ -309,6 +418,11 @@ def test_autoscaler_grows_decode_to_two_and_back(cluster: Cluster, tmp_path: Pat
                 marks["decode 2 serving"] = time.monotonic() - t0
                 decodes = cluster.containers("decode")
                 assert len(decodes) == 2 and first in decodes
+                # the clone got the secrets the compose file gives (volumes, env, entrypoint)
+                (clone,) = [d for d in decodes if d != first]
+                mounts = {m["Destination"] for m in json.loads(c.run(
+                    [c.docker_cli(), "inspect", clone], timeout_s=60).stdout)[0]["Mounts"]}
+                assert {"/run/pdserve-secrets/cluster", "/run/pdserve-secrets/redis"} <= mounts
                 before = {d: cluster.metrics(d).get("pdserve_kv_pulls_total", 0.0)
                           for d in decodes}
                 # Both decode replicas serve while the load goes on.
@@ -357,8 +471,8 @@ def test_autoscaler_grows_decode_to_two_and_back(cluster: Cluster, tmp_path: Pat
 
         # The decisions behind it, as the autoscaler recorded them in Redis.
         (redis_id,) = cluster.containers("redis")
-        raw = c.run([c.docker_cli(), "exec", redis_id, "redis-cli", "lrange",
-                     "pdserve:autoscaler:decisions", "0", "-1"], timeout_s=60).stdout
+        raw = cluster.exec_sh(redis_id,
+                              f"{REDIS_AUTH} redis-cli lrange pdserve:autoscaler:decisions 0 -1")
         decisions = [json.loads(line) for line in raw.splitlines() if line.strip()]
         moves = [(d["pool"], d["current"], d["desired"]) for d in reversed(decisions)
                  if d["current"] != d["desired"]]  # the log is newest first
