@@ -210,6 +210,7 @@ def vllm_env(kv_cache_gib: float, device: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.pop(ENV_SECRET, None)  # vLLM gets the keyring as a file, never the secret itself
     env.pop(ENV_API_KEYRING_FILE, None)  # only a worker's own launcher sets it
+    env.pop("PDSERVE_REDIS_URL", None)  # may carry the Redis password; vLLM needs no Redis
     env.setdefault("HF_HUB_OFFLINE", "1")
     for name, value in kv_cache_options(kv_cache_gib, device or vllm_device())[0].items():
         env.setdefault(name, value)

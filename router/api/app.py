@@ -47,6 +47,7 @@ from router.policy.base import CacheChanged, RouteRequest
 from router.policy.context import PolicyContext
 from router.policy.disagg import SelectiveDisaggregation
 from router.policy.hashing import block_hashes
+from router.policy.paths import WHOLE_PATHS, whole_request_role
 from router.state.cluster import ClusterSource, ClusterView
 from router.state.load import LoadTracker
 from router.state.registry import WorkerRecord, WorkerRegistry
@@ -144,10 +145,12 @@ class RouterService:
             except OSError as exc:
                 logger.warning("cannot append to timeline file %s: %s", path, exc)
 
-    def _admit(self, model: str, pd_ok: bool) -> None:
-        """429 with ``Retry-After`` when a pool the request needs is full (policy.admission)."""
+    def _admit(self, model: str, whole: str | None) -> None:
+        """429 with ``Retry-After`` when a pool the request needs is full (policy.admission):
+        prefill and decode, or the one pool that serves it whole (``whole``)."""
         assert self.proxy is not None
-        pools = (("prefill", True), ("decode", False)) if pd_ok else (("aggregated", True),)
+        pools = (("prefill", True), ("decode", False)) if whole is None else \
+            ((whole, whole != "decode"),)
         for role, prefill in pools:
             verdict = admit(self.proxy.pool(role, model), self.limits, prefill=prefill)
             if not verdict.admit:
@@ -243,27 +246,25 @@ class RouterService:
         clock.model = req.model  # a registered model: a bounded metric label
         roles = {r.role for r in records}
         pd_ok = {"prefill", "decode"} <= roles
-        if not pd_ok and "aggregated" not in roles:
-            missing = "prefill" if "prefill" not in roles else "decode"
-            raise APIError(f"no live {missing} worker for model '{req.model}'", status=503,
-                           code="no_workers_available", type="service_unavailable")
+        whole = None if pd_ok else whole_request_role(roles)
         token_ids = await self._check_context(req, records, body)
         if not token_ids:  # no tokenizer on this host: place by the text itself
             self.metrics.tokenizer_fallbacks.inc()
             token_ids = approximate_ids(_prompt_text(req))
         self.metrics.requests_received.labels(endpoint=endpoint.name, model_name=req.model).inc()
-        self._admit(req.model, pd_ok)
+        self._admit(req.model, whole)
         # hashed once here; prefix-aware policies and the load accounting reuse the blocks
         route = RouteRequest(request_id=clock.upstream_id, model=req.model,
                              prompt_token_ids=token_ids, block_hashes=block_hashes(token_ids))
         clock.mark("validated")
         assert self.proxy is not None, "RouterService.start() was not awaited"
         stream = bool(req.stream)
-        if not pd_ok:  # aggregated workers only
-            clock.path = "aggregated"
-            self.metrics.paths.labels(path="aggregated", reason="no_pd_pool").inc()
+        if whole is not None:  # no P/D pair: any worker that can run the model serves it whole
+            path, reason = WHOLE_PATHS[whole]
+            clock.path = path
+            self.metrics.paths.labels(path=path, reason=reason).inc()
             return await self.proxy.decode(endpoint, body, None, route, incoming, stream=stream,
-                                           clock=clock, role="aggregated")
+                                           clock=clock, role=whole)
         if self.disagg.enabled:
             target = self.proxy.peek_decode(route)
             choice = self.disagg.decide(route, target.worker_id) if target else None
@@ -274,8 +275,20 @@ class RouterService:
                                                stream=stream, clock=clock, first_choice=target)
         continue_from_prefill = self.settings.first_token_from_prefill and \
             first_token.eligible(endpoint, body)
-        result = await self.proxy.prefill(endpoint, body, route, incoming, clock,
-                                          token_ids=continue_from_prefill)
+        try:
+            result = await self.proxy.prefill(endpoint, body, route, incoming, clock,
+                                              token_ids=continue_from_prefill)
+        except APIError as err:
+            if err.status < 500 or not self.cluster.workers("decode", req.model):
+                raise
+            # Every prefill failed (or none is left): a decode worker is a complete vLLM and
+            # computes the prompt itself; nothing was leased, so nothing can be stranded.
+            logger.warning("prefill failed (%s); the request is served whole by a decode worker",
+                           err.message)
+            clock.path = "decode_only"
+            self.metrics.paths.labels(path="decode_only", reason="prefill_failed").inc()
+            return await self.proxy.decode(endpoint, body, None, route, incoming,
+                                           stream=stream, clock=clock)
         if isinstance(result, Response):
             return result
         if isinstance(result, WorkerRecord):  # mixed fleet: the policy chose a plain worker

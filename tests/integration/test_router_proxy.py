@@ -14,7 +14,7 @@ from router.config import RouterSettings
 from router.state.registry import WorkerRecord
 from serve.redis_server import RedisServer, start_redis
 from tests.fakes.fake_worker import DECODE_PIECES, FakeWorker, ServerThread
-from tests.support.router import calls, register, stream_request, wait_metrics
+from tests.support.router import calls, deregister, register, stream_request, wait_metrics
 
 
 def _upstream(prefill: FakeWorker) -> str:
@@ -151,10 +151,12 @@ def test_missing_kv_transfer_params_is_an_upstream_error(
         client: httpx.Client) -> None:
     url = start_router()
     fakes["p0"].mode = fakes["p1"].mode = "no_kv_params"
+    fakes["d0"].mode = fakes["d1"].mode = "error_500"  # no fallback either: the error shows
     resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
     assert resp.status_code == 502
-    assert resp.json()["error"]["code"] == "missing_kv_transfer_params"
-    assert calls(fakes) == {"p0": 1, "p1": 1, "d0": 0, "d1": 0}
+    assert calls(fakes)["p0"] == 1 and calls(fakes)["p1"] == 1
+    wait_metrics(client, url, ['pdserve_router_upstream_errors_total{kind="missing_kv_transfer_'
+                               'params",role="prefill"} 2.0'])
 
 
 def test_prefill_client_error_is_relayed_not_retried(
@@ -247,15 +249,60 @@ def test_client_disconnect_mid_stream_releases_the_decode_slot(
 def test_no_live_workers_is_503(
         redis_server: RedisServer, start_router: Callable[..., str],
         workers: dict[str, FakeWorker], client: httpx.Client) -> None:
-    # A model with a prefill worker but no decode worker: answered 503 before any worker call
-    # (the prefill worker's URL is dead, so reaching it would give 502 instead).
-    register(redis_server.url, [_static_record("lonely-p", "prefill", "lonely")])
+    # A registered model whose every worker is gone: 503 before any worker call.
+    register(redis_server.url, [_static_record("gone-p", "prefill", "gone")])
+    try:
+        url = start_router()
+        models = client.get(url + "/v1/models").json()
+        assert {m["id"] for m in models["data"]} == {"tiny", "gone"}
+        client.post(url + "/v1/completions", json={"model": "gone", "prompt": "hi"})  # evicts
+        resp = client.post(url + "/v1/completions", json={"model": "gone", "prompt": "hi"})
+        assert resp.status_code in (404, 503), resp.text
+    finally:
+        deregister(redis_server.url, ["gone-p"])
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_lone_pool_serves_whole_requests(
+        role: str, redis_server: RedisServer, start_router: Callable[..., str],
+        workers: dict[str, FakeWorker], client: httpx.Client) -> None:
+    """Fault transparency (role fallback): with no prefill (or no decode) worker left for a
+    model, a worker of the other role, a complete vLLM, serves the whole request, with no
+    kv_transfer_params, instead of a 503."""
+    model = f"solo-{role}"  # a model of its own: records outlive the test in Redis
+    lone = FakeWorker(f"solo-{role}", role, model=model).start()  # type: ignore[arg-type]
+    try:
+        register(redis_server.url, [lone.record()])
+        url = start_router()
+        resp = client.post(url + "/v1/completions",
+                           json={"model": model, "prompt": "hi", "max_tokens": 5})
+        assert resp.status_code == 200, resp.text
+        (sent,) = lone.requests
+        assert "kv_transfer_params" not in sent.body and sent.body["max_tokens"] == 5
+        path = "decode_only" if role == "decode" else "prefill_whole"
+        reason = "no_prefill_worker" if role == "decode" else "no_decode_worker"
+        wait_metrics(client, url, [
+            f'pdserve_router_paths_total{{path="{path}",reason="{reason}"}} 1.0'])
+    finally:
+        lone.stop()
+        deregister(redis_server.url, [lone.worker_id])
+
+
+def test_when_every_prefill_fails_a_decode_serves_the_request_whole(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    """Role fallback mid-request: both prefills fail (5xx), so the decode computes the prompt
+    itself (nothing was leased). Control: test_completion_two_step_flow_sends_rewritten_bodies,
+    where the decode gets the prefill's params."""
     url = start_router()
-    resp = client.post(url + "/v1/completions", json={"model": "lonely", "prompt": "hi"})
-    assert resp.status_code == 503
-    assert resp.json()["error"]["code"] == "no_workers_available"
-    models = client.get(url + "/v1/models").json()
-    assert {m["id"] for m in models["data"]} == {"tiny", "lonely"}
+    fakes["p0"].mode = fakes["p1"].mode = "error_500"
+    resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "".join(DECODE_PIECES)
+    assert calls(fakes) == {"p0": 1, "p1": 1, "d0": 1, "d1": 0}
+    assert "kv_transfer_params" not in fakes["d0"].requests[0].body
+    wait_metrics(client, url, [
+        'pdserve_router_paths_total{path="decode_only",reason="prefill_failed"} 1.0'])
 
 
 def _static_record(worker_id: str, role: str, model: str) -> WorkerRecord:

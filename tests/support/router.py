@@ -40,6 +40,20 @@ def register(url: str, records: list[WorkerRecord], prefix: str = PREFIX) -> Non
     asyncio.run(go())
 
 
+def deregister(url: str, worker_ids: list[str], prefix: str = PREFIX) -> None:
+    """Remove ``worker_ids`` from the Redis registry at ``url`` (tests that add workers of
+    their own must not leave them to the next test)."""
+    async def go() -> None:
+        reg = WorkerRegistry(url, prefix=prefix, ttl_s=600)
+        try:
+            for worker_id in worker_ids:
+                await reg.deregister(worker_id)
+        finally:
+            await reg.close()
+
+    asyncio.run(go())
+
+
 def wait_healthy(url: str, timeout_s: float = 15.0,
                  proc: subprocess.Popen[bytes] | None = None) -> None:
     """Poll the router's /health until 200 (failing at once if its process ``proc`` exits)."""

@@ -57,5 +57,7 @@ def test_a_plain_vllm_never_inherits_the_worker_keyring(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_API_KEYRING_FILE, "/some/keyring")
     monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", SECRET)
+    monkeypatch.setenv("PDSERVE_REDIS_URL", "redis://:password@redis:6379/0")
     env = vllm_env(1, "cpu")
     assert ENV_API_KEYRING_FILE not in env and "PDSERVE_CLUSTER_SECRET" not in env
+    assert "PDSERVE_REDIS_URL" not in env  # the Redis password stays with the launcher
