@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import settings
 
 # No per-example deadline: hypothesis' default (200 ms) is a wall-clock bar, and on a shared
@@ -9,3 +11,24 @@ from hypothesis import settings
 # failed the run. Property tests here assert behaviour, never speed.
 settings.register_profile("pdserve", deadline=None)
 settings.load_profile("pdserve")
+
+
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: Any) -> None:
+    """Collect every phase's duration (setup: the shared clusters start there) per module."""
+    module = report.nodeid.split("::", 1)[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The suite's time budget per module (setup, call and teardown together), slowest first:
+    where a shared cluster starts, its module carries the start."""
+    if not _MODULE_SECONDS:
+        return
+    total = sum(_MODULE_SECONDS.values())
+    terminalreporter.write_sep("=", f"time per module (total {total / 60:.1f} min)")
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1]):
+        if seconds >= 1.0:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {module}")
