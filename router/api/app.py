@@ -27,11 +27,13 @@ from router.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     Endpoint,
+    completion_prompts,
     parse_json_body,
     requested_max_tokens,
     single_prompt,
     tokenize_model,
     validate_request,
+    whole_request_reason,
 )
 from router.api.timeline import PhaseClock
 from router.api.tokenization import TokenizerCache, approximate_ids
@@ -170,7 +172,13 @@ class RouterService:
             ids = await self.tokenizers.count_chat(ref.model_path, messages, body)
         else:
             assert isinstance(req, CompletionRequest)
-            ids = await self.tokenizers.count_completion(ref.model_path, single_prompt(req))
+            each = [await self.tokenizers.count_completion(ref.model_path, prompt)
+                    for prompt in completion_prompts(req)]
+            if any(e is None for e in each):
+                return ()
+            # the longest prompt of a batch bounds the checks; the first is placed by
+            routed = each[0]
+            ids = max(each, key=lambda e: len(e or ()))
         if ids is None:
             return ()
         max_tokens = requested_max_tokens(req)
@@ -195,7 +203,7 @@ class RouterService:
                 "length of the prompt or the completion.",
                 code="context_length_exceeded",
                 param="messages" if isinstance(req, ChatCompletionRequest) else "prompt")
-        return tuple(ids)
+        return tuple(ids if isinstance(req, ChatCompletionRequest) else routed or ())
 
     async def handle(self, endpoint: Endpoint, request: Request) -> Response:
         clock = PhaseClock.start(request.scope.get(SCOPE_KEY) or new_request_id())
@@ -247,6 +255,9 @@ class RouterService:
         roles = {r.role for r in records}
         pd_ok = {"prefill", "decode"} <= roles
         whole = None if pd_ok else whole_request_role(roles)
+        shape = whole_request_reason(req)  # n > 1 or a batch: one worker serves it whole
+        if whole is None and shape is not None:
+            whole = whole_request_role(roles - {"prefill"})
         token_ids = await self._check_context(req, records, body)
         if not token_ids:  # no tokenizer on this host: place by the text itself
             self.metrics.tokenizer_fallbacks.inc()
@@ -259,8 +270,9 @@ class RouterService:
         clock.mark("validated")
         assert self.proxy is not None, "RouterService.start() was not awaited"
         stream = bool(req.stream)
-        if whole is not None:  # no P/D pair: any worker that can run the model serves it whole
+        if whole is not None:  # no P/D pair, or a shape P/D does not split: served whole
             path, reason = WHOLE_PATHS[whole]
+            reason = shape or reason
             clock.path = path
             self.metrics.paths.labels(path=path, reason=reason).inc()
             return await self.proxy.decode(endpoint, body, None, route, incoming, stream=stream,

@@ -120,28 +120,17 @@ def validate_request(endpoint: Endpoint, body: dict[str, Any]) -> _OpenAIRequest
         req = schema.model_validate(body)
     except ValidationError as exc:
         raise _from_validation_error(exc) from exc
-    if req.n is not None and req.n > 1:
-        raise InvalidRequestError("n > 1 is not supported in prefill/decode disaggregated mode",
-                                  code="invalid_value", param="n")
-    if req.best_of is not None and req.best_of > 1:
-        raise InvalidRequestError(
-            "best_of > 1 is not supported in prefill/decode disaggregated mode",
-            code="invalid_value", param="best_of")
+    if req.best_of is not None and req.best_of > 1:  # vLLM's V1 engine refuses it too
+        raise InvalidRequestError("best_of > 1 is not supported", code="invalid_value",
+                                  param="best_of")
     max_tokens = requested_max_tokens(req)
     if req.min_tokens is not None and max_tokens is not None and req.min_tokens > max_tokens:
         raise InvalidRequestError(f"min_tokens ({req.min_tokens}) must be at most max_tokens "
                                   f"({max_tokens})", code="invalid_value", param="min_tokens")
-    if isinstance(req, CompletionRequest):
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise InvalidRequestError(
-                    "batched prompts are not supported in prefill/decode disaggregated mode; "
-                    "send one prompt per request", code="invalid_value", param="prompt")
-            prompt = prompt[0]
-        if len(prompt) == 0:
-            raise InvalidRequestError("'prompt' must not be empty", code="invalid_value",
-                                      param="prompt")
+    if isinstance(req, CompletionRequest) and \
+            any(len(p) == 0 for p in completion_prompts(req)):
+        raise InvalidRequestError("'prompt' must not be empty", code="invalid_value",
+                                  param="prompt")
     return req
 
 
@@ -152,12 +141,27 @@ def requested_max_tokens(req: _OpenAIRequest) -> int | None:
     return req.max_tokens
 
 
-def single_prompt(req: CompletionRequest) -> str | list[int]:
-    """The one prompt of a validated completion request."""
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """Every prompt of a completion request (a batch is a list of strings or of id lists)."""
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        return prompt[0]  # type: ignore[return-value]
-    return prompt  # type: ignore[return-value]
+        return list(prompt)  # type: ignore[arg-type]
+    return [prompt]  # type: ignore[list-item]
+
+
+def single_prompt(req: CompletionRequest) -> str | list[int]:
+    """The first prompt of a validated completion request (the one placement hashes)."""
+    return completion_prompts(req)[0]
+
+
+def whole_request_reason(req: _OpenAIRequest) -> str | None:
+    """Why ``req`` must run whole on one worker rather than split into prefill and decode (it
+    asks for several choices, or holds several prompts), or None."""
+    if req.n is not None and req.n > 1:
+        return "n_gt_1"
+    if isinstance(req, CompletionRequest) and len(completion_prompts(req)) > 1:
+        return "batched_prompts"
+    return None
 
 
 def tokenize_model(model: object, served: list[str]) -> str:

@@ -99,7 +99,7 @@ BAD_BODIES = [
      "invalid_value"),
     (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": "5"}).encode(), 400,
      "invalid_type"),
-    (json.dumps({"model": "tiny", "prompt": "x", "n": 3}).encode(), 400, "invalid_value"),
+    (json.dumps({"model": "tiny", "prompt": "x", "best_of": 3}).encode(), 400, "invalid_value"),
     (json.dumps({"model": "tiny", "prompt": "x", "temperature": "hot"}).encode(), 400,
      "invalid_type"),
     (json.dumps({"model": "tiny", "prompt": "x", "temperature": -1}).encode(), 400,
@@ -361,3 +361,22 @@ def test_dualmap_keeps_a_repeated_prompt_on_one_prefill_worker(
         assert resp.status_code == 200, resp.text
     seen = calls(fakes)
     assert sorted([seen["p0"], seen["p1"]]) == [0, 3]
+
+
+@pytest.mark.parametrize(("extra", "reason"), [
+    ({"n": 2}, "n_gt_1"), ({"prompt": ["hi", "bye"]}, "batched_prompts"),
+    ({"prompt": [[1, 2], [3, 4]], "n": 2, "stream": True}, "n_gt_1")])
+def test_several_choices_or_prompts_are_served_whole_by_a_decode(
+        extra: dict[str, object], reason: str, fakes: dict[str, FakeWorker],
+        start_router: Callable[..., str], client: httpx.Client) -> None:
+    """``n > 1`` and batched prompts (which vLLM serves, and P/D does not split) go whole to one
+    worker, unchanged; control: a single prompt with n=1 takes the prefill (the two-step test)."""
+    url = start_router()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, **extra}
+    resp = client.post(url + "/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert calls(fakes)["p0"] + calls(fakes)["p1"] == 0
+    (sent,) = [r for f in fakes.values() for r in f.requests]
+    assert sent.body == body  # the client's body as it is: no kv_transfer_params
+    wait_metrics(client, url, [
+        f'pdserve_router_paths_total{{path="decode_only",reason="{reason}"}} 1.0'])
