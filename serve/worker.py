@@ -83,9 +83,9 @@ class WorkerSettings:
     """Start a prefill or decode worker without a cluster secret (``--insecure``): anyone who
     reaches its port may then lease KV and make it pull; refused otherwise (fail closed)."""
     kv_events_port: int = 0
-    """Have vLLM publish its KV cache events on ZMQ at this port, bound to the advertised host
-    only, and advertise ``tcp://<advertise host>:PORT`` in the registry for routers run with
-    ``--kv-events``; 0 = off."""
+    """Have vLLM publish its KV cache events on ZMQ at this port (all interfaces: vLLM binds
+    no single host) and advertise ``tcp://<advertise host>:PORT`` in the registry for routers
+    run with ``--kv-events``; 0 = off."""
     cpus: str = "all"
     """Cores the worker and its engine run on: ``all``, ``role`` or a list (serve.cpu_layout)."""
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
@@ -119,11 +119,13 @@ ROUTER_BLOCK_TOKENS = 16
 events it follows must use a multiple of that block size."""
 
 
-def kv_events_config(port: int, host: str = "*") -> dict[str, object]:
-    """vLLM's ``--kv-events-config`` (``KVEventsConfig``) publishing on ZMQ at ``host:port``:
-    the address routers reach (the events carry prompt token ids, so not every interface)."""
-    bind = "*" if host in ("", "0.0.0.0", "::") else host
-    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{bind}:{port}",
+def kv_events_config(port: int) -> dict[str, object]:
+    """vLLM's ``--kv-events-config`` (``KVEventsConfig``) publishing on ZMQ at ``port``.
+
+    On every interface: vLLM binds only wildcard endpoints and *connects* to any other
+    (``ZmqEventPublisher._is_bind_endpoint``), so a worker cannot bind its advertised host
+    alone. The events carry prompt token ids: keep the port to the router's network."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
             "topic": "kv"}
 
 
@@ -321,8 +323,7 @@ class WorkerLauncher:
         if s.otlp_traces_endpoint:
             extra = ("--otlp-traces-endpoint", s.otlp_traces_endpoint, *extra)
         if s.kv_events_port:
-            events = kv_events_config(s.kv_events_port, s.advertise_host or s.host)
-            extra = ("--kv-events-config", json.dumps(events),
+            extra = ("--kv-events-config", json.dumps(kv_events_config(s.kv_events_port)),
                      *extra)
         cmd = vllm_command(s.model, s.host, self.port, self.served_name, kv, s.max_model_len,
                            extra)
@@ -430,9 +431,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="append each request's KV connector timeline (JSON lines)")
     parser.add_argument("--kv-events-port", type=int,
                         default=int(env("PDSERVE_WORKER_KV_EVENTS_PORT", "0")),
-                        help="have vLLM publish its KV cache events on this ZMQ port (bound "
-                             "to the advertised host) and advertise it for routers run with "
-                             "--kv-events (default 0 = off)")
+                        help="have vLLM publish its KV cache events on this ZMQ port (all "
+                             "interfaces) and advertise it for routers run with --kv-events "
+                             "(default 0 = off)")
     parser.add_argument("--cpus", default=env("PDSERVE_WORKER_CPUS", "all"),
                         help="cores of this worker's engine: all (default), role (prefill the "
                              "first half of the cores, decode the second), or a list like 0-3")
