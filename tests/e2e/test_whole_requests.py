@@ -27,18 +27,22 @@ def _texts(base: str, body: dict[str, Any]) -> list[tuple[int, str]]:
 def test_n_and_batched_prompts_equal_a_plain_server(cluster: Cluster, plain: Plain,
                                                     tiny_model_dir: Path) -> None:
     short, long = make_prompts(tiny_model_dir, [20, 200], seed=41, tag="whole")
-    for extra in ({"prompt": long, "n": 2}, {"prompt": [short, long]},
-                  {"prompt": [short, long], "n": 2}):
-        body = {"model": SERVED_NAME, "max_tokens": 8, "temperature": 0, **extra}
+    # n > 1 needs sampling (vLLM refuses it with greedy): seeded, so both servers draw the same
+    sampled = {"temperature": 0.8, "seed": 7}
+    for extra in ({"prompt": long, "n": 2, **sampled}, {"prompt": [short, long], "temperature": 0},
+                  {"prompt": [short, long], "n": 2, **sampled}):
+        body = {"model": SERVED_NAME, "max_tokens": 8, **extra}
         ours, ref = _texts(cluster.url, body), _texts(plain.url, body)
         assert ours == ref, extra
         assert len(ours) == (2 if "n" in extra else 1) * (2 if isinstance(extra["prompt"], list)
                                                          else 1)
+        if "n" in extra:  # two real samples, not one answer twice
+            assert len({text for _, text in ours}) > 1, ours
 
 
 def test_a_streamed_n_2_equals_a_plain_server(cluster: Cluster, plain: Plain) -> None:
     body = {"model": SERVED_NAME, "prompt": "the copper lantern", "max_tokens": 6,
-            "temperature": 0, "n": 2, "stream": True}
+            "temperature": 0.8, "seed": 7, "n": 2, "stream": True}
 
     def stream(base: str) -> dict[int, str]:
         texts: dict[int, str] = {}
