@@ -147,6 +147,11 @@ class RouterService:
             except OSError as exc:
                 logger.warning("cannot append to timeline file %s: %s", path, exc)
 
+    def _took(self, clock: PhaseClock, path: str, reason: str) -> None:
+        """``clock``'s request takes ``path`` for ``reason`` (``pdserve_router_paths_total``)."""
+        clock.path = path
+        self.metrics.paths.labels(path=path, reason=reason).inc()
+
     def _admit(self, model: str, whole: str | None) -> None:
         """429 with ``Retry-After`` when a pool the request needs is full (policy.admission):
         prefill and decode, or the one pool that serves it whole (``whole``)."""
@@ -169,18 +174,16 @@ class RouterService:
         max_model_len = min(r.max_model_len for r in records)
         if isinstance(req, ChatCompletionRequest):
             messages = [m.model_dump() for m in req.messages]
-            ids = await self.tokenizers.count_chat(ref.model_path, messages, body)
+            each = [await self.tokenizers.count_chat(ref.model_path, messages, body)]
         else:
             assert isinstance(req, CompletionRequest)
             each = [await self.tokenizers.count_completion(ref.model_path, prompt)
                     for prompt in completion_prompts(req)]
-            if any(e is None for e in each):
-                return ()
-            # the longest prompt of a batch bounds the checks; the first is placed by
-            routed = each[0]
-            ids = max(each, key=lambda e: len(e or ()))
-        if ids is None:
+        counted = [e for e in each if e is not None]
+        if len(counted) != len(each):
             return ()
+        # the longest prompt of a batch bounds the checks; the first is the one placed
+        routed, ids = counted[0], max(counted, key=len)
         max_tokens = requested_max_tokens(req)
         limit = self.settings.max_output_tokens
         if limit and max_tokens is not None and max_tokens > limit:
@@ -203,7 +206,7 @@ class RouterService:
                 "length of the prompt or the completion.",
                 code="context_length_exceeded",
                 param="messages" if isinstance(req, ChatCompletionRequest) else "prompt")
-        return tuple(ids if isinstance(req, ChatCompletionRequest) else routed or ())
+        return tuple(routed)
 
     async def handle(self, endpoint: Endpoint, request: Request) -> Response:
         clock = PhaseClock.start(request.scope.get(SCOPE_KEY) or new_request_id())
@@ -272,17 +275,14 @@ class RouterService:
         stream = bool(req.stream)
         if whole is not None:  # no P/D pair, or a shape P/D does not split: served whole
             path, reason = WHOLE_PATHS[whole]
-            reason = shape or reason
-            clock.path = path
-            self.metrics.paths.labels(path=path, reason=reason).inc()
+            self._took(clock, path, shape or reason)
             return await self.proxy.decode(endpoint, body, None, route, incoming, stream=stream,
                                            clock=clock, role=whole)
         if self.disagg.enabled:
             target = self.proxy.peek_decode(route)
             choice = self.disagg.decide(route, target.worker_id) if target else None
             if choice is not None and choice.path == "decode_only":
-                clock.path = "decode_only"
-                self.metrics.paths.labels(path="decode_only", reason=choice.reason).inc()
+                self._took(clock, "decode_only", choice.reason)
                 return await self.proxy.decode(endpoint, body, None, route, incoming,
                                                stream=stream, clock=clock, first_choice=target)
         continue_from_prefill = self.settings.first_token_from_prefill and \
@@ -297,28 +297,24 @@ class RouterService:
             # computes the prompt itself; nothing was leased, so nothing can be stranded.
             logger.warning("prefill failed (%s); the request is served whole by a decode worker",
                            err.message)
-            clock.path = "decode_only"
-            self.metrics.paths.labels(path="decode_only", reason="prefill_failed").inc()
+            self._took(clock, "decode_only", "prefill_failed")
             return await self.proxy.decode(endpoint, body, None, route, incoming,
                                            stream=stream, clock=clock)
         if isinstance(result, Response):
             return result
         if isinstance(result, WorkerRecord):  # mixed fleet: the policy chose a plain worker
-            clock.path = "aggregated"
-            self.metrics.paths.labels(path="aggregated", reason="aggregated_worker").inc()
+            self._took(clock, "aggregated", "aggregated_worker")
             return await self.proxy.decode(endpoint, body, None, route, incoming, stream=stream,
                                            clock=clock, role="aggregated", first_choice=result)
         kv_params, prefill_worker, answer = result
         logger.debug("prefill done on %s", prefill_worker.worker_id)
         first = first_token.parse_prefill(answer) if continue_from_prefill else None
         if first is not None:
-            clock.path = "pd_first_token"
-            self.metrics.paths.labels(path="pd_first_token", reason="eligible").inc()
+            self._took(clock, "pd_first_token", "eligible")
             return self.proxy.continue_stream(endpoint, body, first, kv_params, route, incoming,
                                               clock)
         reason = "prefill_token_unusable" if continue_from_prefill else "not_eligible"
-        clock.path = "pd"
-        self.metrics.paths.labels(path="pd", reason=reason).inc()
+        self._took(clock, "pd", reason)
         return await self.proxy.decode(endpoint, body, kv_params, route, incoming,
                                        stream=stream, clock=clock)
 

@@ -291,10 +291,12 @@ class PDProxy:
         retried: set[str] = set()
         last: UpstreamError | None = None
         last_exc: Exception | None = None  # None after a failed attempt: the worker answered
+        spent = False  # a decode may have pulled: every later attempt computes the prompt
         for attempt in range(self.settings.decode_retries + 1):
-            if attempt and kv_params is not None and may_have_reached(last_exc):
-                kv_params = None  # the params may be spent: this decode computes the prompt
-                self.metrics.kv_params_withdrawn.inc()
+            if attempt and kv_params is not None:
+                spent = spent or may_have_reached(last_exc)
+                if spent:
+                    self.metrics.kv_params_withdrawn.inc()
             last_exc = None
             if attempt == 0 and first_choice is not None:
                 worker: WorkerRecord | None = first_choice
@@ -308,7 +310,7 @@ class PDProxy:
                 self.metrics.upstream_retries.labels(role=role).inc()
             logger.debug("%s on %s (attempt %d)", role, worker.worker_id, attempt + 1)
             self.begin(role, route, worker)
-            content = plain if kv_params is None else \
+            content = plain if kv_params is None or spent else \
                 encode(decode_body(body, self.signed(kv_params, worker)))
             request = self.client.build_request("POST", worker.http_url + endpoint.path,
                                                 content=content, headers=headers,

@@ -400,6 +400,19 @@ async def test_a_decode_that_may_have_pulled_is_retried_without_the_params(
     assert rig.in_flight() == {}
 
 
+async def test_every_retry_after_a_reached_decode_goes_without_the_params(
+        rig_of: Callable[..., Rig]) -> None:
+    """Once spent, the params stay spent (a connect failure after it does not bring them
+    back), and each retry sent without them is counted, as on the first-token path."""
+    answer = {"choices": [{"text": "abc"}], "usage": {"prompt_tokens": 3,
+                                                      "completion_tokens": 3}}
+    rig = rig_of(p1=[], d1=[500], d2=[httpx.ConnectError], d3=[answer])
+    response = await decode(rig, stream=False)
+    assert response.status_code == 200
+    assert [("kv_transfer_params" in b) for b in rig.workers.bodies] == [True, False, False]
+    assert withdrawn(rig) == 2 and rig.retries("decode") == 2
+
+
 async def test_a_decode_never_reached_is_retried_with_the_params(
         rig_of: Callable[..., Rig]) -> None:
     """Negative control: connect refused means nothing reached that decode: the params are
