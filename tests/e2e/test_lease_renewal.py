@@ -45,6 +45,12 @@ def _decode(cluster: Cluster, url: str, prompt: str, params: dict[str, Any]) -> 
     return str(resp.json()["choices"][0]["text"])
 
 
+def _ask(peer: Any, payload: bytes) -> bytes:
+    reply = peer.request(payload)
+    reply.wait(10.0)
+    return bytes(reply.result())
+
+
 def test_renewed_lease_outlives_its_length(cluster: Cluster, plain: Plain,
                                            workers: dict[str, str],
                                            tiny_model_dir: Path) -> None:
@@ -57,10 +63,8 @@ def test_renewed_lease_outlives_its_length(cluster: Cluster, plain: Plain,
         peer = engine.connect(hs.ucx_address)
         deadline = time.monotonic() + LEASE_S + 4.0  # past the lease of both requests
         while time.monotonic() < deadline:  # what a decode does while the request queues
-            reply = peer.request(renew_message(keep["remote_request_id"],
-                                               keep["remote_lease_token"]))
-            reply.wait(10.0)
-            assert reply.result() == RELEASE_OK
+            assert _ask(peer, renew_message(keep["remote_request_id"],
+                                            keep["remote_lease_token"])) == RELEASE_OK
             time.sleep(LEASE_S / 3)
     d0 = scrape(workers["decode"])
     assert _decode(cluster, workers["decode"], renewed, keep) == \
@@ -78,12 +82,6 @@ def test_renewed_lease_outlives_its_length(cluster: Cluster, plain: Plain,
     p1 = scrape(workers["prefill"])
     assert value(p1, "pdserve_kv_leases_renewed_total") - \
         value(p0, "pdserve_kv_leases_renewed_total") >= 3
-
-
-def _ask(peer: Any, payload: bytes) -> bytes:
-    reply = peer.request(payload)
-    reply.wait(10.0)
-    return bytes(reply.result())
 
 
 def test_a_lease_is_released_once_and_only_with_its_token(cluster: Cluster, plain: Plain,

@@ -224,32 +224,28 @@ def running_plain(model_dir: Path) -> Iterator[Plain]:
         stop_plain(plain)
 
 
-def registered_engines(cluster: Cluster) -> dict[str, str]:
-    """HTTP URL -> engine id of the cluster's workers, read from the real Redis registry."""
+def registered_records(cluster: Cluster) -> list[Any]:
+    """The cluster's ``WorkerRecord``s, read from the real Redis registry."""
     from router.state.registry import WorkerRegistry
 
-    async def read() -> dict[str, str]:
+    async def read() -> list[Any]:
         registry = WorkerRegistry(cluster.redis_url)
         try:
-            return {r.http_url: r.engine_id for r in await registry.list()}
+            return list(await registry.list())
         finally:
             await registry.close()
 
     return asyncio.run(read())
 
 
+def registered_engines(cluster: Cluster) -> dict[str, str]:
+    """HTTP URL -> engine id of the cluster's workers (the real Redis registry)."""
+    return {r.http_url: r.engine_id for r in registered_records(cluster)}
+
+
 def registered_workers(cluster: Cluster) -> dict[str, str]:
-    """role -> HTTP URL of the cluster's workers, read from the real Redis registry."""
-    from router.state.registry import WorkerRegistry
-
-    async def read() -> dict[str, str]:
-        registry = WorkerRegistry(cluster.redis_url)
-        try:
-            return {r.role: r.http_url for r in await registry.list()}
-        finally:
-            await registry.close()
-
-    found = asyncio.run(read())
+    """role -> HTTP URL of the cluster's workers (the real Redis registry)."""
+    found = {r.role: r.http_url for r in registered_records(cluster)}
     assert set(found) == {"prefill", "decode"}, found
     return found
 

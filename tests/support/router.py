@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -27,31 +28,35 @@ def stream_request(chat: bool) -> tuple[str, dict[str, Any]]:
     return "/v1/completions", body
 
 
-def register(url: str, records: list[WorkerRecord], prefix: str = PREFIX) -> None:
-    """Register ``records`` in the Redis at ``url`` (10-minute TTL)."""
+def _with_registry(url: str, prefix: str,
+                   use: Callable[[WorkerRegistry], Awaitable[None]]) -> None:
     async def go() -> None:
         reg = WorkerRegistry(url, prefix=prefix, ttl_s=600)
         try:
-            for rec in records:
-                await reg.register(rec)
+            await use(reg)
         finally:
             await reg.close()
 
     asyncio.run(go())
+
+
+def register(url: str, records: list[WorkerRecord], prefix: str = PREFIX) -> None:
+    """Register ``records`` in the Redis at ``url`` (10-minute TTL)."""
+    async def use(reg: WorkerRegistry) -> None:
+        for rec in records:
+            await reg.register(rec)
+
+    _with_registry(url, prefix, use)
 
 
 def deregister(url: str, worker_ids: list[str], prefix: str = PREFIX) -> None:
     """Remove ``worker_ids`` from the Redis registry at ``url`` (tests that add workers of
     their own must not leave them to the next test)."""
-    async def go() -> None:
-        reg = WorkerRegistry(url, prefix=prefix, ttl_s=600)
-        try:
-            for worker_id in worker_ids:
-                await reg.deregister(worker_id)
-        finally:
-            await reg.close()
+    async def use(reg: WorkerRegistry) -> None:
+        for worker_id in worker_ids:
+            await reg.deregister(worker_id)
 
-    asyncio.run(go())
+    _with_registry(url, prefix, use)
 
 
 def wait_healthy(url: str, timeout_s: float = 15.0,
