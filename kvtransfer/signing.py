@@ -18,7 +18,8 @@ worker accepts a MAC once (:class:`SeenSignatures`). A blob that leaks (request 
 worker) is useless elsewhere and cannot be replayed. Parameters:
 
 - ``max_age_s`` (default 120 s): older (or more than this in the future: clock skew) is stale;
-  seen MACs are remembered this long, so a replay is refused for as long as it could verify.
+  seen MACs are remembered twice this long (the past and the future window), so a replay is
+  refused for as long as it could verify.
 """
 
 from __future__ import annotations
