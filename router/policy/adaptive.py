@@ -1,0 +1,230 @@
+"""Adaptive disaggregation: the path of each request, chosen from predicted TTFT and TPOT (pure).
+
+For every request the router hands :class:`AdaptivePaths` the live engines (flex workers can
+serve whole, prefill or decode; prefill, decode and aggregated workers what their role allows)
+and it plans (:mod:`router.policy.path_cost`):
+
+1. whole on an engine where it meets both SLOs without pushing the requests already decoding
+   there past the TPOT SLO: the one with the most of the prompt cached, then the least loaded by
+   its worst SLO ratio (``whole_meets_slo``; a whole request costs one engine, P/D two);
+2. else P/D between the best two prefill and best two decode engines, if one pair meets them;
+   the reason is why the best whole plan did not (``whole_misses_ttft``, ``whole_misses_tpot``,
+   ``whole_harms_admitted``);
+3. else the plan with the lowest worst-SLO ratio (``best_effort``).
+
+State, updated only through ``dispatched``/``finished`` with the caller's clock (nothing here
+reads a clock): a virtual prefill queue per engine (busy-until time, the DualMap-style TTFT
+estimate), the decayed prefill seconds per engine (its prefill share rho over the last
+``share_window_s``), the sequences each engine decodes with their expected output lengths, and a
+prefix-cache estimate per engine (every prompt it prefilled or pulled).
+
+Because the split is decided per request from this state, the share of the fleet prefilling and
+decoding follows the load: a burst of long prompts raises the engines' queues and shares until
+whole plans miss and P/D takes over on the engines with the least decode work; long generations
+fill the decode batches until whole plans are the cheaper ones again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from router.policy.base import Candidate, RouteRequest
+from router.policy.cache_model import DEFAULT_CAPACITY_BLOCKS, PrefixCacheModel
+from router.policy.hashing import DEFAULT_BLOCK_TOKENS
+from router.policy.path_cost import (
+    EngineLoad,
+    PathCosts,
+    PlanEstimate,
+    estimate_pd,
+    estimate_whole,
+)
+
+CAPABILITIES: dict[str, tuple[bool, bool, bool]] = {
+    "flex": (True, True, True),
+    "aggregated": (True, False, False),
+    "prefill": (False, True, False),
+    "decode": (True, False, True),
+}
+"""Role -> (whole, prefill, decode): what an engine of that role may do in a plan."""
+
+REASONS = ("whole_meets_slo", "whole_misses_ttft", "whole_misses_tpot", "whole_harms_admitted",
+           "best_effort", "forced", "no_pd_pair")
+"""Every ``reason`` a decision may carry (bounded metric labels)."""
+
+FORCED_PATHS = ("whole", "pd")
+
+
+@dataclass(frozen=True)
+class PathDecision:
+    """The plan taken, why, and the best plan of the other kind (None: there was none)."""
+
+    plan: PlanEstimate
+    reason: str
+    other: PlanEstimate | None = None
+
+
+@dataclass
+class _Engine:
+    busy_until_s: float = 0.0
+    share_s: float = 0.0
+    share_at_s: float = 0.0
+    decoding: dict[str, int] = field(default_factory=dict)
+    """Request id -> its expected output tokens."""
+
+
+class AdaptivePaths:
+    """Chooses whole or P/D per request; remembers what it dispatched where."""
+
+    def __init__(self, costs: PathCosts, ttft_slo_s: float, tpot_slo_s: float, *,
+                 share_window_s: float = 10.0, top_k: int = 2,
+                 capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
+                 block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+        if ttft_slo_s <= 0 or tpot_slo_s <= 0 or share_window_s <= 0 or top_k < 1:
+            raise ValueError("SLOs and share_window_s must be > 0 and top_k >= 1")
+        self.costs = costs
+        self.ttft_slo_s = ttft_slo_s
+        self.tpot_slo_s = tpot_slo_s
+        self.share_window_s = share_window_s
+        self.top_k = top_k
+        self.capacity_blocks = capacity_blocks
+        self.block_tokens = block_tokens
+        self._engines: dict[str, _Engine] = {}
+        self._caches: dict[str, PrefixCacheModel] = {}
+        self._requests: dict[str, tuple[str, ...]] = {}
+        """Request id -> the engines it occupies (decode engine first)."""
+
+    # -- state -> EngineLoad ------------------------------------------------------------------
+
+    def _share(self, engine: _Engine, now_s: float) -> float:
+        """Prefill seconds dispatched, decayed to ``now_s`` (exponential, window time
+        constant)."""
+        dt = max(now_s - engine.share_at_s, 0.0)
+        return engine.share_s * math.exp(-dt / self.share_window_s)
+
+    def cached_tokens(self, request: RouteRequest, worker_id: str) -> int:
+        """Tokens of ``request``'s prompt ``worker_id`` is estimated to hold."""
+        cache = self._caches.get(worker_id)
+        if cache is None or not request.block_hashes:
+            return 0
+        return min(cache.match(request.block_hashes) * self.block_tokens, request.prompt_len)
+
+    def loads(self, request: RouteRequest, engines: Iterable[tuple[str, Candidate]],
+              now_s: float) -> list[EngineLoad]:
+        """:class:`EngineLoad` of each ``(role, candidate)`` for ``request`` at ``now_s``."""
+        out = []
+        for role, c in engines:
+            whole, prefill, decode = CAPABILITIES[role]
+            engine = self._engines.get(c.worker_id) or _Engine()
+            out.append(EngineLoad(
+                worker_id=c.worker_id, whole=whole, prefill=prefill, decode=decode,
+                queued_s=max(engine.busy_until_s - now_s, 0.0),
+                running=max(c.running, len(engine.decoding)),
+                prefill_share=self._share(engine, now_s) / self.share_window_s,
+                cached_tokens=self.cached_tokens(request, c.worker_id),
+                admitted_output_tokens=(sum(engine.decoding.values()) / len(engine.decoding)
+                                        if engine.decoding else 0.0),
+                recently_failed=c.recently_failed))
+        return out
+
+    # -- the decision ---------------------------------------------------------------------------
+
+    def plans(self, request: RouteRequest, output_tokens: int, engines: Sequence[EngineLoad]
+              ) -> tuple[list[PlanEstimate], list[PlanEstimate]]:
+        """(whole plans, P/D plans) over ``engines`` (engines in failure cool-down only when
+        no other can take that part)."""
+        healthy = [e for e in engines if not e.recently_failed] or list(engines)
+        n, out = request.prompt_len, output_tokens
+        whole = [estimate_whole(self.costs, n, out, e) for e in healthy if e.whole]
+        # prefillers by their TTFT, then by the decoding they would stall
+        by_ttft = sorted((e for e in healthy if e.prefill),
+                         key=lambda e: (e.queued_s + self.costs.prefill_s(n - e.cached_tokens),
+                                        e.running, e.worker_id))[:self.top_k]
+        by_tpot = sorted((e for e in healthy if e.decode),
+                         key=lambda e: (self.costs.step_s(e.running + 1)
+                                        / (1 - min(e.prefill_share, 0.9)), e.worker_id)
+                         )[:self.top_k]
+        pd = [estimate_pd(self.costs, n, out, p, d) for p in by_ttft for d in by_tpot
+              if p.worker_id != d.worker_id]
+        return whole, pd
+
+    def decide(self, request: RouteRequest, output_tokens: int, engines: Sequence[EngineLoad],
+               force: str | None = None) -> PathDecision | None:
+        """The plan for ``request`` (``output_tokens`` expected) among ``engines``; ``force``
+        (``whole`` or ``pd``) restricts it to that kind when one exists. None: no engine."""
+        whole, pd = self.plans(request, output_tokens, engines)
+        slo = (self.ttft_slo_s, self.tpot_slo_s)
+
+        def best(plans: list[PlanEstimate]) -> PlanEstimate | None:
+            return min(plans, key=lambda p: (p.badness(*slo), p.worker,
+                                             p.prefill_worker or ""), default=None)
+
+        best_whole, best_pd = best(whole), best(pd)
+        if force in FORCED_PATHS:
+            forced, other = (best_whole, best_pd) if force == "whole" else (best_pd, best_whole)
+            if forced is not None:
+                return PathDecision(forced, "forced", other)
+        if best_whole is None and best_pd is None:
+            return None
+        if best_pd is None:
+            assert best_whole is not None
+            return PathDecision(best_whole, "no_pd_pair")
+        if best_whole is None:
+            return PathDecision(best_pd, "no_pd_pair")
+        # a whole plan that meets the SLOs: the least prefill work (a cached prefix), then the
+        # least loaded; cache affinity is kept only while the SLOs hold
+        meeting = min((p for p in whole if p.meets(*slo)),
+                      key=lambda p: (p.uncached_tokens, p.badness(*slo), p.worker), default=None)
+        if meeting is not None:
+            return PathDecision(meeting, "whole_meets_slo", best_pd)
+        meeting = best([p for p in pd if p.meets(*slo)])
+        if meeting is not None:
+            return PathDecision(meeting, self._why_not_whole(best_whole), best_whole)
+        chosen = best([best_whole, best_pd])
+        assert chosen is not None
+        return PathDecision(chosen, "best_effort",
+                            best_pd if chosen is best_whole else best_whole)
+
+    def _why_not_whole(self, plan: PlanEstimate) -> str:
+        if plan.ttft_s > self.ttft_slo_s:
+            return "whole_misses_ttft"
+        if plan.tpot_s > self.tpot_slo_s:
+            return "whole_misses_tpot"
+        return "whole_harms_admitted"
+
+    # -- what happened --------------------------------------------------------------------------
+
+    def dispatched(self, request: RouteRequest, plan: PlanEstimate, output_tokens: int,
+                   now_s: float) -> None:
+        """``plan`` was sent at ``now_s``: the prefilling engine's queue and share grow by its
+        prefill, the decoding engine decodes it, both caches now hold the prompt."""
+        prefiller = plan.prefill_worker or plan.worker
+        seconds = self.costs.prefill_s(plan.uncached_tokens)
+        engine = self._engines.setdefault(prefiller, _Engine())
+        engine.busy_until_s = max(engine.busy_until_s, now_s) + seconds
+        engine.share_s = self._share(engine, now_s) + seconds
+        engine.share_at_s = now_s
+        decoder = self._engines.setdefault(plan.worker, _Engine())
+        decoder.decoding[request.request_id] = output_tokens
+        self._requests[request.request_id] = (plan.worker,)
+        for worker in {prefiller, plan.worker}:
+            cache = self._caches.get(worker)
+            if cache is None:
+                cache = self._caches[worker] = PrefixCacheModel(self.capacity_blocks)
+            cache.insert(request.block_hashes)
+
+    def finished(self, request_id: str) -> None:
+        """``request_id`` ended (answered, failed or re-planned): its engines stop counting it."""
+        for worker in self._requests.pop(request_id, ()):
+            engine = self._engines.get(worker)
+            if engine is not None:
+                engine.decoding.pop(request_id, None)
+
+    def retain(self, worker_ids: Iterable[str]) -> None:
+        """Forget engines not in ``worker_ids`` (they left the fleet)."""
+        keep = set(worker_ids)
+        for gone in set(self._engines) - keep:
+            del self._engines[gone]
+        for gone in set(self._caches) - keep:
+            del self._caches[gone]

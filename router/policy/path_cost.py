@@ -1,0 +1,208 @@
+"""Predicted TTFT and TPOT of one request on each path it could take (pure).
+
+A path is ``whole`` (one engine prefills and decodes) or ``pd`` (engine p prefills and leases its
+blocks, engine d pulls them and decodes). The model is the one DistServe's argument rests on: an
+engine that prefills stalls the decode batch it runs, so a long prompt on a busy decoder costs
+every sequence there time per token, while the P/D hop costs the request a second call and a pull.
+
+Costs (:class:`PathCosts`, defaults are this repo's tiny model on one CPU core; ``pdserve bench
+profile`` measures them for a deployment, :meth:`PathCosts.from_profile` reads that file):
+
+    prefill_s(t)  = prefill_fixed_s + t x prefill_s_per_token        (t uncached prompt tokens)
+    step_s(n)     = decode_step_s + (n - 1) x decode_step_s_per_seq  (one decode step, n seqs)
+
+Per engine e (:class:`EngineLoad`): ``queued_s`` seconds of prefill already dispatched and not
+done, ``running`` decoding sequences, ``prefill_share`` (rho) the fraction of its recent time
+spent prefilling, ``cached_tokens`` of this prompt it holds, L_e the mean expected output of what
+it decodes. With u = prompt - cached and L the request's expected output tokens:
+
+    whole on w:  TTFT = queued_s(w) + prefill_s(u_w)
+                 TPOT = step_s(running_w + 1) / (1 - rho_w)
+                 admitted on w: step_s(running_w + 1) / (1 - rho_w) + prefill_s(u_w) / L_w
+    pd p -> d:   TTFT = queued_s(p) + prefill_s(u_p) + hop_s
+                 TPOT = step_s(running_d + 1) / (1 - rho_d)
+                        + (hop_s + prompt x pull_s_per_token) / L
+                 admitted on p: as whole's (p stalls its own decodes); on d: step_s(running_d + 1)
+                 / (1 - rho_d)
+
+A plan meets its SLOs when TTFT <= the TTFT SLO, TPOT <= the TPOT SLO, and no engine it touches
+that already decodes is pushed past the TPOT SLO (``harm_tpot_s``): that last term is where
+goodput comes from, a request must not buy its own SLO with other requests'.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from router.errors import ConfigError
+
+MAX_PREFILL_SHARE = 0.9
+"""rho is capped here: an engine that only prefilled lately still decodes between chunks."""
+
+
+@dataclass(frozen=True)
+class PathCosts:
+    """Per-token and per-step costs of one engine kind."""
+
+    prefill_s_per_token: float = 1.5e-4
+    """Prefill seconds per uncached prompt token."""
+    prefill_fixed_s: float = 0.01
+    """Fixed seconds of one prefill (scheduling, the first step's launch)."""
+    decode_step_s: float = 0.006
+    """One decode step with one running sequence."""
+    decode_step_s_per_seq: float = 0.0003
+    """Added to a decode step by each further running sequence."""
+    hop_s: float = 0.02
+    """The P/D hop: the decode's call, its handshake and the pull's fixed cost."""
+    pull_s_per_token: float = 2e-6
+    """Seconds to pull one prompt token's KV."""
+
+    def __post_init__(self) -> None:
+        if self.prefill_s_per_token <= 0 or self.decode_step_s <= 0:
+            raise ConfigError("prefill_s_per_token and decode_step_s must be > 0")
+        if min(self.prefill_fixed_s, self.decode_step_s_per_seq, self.hop_s,
+               self.pull_s_per_token) < 0:
+            raise ConfigError("path costs must be >= 0")
+
+    def prefill_s(self, tokens: int) -> float:
+        """Seconds to prefill ``tokens`` uncached tokens (0 when there are none)."""
+        return self.prefill_fixed_s + tokens * self.prefill_s_per_token if tokens > 0 else 0.0
+
+    def step_s(self, running: int) -> float:
+        """Seconds of one decode step with ``running`` sequences (at least one)."""
+        return self.decode_step_s + max(running - 1, 0) * self.decode_step_s_per_seq
+
+    @classmethod
+    def from_profile(cls, profile: Mapping[str, Any], **overrides: float) -> PathCosts:
+        """Costs from ``pdserve bench profile``'s instance profile: the prefill line's
+        ``fixed_s``/``per_token_s``, the decode points' ``step_s`` by ``batch`` (least squares
+        line); missing parts keep their defaults; ``overrides`` win."""
+        values: dict[str, float] = {}
+        prefill = profile.get("prefill") or {}
+        if prefill.get("per_token_s"):
+            values["prefill_s_per_token"] = float(prefill["per_token_s"])
+            values["prefill_fixed_s"] = float(prefill.get("fixed_s", 0.0))
+        points = [(int(p["batch"]), float(p["step_s"]))
+                  for p in (profile.get("decode") or {}).get("points", [])
+                  if "batch" in p and "step_s" in p]
+        if points:
+            base, per_seq = _line(points)
+            values["decode_step_s"] = max(base + per_seq, 1e-4)  # step of one sequence
+            values["decode_step_s_per_seq"] = max(per_seq, 0.0)
+        values.update(overrides)
+        return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: float) -> PathCosts:
+        """:meth:`from_profile` of a profile JSON file; ConfigError when unreadable."""
+        try:
+            profile = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the instance profile {path}: {exc}") from None
+        return cls.from_profile(profile, **overrides)
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares ``y = a + b x``; a flat line through the mean for one distinct x."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx == 0:
+        return my, 0.0
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - b * mx, b
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the cost model knows of one engine at the moment of a decision."""
+
+    worker_id: str
+    whole: bool = True
+    """Can serve a request whole (flex, aggregated and decode workers)."""
+    prefill: bool = True
+    """Can prefill and lease for another engine (flex and prefill workers)."""
+    decode: bool = True
+    """Can pull and decode (flex and decode workers)."""
+    queued_s: float = 0.0
+    """Seconds of prefill dispatched to it and not yet done."""
+    running: int = 0
+    """Sequences it decodes now."""
+    prefill_share: float = 0.0
+    """Fraction of its recent time spent prefilling (rho), in [0, 1]."""
+    cached_tokens: int = 0
+    """Tokens of this request's prompt it holds in its prefix cache."""
+    admitted_output_tokens: float = 0.0
+    """Mean expected output tokens of the sequences it decodes (0: unknown, use the request's)."""
+    recently_failed: bool = False
+    """In the router's failure cool-down: planned only when nothing else can serve."""
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    """One candidate path with its predictions."""
+
+    path: str
+    """``whole`` or ``pd``."""
+    worker: str
+    """The engine that decodes (``whole``: the only one)."""
+    prefill_worker: str | None
+    """``pd``: the engine that prefills; None for ``whole``."""
+    ttft_s: float
+    tpot_s: float
+    harm_tpot_s: float
+    """Predicted TPOT of the requests already decoding on the engines it touches (0: none)."""
+    uncached_tokens: int
+    """Prompt tokens the prefilling engine computes."""
+
+    def meets(self, ttft_slo_s: float, tpot_slo_s: float) -> bool:
+        """Within both SLOs without pushing admitted requests past the TPOT SLO."""
+        return (self.ttft_s <= ttft_slo_s and self.tpot_s <= tpot_slo_s
+                and self.harm_tpot_s <= tpot_slo_s)
+
+    def badness(self, ttft_slo_s: float, tpot_slo_s: float) -> float:
+        """The worst of the three predictions as a multiple of its SLO (< 1: meets)."""
+        return max(self.ttft_s / ttft_slo_s, self.tpot_s / tpot_slo_s,
+                   self.harm_tpot_s / tpot_slo_s)
+
+
+def _stall_per_token(engine: EngineLoad, prefill_s: float, output_tokens: int) -> float:
+    """What ``prefill_s`` of prefill on ``engine`` adds to the TPOT of what it decodes."""
+    return prefill_s / max(engine.admitted_output_tokens or output_tokens, 1)
+
+
+def _decode_tpot(costs: PathCosts, engine: EngineLoad, extra: int = 1) -> float:
+    rho = min(max(engine.prefill_share, 0.0), MAX_PREFILL_SHARE)
+    return costs.step_s(engine.running + extra) / (1.0 - rho)
+
+
+def estimate_whole(costs: PathCosts, prompt_tokens: int, output_tokens: int,
+                   engine: EngineLoad) -> PlanEstimate:
+    """The request served whole on ``engine``."""
+    uncached = max(prompt_tokens - engine.cached_tokens, 0)
+    prefill = costs.prefill_s(uncached)
+    tpot = _decode_tpot(costs, engine)
+    harm = tpot + _stall_per_token(engine, prefill, output_tokens) if engine.running else 0.0
+    return PlanEstimate("whole", engine.worker_id, None, engine.queued_s + prefill, tpot, harm,
+                        uncached)
+
+
+def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
+                prefill: EngineLoad, decode: EngineLoad) -> PlanEstimate:
+    """The request prefilled on ``prefill`` and decoded on ``decode``."""
+    uncached = max(prompt_tokens - prefill.cached_tokens, 0)
+    prefill_s = costs.prefill_s(uncached)
+    out = max(output_tokens, 1)
+    hop = costs.hop_s + prompt_tokens * costs.pull_s_per_token
+    tpot = _decode_tpot(costs, decode) + hop / out
+    harm_p = (_decode_tpot(costs, prefill, extra=0)
+              + _stall_per_token(prefill, prefill_s, output_tokens)) if prefill.running else 0.0
+    harm_d = _decode_tpot(costs, decode) if decode.running else 0.0
+    return PlanEstimate("pd", decode.worker_id, prefill.worker_id,
+                        prefill.queued_s + prefill_s + costs.hop_s, tpot, max(harm_p, harm_d),
+                        uncached)

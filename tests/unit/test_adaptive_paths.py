@@ -1,0 +1,180 @@
+"""The adaptive path decision on hand-made states: one test per reason, each with its control."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from router.errors import ConfigError
+from router.policy.adaptive import REASONS, AdaptivePaths
+from router.policy.base import Candidate, RouteRequest
+from router.policy.hashing import block_hashes
+from router.policy.path_cost import EngineLoad, PathCosts, estimate_pd, estimate_whole
+
+COSTS = PathCosts(prefill_s_per_token=1e-4, prefill_fixed_s=0.0, decode_step_s=0.01,
+                  decode_step_s_per_seq=0.001, hop_s=0.02, pull_s_per_token=0.0)
+
+
+def _request(tokens: int = 1000, rid: str = "r") -> RouteRequest:
+    ids = tuple(range(tokens))
+    return RouteRequest(request_id=rid, model="m", prompt_token_ids=ids,
+                        block_hashes=block_hashes(ids))
+
+
+def _paths(ttft: float = 1.0, tpot: float = 0.05) -> AdaptivePaths:
+    return AdaptivePaths(COSTS, ttft, tpot)
+
+
+def test_whole_on_an_idle_engine_meets_the_slos() -> None:
+    engines = [EngineLoad("a"), EngineLoad("b")]
+    decision = _paths().decide(_request(), 64, engines)
+    assert decision is not None
+    assert decision.plan.path == "whole" and decision.reason == "whole_meets_slo"
+    assert decision.plan.ttft_s == pytest.approx(0.1)
+    assert decision.other is not None and decision.other.path == "pd"
+
+
+def test_a_long_queue_everywhere_but_one_prefiller_sends_the_prompt_there_for_pd() -> None:
+    # a and b decode and are queued past the TTFT SLO; c is idle but cannot serve whole
+    engines = [EngineLoad("a", queued_s=2.0, running=1), EngineLoad("b", queued_s=2.0),
+               EngineLoad("c", whole=False, decode=False)]
+    decision = _paths().decide(_request(), 64, engines)
+    assert decision is not None
+    assert (decision.plan.path, decision.plan.prefill_worker) == ("pd", "c")
+    assert decision.plan.worker == "b"  # the decoder with no running sequence
+    assert decision.reason == "whole_misses_ttft"
+    # control: without the queues the same fleet serves it whole
+    calm = [EngineLoad("a", running=1), EngineLoad("b"), EngineLoad("c", whole=False,
+                                                                    decode=False)]
+    assert _paths().decide(_request(), 64, calm).reason == "whole_meets_slo"  # type: ignore
+
+
+def test_prefill_on_a_busy_decoder_would_harm_its_admitted_requests() -> None:
+    # 2,000-token prompt = 0.2 s of prefill; the 8-token answers already decoding on a and b
+    # would get 25 ms more per token: past the 30 ms TPOT SLO. c only prefills.
+    engines = [EngineLoad("a", running=4, admitted_output_tokens=8),
+               EngineLoad("b", running=4, admitted_output_tokens=8),
+               EngineLoad("c", whole=False, decode=False)]
+    decision = _paths(tpot=0.03).decide(_request(2000), 8, engines)
+    assert decision is not None
+    assert decision.plan.path == "pd" and decision.plan.prefill_worker == "c"
+    assert decision.reason == "whole_harms_admitted"
+    # control: long answers on the decoders amortise the stall, whole is fine
+    patient = [EngineLoad("a", running=4, admitted_output_tokens=256),
+               EngineLoad("b", running=4, admitted_output_tokens=256),
+               EngineLoad("c", whole=False, decode=False)]
+    assert _paths(tpot=0.03).decide(_request(2000), 8, patient).reason == "whole_meets_slo"  # type: ignore
+
+
+def test_a_prefill_heavy_engine_misses_tpot_whole_and_a_quiet_decoder_takes_it() -> None:
+    engines = [EngineLoad("a", prefill_share=0.9), EngineLoad("b", prefill_share=0.9),
+               EngineLoad("d", whole=False, prefill=False)]
+    decision = _paths(tpot=0.05).decide(_request(100), 128, engines)
+    assert decision is not None
+    assert decision.plan.path == "pd" and decision.plan.worker == "d"
+    assert decision.reason == "whole_misses_tpot"
+    assert decision.plan.tpot_s < 0.05 < decision.other.tpot_s  # type: ignore[union-attr]
+    # control: with prefill shares low the same request is served whole
+    calm = [EngineLoad("a"), EngineLoad("b"), EngineLoad("d", whole=False, prefill=False)]
+    assert _paths(tpot=0.05).decide(_request(100), 128, calm).reason == "whole_meets_slo"  # type: ignore
+
+
+def test_nothing_meets_the_slos_takes_the_least_bad_plan() -> None:
+    engines = [EngineLoad("a", queued_s=5.0), EngineLoad("b", queued_s=9.0)]
+    decision = _paths().decide(_request(), 64, engines)
+    assert decision is not None and decision.reason == "best_effort"
+    assert (decision.plan.path, decision.plan.worker) == ("whole", "a")  # the shorter queue
+    assert decision.plan.badness(1.0, 0.05) <= decision.other.badness(1.0, 0.05)  # type: ignore
+
+
+def test_forcing_a_path_and_a_fleet_with_no_pair() -> None:
+    engines = [EngineLoad("a"), EngineLoad("b")]
+    forced = _paths().decide(_request(), 64, engines, force="pd")
+    assert forced is not None and forced.plan.path == "pd" and forced.reason == "forced"
+    lone = _paths().decide(_request(), 64, [EngineLoad("a")], force="pd")
+    assert lone is not None and lone.plan.path == "whole" and lone.reason == "no_pd_pair"
+    assert _paths().decide(_request(), 64, []) is None
+
+
+def test_cool_down_engines_are_planned_only_when_nothing_else_can() -> None:
+    engines = [EngineLoad("a", recently_failed=True), EngineLoad("b", queued_s=0.5)]
+    decision = _paths().decide(_request(), 64, engines)
+    assert decision is not None and decision.plan.worker == "b"
+    only = _paths().decide(_request(), 64, [EngineLoad("a", recently_failed=True)])
+    assert only is not None and only.plan.worker == "a"
+
+
+def test_every_reason_is_a_known_label() -> None:
+    assert set(REASONS) >= {"whole_meets_slo", "whole_misses_ttft", "whole_misses_tpot",
+                            "whole_harms_admitted", "best_effort", "forced", "no_pd_pair"}
+
+
+def test_dispatches_build_queues_shares_and_caches_and_finishes_release_them() -> None:
+    paths = _paths()
+    request = _request(1000, "r1")
+    cands = [("flex", Candidate("a")), ("flex", Candidate("b"))]
+    first = paths.decide(request, 64, paths.loads(request, cands, 0.0))
+    assert first is not None
+    paths.dispatched(request, first.plan, 64, now_s=0.0)
+    loads = {e.worker_id: e for e in paths.loads(request, cands, 0.05)}
+    chosen = loads[first.plan.worker]
+    assert chosen.queued_s == pytest.approx(0.05)  # 0.1 s of prefill, 0.05 s later
+    assert chosen.running == 1 and chosen.prefill_share > 0
+    assert chosen.cached_tokens == 992  # whole 16-token blocks of the prompt
+    other = next(e for e in loads.values() if e is not chosen)
+    assert (other.queued_s, other.running, other.cached_tokens) == (0.0, 0, 0)
+    # the same prompt again goes where it is cached
+    again = paths.decide(request, 64, list(loads.values()))
+    assert again is not None and again.plan.worker == first.plan.worker
+    paths.finished("r1")
+    assert paths.loads(request, cands, 100.0)[0].running == 0
+    assert max(e.prefill_share for e in paths.loads(request, cands, 100.0)) < 1e-3
+    paths.retain(["b"])
+    assert all(e.cached_tokens == 0 for e in paths.loads(request, [("flex", Candidate("a"))],
+                                                          0.0))
+
+
+def test_roles_limit_what_a_plan_may_use() -> None:
+    paths = _paths()
+    request = _request()
+    cands = [("prefill", Candidate("p")), ("decode", Candidate("d")),
+             ("aggregated", Candidate("g"))]
+    loads = {e.worker_id: e for e in paths.loads(request, cands, 0.0)}
+    assert (loads["p"].whole, loads["p"].prefill, loads["p"].decode) == (False, True, False)
+    assert (loads["d"].whole, loads["d"].prefill, loads["d"].decode) == (True, False, True)
+    assert (loads["g"].whole, loads["g"].prefill, loads["g"].decode) == (True, False, False)
+    whole, pd = paths.plans(request, 64, list(loads.values()))
+    assert {p.worker for p in whole} == {"d", "g"}
+    assert {(p.prefill_worker, p.worker) for p in pd} == {("p", "d")}
+
+
+def test_estimates_follow_the_formulas() -> None:
+    engine = EngineLoad("a", queued_s=0.3, running=3, prefill_share=0.5, cached_tokens=200)
+    whole = estimate_whole(COSTS, 1000, 50, engine)
+    assert whole.ttft_s == pytest.approx(0.3 + 800 * 1e-4)
+    assert whole.tpot_s == pytest.approx((0.01 + 3 * 0.001) / 0.5)
+    assert whole.harm_tpot_s == pytest.approx(whole.tpot_s + 0.08 / 50)
+    pd = estimate_pd(COSTS, 1000, 50, EngineLoad("p"), EngineLoad("d"))
+    assert pd.ttft_s == pytest.approx(0.1 + 0.02)
+    assert pd.tpot_s == pytest.approx(0.01 + 0.02 / 50)
+    assert pd.harm_tpot_s == 0.0  # nothing decodes on either engine
+
+
+def test_costs_from_a_profile(tmp_path: Path) -> None:
+    profile = {"prefill": {"fixed_s": 0.02, "per_token_s": 2e-4},
+               "decode": {"points": [{"batch": 1, "step_s": 0.005},
+                                     {"batch": 9, "step_s": 0.013}]}}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    costs = PathCosts.from_file(path, hop_s=0.05)
+    assert costs.prefill_s_per_token == pytest.approx(2e-4)
+    assert costs.prefill_fixed_s == pytest.approx(0.02)
+    assert costs.decode_step_s == pytest.approx(0.005)
+    assert costs.decode_step_s_per_seq == pytest.approx(0.001)
+    assert costs.hop_s == 0.05
+    with pytest.raises(ConfigError):
+        PathCosts.from_file(tmp_path / "missing.json")
+    with pytest.raises(ConfigError):
+        PathCosts(prefill_s_per_token=0)
