@@ -11,6 +11,9 @@ from router import settings as shared
 from router.errors import ConfigError
 from router.settings import LOG_LEVELS, default
 
+PATH_POLICIES = ("auto", "adaptive", "static", "whole", "pd")
+"""Values of ``--path-policy`` (see ``RouterSettings.path_policy``)."""
+
 ENV_PREFIX = "PDSERVE_ROUTER_"
 __all__ = ["LOG_LEVELS", "RouterSettings", "load", "package_version"]
 
@@ -34,6 +37,8 @@ class RouterSettings:
     the value and its reason: ``router.settings``."""
     prefill_s_per_token: float = default("prefill_s_per_token")
     """Calibrated prefill seconds per uncached prompt token (DualMap's TTFT prediction)."""
+    tpot_slo_s: float = default("tpot_slo_s")
+    """TPOT SLO the adaptive path decision plans for (``router.policy.adaptive``)."""
     decode_policy: str = default("decode_policy")
     """Decode placement policy, a name in ``router.policy.registry.DECODE_POLICIES``."""
     log_level: str = default("log_level")
@@ -68,6 +73,17 @@ class RouterSettings:
     """Selective disaggregation: a request whose prompt has fewer uncached tokens than this on
     the decode worker the decode policy picks goes there whole, skipping the prefill hop
     (``router.policy.disagg``); 0 disaggregates every request."""
+    path_policy: str = "auto"
+    """How a request's path is chosen: ``adaptive`` (the cost model of
+    ``router.policy.adaptive`` picks whole or P/D per request among every engine), ``static``
+    (the role fleet decides: P/D pools disaggregate, aggregated workers serve whole), ``auto``
+    (adaptive when a flex worker is registered, else static), or ``whole``/``pd`` (adaptive
+    forced to that kind of path wherever one exists; tests and benchmarks)."""
+    path_costs_file: str | None = None
+    """Instance profile (``pdserve bench profile``'s JSON) the adaptive cost model starts from;
+    None: ``router.policy.path_cost.PathCosts``' defaults (the tiny model on one CPU core)."""
+    expected_output_tokens: int = 128
+    """Output length the adaptive decision assumes for a request without ``max_tokens``."""
     kv_events: bool = False
     """Follow the KV cache events of every prefill/aggregated worker that publishes them
     (``pdserve worker --kv-events-port``): the prefix-aware policies then learn what the engines
@@ -119,13 +135,18 @@ class RouterSettings:
                 f"unknown decode_policy {self.decode_policy!r}; "
                 f"allowed: {', '.join(sorted(DECODE_POLICIES))}"
             )
+        if self.path_policy not in PATH_POLICIES:
+            raise ConfigError(f"unknown path_policy {self.path_policy!r}; allowed: "
+                              f"{', '.join(PATH_POLICIES)}")
+        if self.expected_output_tokens < 1:
+            raise ConfigError("expected_output_tokens must be >= 1")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(
                 f"unknown log_level {self.log_level!r}; allowed: {', '.join(LOG_LEVELS)}"
             )
         for name in ("refresh_interval_s", "connect_timeout_s", "prefill_timeout_s",
                      "decode_timeout_s", "max_upstream_connections", "ttft_slo_s",
-                     "prefill_s_per_token"):
+                     "prefill_s_per_token", "tpot_slo_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("prefill_retries", "decode_retries", "failure_cooldown_s", "no_worker_wait_s",
@@ -173,6 +194,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="selective disaggregation: prompts with fewer uncached tokens (on the "
                    "chosen decode worker) skip the prefill hop "
                    "(PDSERVE_ROUTER_DISAGG_MIN_PREFILL_TOKENS, default 0 = always P/D)")
+    p.add_argument("--path-policy", dest="path_policy", choices=PATH_POLICIES,
+                   help="adaptive: pick whole or P/D per request from predicted TTFT/TPOT; "
+                   "static: the worker roles decide; auto: adaptive when a flex worker is "
+                   "registered (default); whole/pd: force that path (PDSERVE_ROUTER_PATH_POLICY)")
+    p.add_argument("--path-costs", dest="path_costs_file", metavar="FILE",
+                   help="instance profile from `pdserve bench profile` the adaptive cost model "
+                   "starts from (PDSERVE_ROUTER_PATH_COSTS)")
+    p.add_argument("--expected-output-tokens", dest="expected_output_tokens", type=int,
+                   help="output length assumed for requests without max_tokens "
+                   "(PDSERVE_ROUTER_EXPECTED_OUTPUT_TOKENS, default 128)")
     p.add_argument("--kv-events", dest="kv_events", action=argparse.BooleanOptionalAction,
                    help="learn the prefill engines' cache from their KV cache events (workers "
                    "started with --kv-events-port; PDSERVE_ROUTER_KV_EVENTS, default off)")
@@ -208,6 +239,9 @@ _ENV_NAMES = {
     "first_token_from_prefill": "FIRST_TOKEN_FROM_PREFILL",
     "disagg_min_prefill_tokens": "DISAGG_MIN_PREFILL_TOKENS",
     "timeline_file": "TIMELINE_FILE",
+    "path_policy": "PATH_POLICY",
+    "path_costs_file": "PATH_COSTS",
+    "expected_output_tokens": "EXPECTED_OUTPUT_TOKENS",
     "kv_events": "KV_EVENTS",
 }
 

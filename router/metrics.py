@@ -88,9 +88,11 @@ class RouterMetrics:
             "pdserve_router_paths_total",
             "Requests by the path they took: pd_first_token (P/D, the prefill's token streamed "
             "at once and the decode continuing from it), pd (classic P/D), decode_only "
-            "(selective disaggregation skipped the prefill hop), aggregated (one plain worker); "
-            "reason says why (eligible, not_eligible, prefill_token_unusable, short_prompt, "
-            "cached_on_decode, aggregated_worker).",
+            "(selective disaggregation skipped the prefill hop), aggregated (one plain worker), "
+            "whole (the adaptive decision served it on one engine); reason says why (eligible, "
+            "not_eligible, prefill_token_unusable, short_prompt, cached_on_decode, "
+            "aggregated_worker; adaptive: whole_meets_slo, whole_misses_ttft, whole_misses_tpot, "
+            "whole_harms_admitted, best_effort, forced, no_pd_pair).",
             ["path", "reason"], registry=r)
         self.in_flight = Gauge(
             "pdserve_router_in_flight_requests",

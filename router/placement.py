@@ -1,6 +1,7 @@
 """Placement: the one object the router and the simulator both drive to place requests.
 
-It owns, per pool (``prefill``, ``decode``, ``aggregated``), the policy, the membership the
+It owns, per pool (``prefill``, ``decode``, ``aggregated``, ``flex``: whole requests on flex
+workers), the policy, the membership the
 policy was last told, the observers that follow the pool's events (selective
 disaggregation's cache estimate) and the load ledger the pool's dispatches are counted in:
 
@@ -36,7 +37,7 @@ from router.policy.base import (
 from router.policy.context import PolicyContext
 from router.policy.registry import create_decode_policy, create_prefill_policy
 
-PREFILL_ROLES = ("prefill", "aggregated")
+PREFILL_ROLES = ("prefill", "aggregated", "flex")
 """Roles whose dispatches carry uncached prompt tokens in the ledger."""
 
 
@@ -131,7 +132,8 @@ class Placement:
                aggregated: bool = True,
                decode_observers: tuple[Callable[[PolicyEvent], None], ...] = ()) -> Placement:
         """Pools built from registry names: ``prefill`` (and, with ``aggregated``, its own
-        instance of the same policy for aggregated workers) and ``decode``. ``ledger`` is one
+        instances of the same policy for aggregated workers and for whole requests on flex
+        workers) and ``decode``. ``ledger`` is one
         for every pool or one per role."""
         def ledger_of(role: str) -> Ledger:
             return ledger[role] if isinstance(ledger, Mapping) else ledger
@@ -148,4 +150,6 @@ class Placement:
             pools["aggregated"] = Pool("aggregated",
                                        create_prefill_policy(prefill, context, **pp),
                                        ledger_of("aggregated"))
+            pools["flex"] = Pool("flex", create_prefill_policy(prefill, context, **pp),
+                                 ledger_of("flex"))
         return cls(pools)

@@ -146,7 +146,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
 )}
 """Every shared setting by name."""
 
-ROUTER_FORWARDED = ("policy", "decode_policy", "ttft_slo_s", "prefill_s_per_token",
+ROUTER_FORWARDED = ("policy", "decode_policy", "ttft_slo_s", "tpot_slo_s",
+                    "prefill_s_per_token",
                     "max_in_flight_per_worker", "admission_queue_slo_factor",
                     "request_timeout_s", "max_body_bytes", "max_prompt_tokens",
                     "max_output_tokens")
@@ -159,7 +160,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "autoscale": ("redis_url", "log_level", "ttft_slo_s", "tpot_slo_s"),
     "autoscale status": ("redis_url",),
     "drain": ("redis_url",),
-    "up": ("redis_url", "log_level", "otlp_traces_endpoint", *ROUTER_FORWARDED, "tpot_slo_s",
+    "up": ("redis_url", "log_level", "otlp_traces_endpoint", *ROUTER_FORWARDED,
            "kv_lease_s", "kv_pull_timeout_s"),
     "bench": ("ttft_slo_s", "tpot_slo_s"),
     "sim": ("ttft_slo_s", "tpot_slo_s"),

@@ -66,7 +66,7 @@ def worker_cpus(spec: str, role: str, available: list[int] | tuple[int, ...]) ->
 
     - ``all``: no pinning;
     - ``role``: prefill workers take the first half of ``available``, decode workers the second
-      half, aggregated workers all of them (deployments that cannot plan per replica, e.g.
+      half, aggregated and flex workers all of them (deployments that cannot plan per replica, e.g.
       Docker Compose: prefill and decode then never share a core);
     - a list like ``0-3,8``: exactly those cores.
     """
@@ -74,7 +74,7 @@ def worker_cpus(spec: str, role: str, available: list[int] | tuple[int, ...]) ->
     if spec in ("", "all"):
         return ()
     if spec == "role":
-        if role == "aggregated" or len(cores) < 2:
+        if role in ("aggregated", "flex") or len(cores) < 2:
             return ()
         half = len(cores) // 2
         return tuple(cores[:half]) if role == "prefill" else tuple(cores[half:])

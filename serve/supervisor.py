@@ -70,6 +70,9 @@ class ClusterSettings:
     aggregated: int = 0
     """Plain (non-disaggregated) vLLM workers beside the P/D pools; with ``prefill`` and
     ``decode`` 0 the cluster is aggregated only (``--mode aggregated --replicas N``)."""
+    flex: int = 0
+    """Flex workers (``--mode adaptive --replicas N``): engines the router uses whole, as a
+    prefill or as a decode, request by request."""
     cpu_layout: str = "auto"
     """``auto``: each engine on its own cores when there are enough (see serve.cpu_layout);
     ``float``: every engine on every core."""
@@ -88,14 +91,14 @@ class ClusterSettings:
     that takes one (router, workers, autoscaler) gets it as its canonical flag."""
 
     def __post_init__(self) -> None:
-        if self.prefill < 0 or self.decode < 0 or self.aggregated < 0:
+        if min(self.prefill, self.decode, self.aggregated, self.flex) < 0:
             raise ValueError("worker counts must be >= 0")
         if (self.prefill == 0) != (self.decode == 0):
             raise ValueError("--prefill and --decode must both be >= 1 (or both 0 with "
                              "aggregated workers)")
-        if self.prefill + self.aggregated == 0:
-            raise ValueError("the cluster needs a prefill and a decode worker, or an "
-                             "aggregated one")
+        if self.prefill + self.aggregated + self.flex == 0:
+            raise ValueError("the cluster needs a prefill and a decode worker, an "
+                             "aggregated one or a flex one")
         if self.autoscale and self.prefill == 0:
             raise ValueError("--autoscale sizes P/D pools; it needs --prefill and --decode")
         if self.cpu_layout not in ("auto", "float"):
@@ -177,7 +180,7 @@ class Cluster:
         """Environment of every child: the cluster keyring that signs kv_transfer_params."""
         self.cpu_plan: CpuPlan = plan_cpus(sorted(os.sched_getaffinity(0)),
                                            settings.prefill + settings.decode
-                                           + settings.aggregated,
+                                           + settings.aggregated + settings.flex,
                                            settings.cpu_layout)
 
     def _cluster_env(self) -> dict[str, str]:
@@ -212,8 +215,9 @@ class Cluster:
         except RuntimeError as exc:  # redis-server missing or not answering
             raise StartupError(str(exc)) from exc
         for role, count in (("prefill", s.prefill), ("decode", s.decode),
-                            ("aggregated", s.aggregated)):
-            for _ in range(min(1, count) if s.autoscale and role != "aggregated" else count):
+                            ("aggregated", s.aggregated), ("flex", s.flex)):
+            for _ in range(min(1, count) if s.autoscale and role in ("prefill", "decode")
+                           else count):
                 self.spawn_worker(role)
         logger.info("CPU layout: %s%s", self.cpu_plan.reason,
                     "".join(f"; engine {i}: cores {cpu_list(c)}"
@@ -255,7 +259,7 @@ class Cluster:
                *s.worker_args]
         if s.otlp_traces_endpoint:
             cmd += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
-        if s.kv_events and role in ("prefill", "aggregated"):
+        if s.kv_events and role in ("prefill", "aggregated", "flex"):
             cmd += ["--kv-events-port", str(free_port(s.host))]
         cpus = self._free_slot()
         proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=child_setup(cpus),
@@ -313,7 +317,7 @@ class Cluster:
             self.restarts["autoscaler"] = self.restarts.get("autoscaler", 0) + 1
         for w in [w for w in self.workers if w.proc.poll() is not None and not w.draining]:
             self.workers.remove(w)
-            if self.settings.autoscale and w.role != "aggregated":
+            if self.settings.autoscale and w.role in ("prefill", "decode"):
                 logger.error("%s worker %s %s; the autoscaler's reconcile replaces it", w.role,
                              w.url, exit_reason(w.proc.returncode))
                 continue
@@ -434,6 +438,9 @@ async def run_cluster(settings: ClusterSettings) -> int:
         if settings.aggregated:
             pools = f"{settings.aggregated} aggregated" + (
                 f" + {pools}" if settings.prefill else "")
+        if settings.flex:
+            pools = f"{settings.flex} flex (adaptive)" + (
+                f" + {pools}" if settings.prefill or settings.aggregated else "")
         print(f"pdserve CPU layout: {cluster.cpu_plan.reason}", flush=True)
         print(f"pdserve ready: {cluster.url}/v1 (model {cluster.served_name}, {pools}, "
               f"redis {redacted_url(cluster.redis_url)})", flush=True)
@@ -471,11 +478,13 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=env("PDSERVE_MODEL"),
                         help="model dir or HF id (default: the tiny offline model)")
     parser.add_argument("--served-model-name", default=env("PDSERVE_SERVED_MODEL_NAME"))
-    parser.add_argument("--mode", choices=["pd", "aggregated"], default=env("PDSERVE_MODE", "pd"),
+    parser.add_argument("--mode", choices=["pd", "aggregated", "adaptive"],
+                        default=env("PDSERVE_MODE", "pd"),
                         help="pd: prefill + decode pools (default); aggregated: --replicas plain "
-                             "vLLM workers behind the same router")
+                             "vLLM workers behind the same router; adaptive: --replicas flex "
+                             "workers, the router picks whole or P/D per request")
     parser.add_argument("--replicas", type=int, default=int(env("PDSERVE_REPLICAS", "1")),
-                        help="workers of --mode aggregated")
+                        help="workers of --mode aggregated or adaptive")
     parser.add_argument("--prefill", type=int, default=int(env("PDSERVE_PREFILL", "1")))
     parser.add_argument("--decode", type=int, default=int(env("PDSERVE_DECODE", "1")))
     parser.add_argument("--aggregated", type=int, default=int(env("PDSERVE_AGGREGATED", "0")),
@@ -510,10 +519,13 @@ def settings_from_args(args: argparse.Namespace) -> ClusterSettings:
     """ClusterSettings from parsed `pdserve up` flags (shared settings resolved from the env)."""
     resolved = shared.resolve_into(args, "up")
     aggregated_only = args.mode == "aggregated"
+    adaptive = args.mode == "adaptive"
+    pools_only = aggregated_only or adaptive
     return ClusterSettings(model=args.model, served_model_name=args.served_model_name,
-                           prefill=0 if aggregated_only else args.prefill,
-                           decode=0 if aggregated_only else args.decode,
+                           prefill=0 if pools_only else args.prefill,
+                           decode=0 if pools_only else args.decode,
                            aggregated=args.replicas if aggregated_only else args.aggregated,
+                           flex=args.replicas if adaptive else 0,
                            port=args.port,
                            host=args.host, redis_url=args.redis_url, policy=args.policy,
                            lease_s=args.kv_lease_s, kv_cache_gib=args.kv_cache_gib,

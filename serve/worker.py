@@ -91,8 +91,9 @@ class WorkerSettings:
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode", "aggregated"):
-            raise ValueError(f"--role must be prefill, decode or aggregated, got {self.role!r}")
+        if self.role not in ("prefill", "decode", "aggregated", "flex"):
+            raise ValueError("--role must be prefill, decode, aggregated or flex, got "
+                             f"{self.role!r}")
         if self.kv_events_port:
             check_kv_events_args(self.kv_events_port, self.extra_vllm_args)
 
@@ -409,7 +410,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `pdserve worker` (its own mirror PDSERVE_WORKER_* env vars; Redis, the KV lease
     and pull timeout, tracing and the log level are the shared ``router.settings``)."""
     env = os.environ.get
-    parser.add_argument("--role", choices=["prefill", "decode", "aggregated"],
+    parser.add_argument("--role", choices=["prefill", "decode", "aggregated", "flex"],
                         default=env("PDSERVE_WORKER_ROLE"), required=not env("PDSERVE_WORKER_ROLE"))
     parser.add_argument("--model", default=env("PDSERVE_WORKER_MODEL"),
                         help="model dir or HF id (default: the tiny offline model)")

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -44,11 +44,13 @@ from router.config import RouterSettings
 from router.errors import APIError, InvalidRequestError
 from router.metrics import RouterMetrics
 from router.placement import Placement
+from router.policy.adaptive import FORCED_PATHS, AdaptivePaths
 from router.policy.admission import AdmissionLimits, admit
 from router.policy.base import CacheChanged, RouteRequest
 from router.policy.context import PolicyContext
 from router.policy.disagg import SelectiveDisaggregation
 from router.policy.hashing import block_hashes
+from router.policy.path_cost import PathCosts
 from router.policy.paths import WHOLE_PATHS, whole_request_role
 from router.state.cluster import ClusterSource, ClusterView
 from router.state.load import LoadTracker
@@ -82,6 +84,11 @@ class RouterService:
         self.disagg = SelectiveDisaggregation(settings.disagg_min_prefill_tokens)
         context = PolicyContext(ttft_slo_s=settings.ttft_slo_s,
                                 per_token_s=settings.prefill_s_per_token)
+        costs = PathCosts.from_file(settings.path_costs_file) if settings.path_costs_file \
+            else PathCosts()
+        self.adaptive = AdaptivePaths(costs, settings.ttft_slo_s, settings.tpot_slo_s,
+                                      block_tokens=context.block_tokens)
+        """The per-request path decision (``--path-policy``; adaptive disaggregation)."""
         self.placement = Placement.create(settings.policy, settings.decode_policy, context,
                                           self.tracker, decode_observers=(self.disagg.observe,))
         self.kv_events: KVEventSubscriber | None = None
@@ -135,7 +142,9 @@ class RouterService:
             pool.tell(change)
 
     def _timeline_done(self, clock: PhaseClock, status: int) -> None:
-        """A request ended: phase metrics, the timeline file, the trace."""
+        """A request ended: phase metrics, the timeline file, the trace; the adaptive decision
+        stops counting it."""
+        self.adaptive.finished(clock.upstream_id)
         for phase, seconds in clock.phases().items():
             self.metrics.phase.labels(phase=phase).observe(seconds)
         self.tracer.end(clock.span, clock, status)
@@ -151,6 +160,12 @@ class RouterService:
         """``clock``'s request takes ``path`` for ``reason`` (``pdserve_router_paths_total``)."""
         clock.path = path
         self.metrics.paths.labels(path=path, reason=reason).inc()
+
+    def _adaptive_on(self, roles: Collection[str]) -> bool:
+        """Whether the cost model picks paths (``--path-policy``; ``auto``: a flex worker is
+        registered for the model)."""
+        policy = self.settings.path_policy
+        return policy != "static" and (policy != "auto" or "flex" in roles)
 
     def _admit(self, model: str, whole: str | None) -> None:
         """429 with ``Retry-After`` when a pool the request needs is full (policy.admission):
@@ -259,6 +274,9 @@ class RouterService:
         pd_ok = {"prefill", "decode"} <= roles
         whole = None if pd_ok else whole_request_role(roles)
         shape = whole_request_reason(req)  # n > 1 or a batch: one worker serves it whole
+        adaptive = self._adaptive_on(roles) and shape is None
+        if adaptive:  # the cost model plans whole or P/D among every engine
+            whole = None
         if whole is None and shape is not None:
             whole = whole_request_role(roles - {"prefill"})
         token_ids = await self._check_context(req, records, body)
@@ -266,7 +284,7 @@ class RouterService:
             self.metrics.tokenizer_fallbacks.inc()
             token_ids = approximate_ids(_prompt_text(req))
         self.metrics.requests_received.labels(endpoint=endpoint.name, model_name=req.model).inc()
-        self._admit(req.model, whole)
+        self._admit(req.model, "flex" if adaptive and "flex" in roles else whole)
         # hashed once here; prefix-aware policies and the load accounting reuse the blocks
         route = RouteRequest(request_id=clock.upstream_id, model=req.model,
                              prompt_token_ids=token_ids, block_hashes=block_hashes(token_ids))
@@ -278,6 +296,8 @@ class RouterService:
             self._took(clock, path, shape or reason)
             return await self.proxy.decode(endpoint, body, None, route, incoming, stream=stream,
                                            clock=clock, role=whole)
+        if adaptive:
+            return await self._adaptive(endpoint, body, req, route, incoming, clock, stream)
         if self.disagg.enabled:
             target = self.proxy.peek_decode(route)
             choice = self.disagg.decide(route, target.worker_id) if target else None
@@ -285,13 +305,61 @@ class RouterService:
                 self._took(clock, "decode_only", choice.reason)
                 return await self.proxy.decode(endpoint, body, None, route, incoming,
                                                stream=stream, clock=clock, first_choice=target)
+        return await self._pd(endpoint, body, route, incoming, clock, stream)
+
+    async def _adaptive(self, endpoint: Endpoint, body: dict[str, Any], req: Any,
+                        route: RouteRequest, incoming: dict[str, str], clock: PhaseClock,
+                        stream: bool) -> Response:
+        """Plan the request's path with the cost model (``router.policy.adaptive``) over every
+        live engine of the model, then run it: whole on one worker, or P/D on the pair."""
+        assert self.proxy is not None
+        records = self.cluster.workers(model=route.model)
+        by_id = {r.worker_id: r for r in records}
+        candidates = self.tracker.candidates(records, self.proxy.reported_loads())
+        now = time.monotonic()
+        engines = self.adaptive.loads(
+            route, [(by_id[c.worker_id].role, c) for c in candidates], now)
+        output_tokens = requested_max_tokens(req) or self.settings.expected_output_tokens
+        force = self.settings.path_policy if self.settings.path_policy in FORCED_PATHS else None
+        decision = self.adaptive.decide(route, output_tokens, engines, force)
+        if decision is None:
+            raise APIError(f"no live worker for model '{route.model}'", status=503,
+                           code="no_workers", type="server_error")
+        plan = decision.plan
+        self.adaptive.dispatched(route, plan, output_tokens, now)
+        clock.plan = {"path": plan.path, "reason": decision.reason, "worker": plan.worker,
+                      "prefill_worker": plan.prefill_worker,
+                      "predicted_ttft_s": round(plan.ttft_s, 6),
+                      "predicted_tpot_s": round(plan.tpot_s, 6),
+                      "predicted_admitted_tpot_s": round(plan.harm_tpot_s, 6)}
+        worker = by_id[plan.worker]
+        if plan.path == "whole":
+            self._took(clock, "whole", decision.reason)
+            return await self.proxy.decode(endpoint, body, None, route, incoming, stream=stream,
+                                           clock=clock, role=worker.role, first_choice=worker)
+        assert plan.prefill_worker is not None
+        return await self._pd(endpoint, body, route, incoming, clock, stream,
+                              reason=decision.reason, prefill=by_id[plan.prefill_worker],
+                              decode=worker)
+
+    async def _pd(self, endpoint: Endpoint, body: dict[str, Any], route: RouteRequest,
+                  incoming: dict[str, str], clock: PhaseClock, stream: bool, *,
+                  reason: str | None = None, prefill: WorkerRecord | None = None,
+                  decode: WorkerRecord | None = None) -> Response:
+        """Prefill then decode (the prefill's first token streamed at once when it can be);
+        ``prefill``/``decode``: workers already chosen for the first attempts; ``reason``: the
+        path's reason label when a decision chose P/D (else how the first token was served)."""
+        assert self.proxy is not None
+        model = route.model
         continue_from_prefill = self.settings.first_token_from_prefill and \
             first_token.eligible(endpoint, body)
         try:
             result = await self.proxy.prefill(endpoint, body, route, incoming, clock,
-                                              token_ids=continue_from_prefill)
+                                              token_ids=continue_from_prefill,
+                                              first_choice=prefill)
         except APIError as err:
-            if err.status < 500 or not self.cluster.workers("decode", req.model):
+            if err.status < 500 or not (self.cluster.workers("decode", model)
+                                        or self.cluster.workers("flex", model)):
                 raise
             # Every prefill failed (or none is left): a decode worker is a complete vLLM and
             # computes the prompt itself; nothing was leased, so nothing can be stranded.
@@ -299,7 +367,7 @@ class RouterService:
                            err.message)
             self._took(clock, "decode_only", "prefill_failed")
             return await self.proxy.decode(endpoint, body, None, route, incoming,
-                                           stream=stream, clock=clock)
+                                           stream=stream, clock=clock, first_choice=decode)
         if isinstance(result, Response):
             return result
         if isinstance(result, WorkerRecord):  # mixed fleet: the policy chose a plain worker
@@ -310,24 +378,27 @@ class RouterService:
         logger.debug("prefill done on %s", prefill_worker.worker_id)
         first = first_token.parse_prefill(answer) if continue_from_prefill else None
         if first is not None:
-            self._took(clock, "pd_first_token", "eligible")
+            self._took(clock, "pd_first_token", reason or "eligible")
             return self.proxy.continue_stream(endpoint, body, first, kv_params, route, incoming,
-                                              clock)
-        reason = "prefill_token_unusable" if continue_from_prefill else "not_eligible"
-        self._took(clock, "pd", reason)
+                                              clock, first_choice=decode)
+        self._took(clock, "pd", reason or ("prefill_token_unusable" if continue_from_prefill
+                                           else "not_eligible"))
         return await self.proxy.decode(endpoint, body, kv_params, route, incoming,
-                                       stream=stream, clock=clock)
+                                       stream=stream, clock=clock, first_choice=decode)
 
     def health(self) -> JSONResponse:
         prefill = len(self.cluster.workers("prefill"))
         decode = len(self.cluster.workers("decode"))
         aggregated = len(self.cluster.workers("aggregated"))
+        flex = len(self.cluster.workers("flex"))
         self.metrics.workers.labels(role="prefill").set(prefill)
         self.metrics.workers.labels(role="decode").set(decode)
         self.metrics.workers.labels(role="aggregated").set(aggregated)
-        ok = (prefill > 0 and decode > 0) or aggregated > 0
+        self.metrics.workers.labels(role="flex").set(flex)
+        ok = (prefill > 0 and decode > 0) or aggregated > 0 or flex > 0
         body = {"status": "ok" if ok else "unavailable", "prefill_workers": prefill,
                 "decode_workers": decode, "aggregated_workers": aggregated,
+                "flex_workers": flex,
                 "redis": "ok" if self.cluster.redis_ok else "unreachable"}
         return JSONResponse(body, status_code=200 if ok else 503)
 

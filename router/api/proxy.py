@@ -98,10 +98,13 @@ class PDProxy:
 
     def _live(self, role: str, model: str) -> list[WorkerRecord]:
         """Workers placed by ``role``'s policy; in a mixed fleet the prefill policy places
-        prefill and aggregated workers together (an aggregated pick serves the whole request)."""
+        prefill and aggregated workers together (an aggregated pick serves the whole request).
+        Flex workers serve in every pool: prefill, decode and ``flex`` (whole requests)."""
         live = self.cluster.workers(role, model)
         if role == "prefill":
             live += self.cluster.workers("aggregated", model)
+        if role in ("prefill", "decode"):
+            live += self.cluster.workers("flex", model)
         return live
 
     def choose(self, role: str, route: RouteRequest, tried: set[str]) -> WorkerRecord | None:
@@ -201,11 +204,12 @@ class PDProxy:
     async def prefill(
         self, endpoint: Endpoint, body: dict[str, Any], route: RouteRequest,
         incoming: dict[str, str], clock: PhaseClock, *, token_ids: bool = False,
+        first_choice: WorkerRecord | None = None,
     ) -> tuple[dict[str, Any], WorkerRecord, Any] | WorkerRecord | Response:
         """Run the prefill; returns (kv_transfer_params, worker, the prefill's JSON answer) or a
         relayed 4xx response; in a mixed fleet, the aggregated worker the prefill policy chose
         instead (nothing sent yet). ``token_ids`` asks for the prompt's and the sampled token's
-        ids."""
+        ids; ``first_choice`` is a worker already chosen for the first attempt."""
         out = prefill_body(endpoint, body, token_ids=token_ids)
         ask = out["kv_transfer_params"]
         headers = self._headers(route, incoming)
@@ -213,7 +217,11 @@ class PDProxy:
         retried: set[str] = set()
         last: UpstreamError | None = None
         for attempt in range(self.settings.prefill_retries + 1):
-            worker = await self._choose_or_wait("prefill", route, tried)
+            if attempt == 0 and first_choice is not None:
+                worker: WorkerRecord | None = first_choice
+                tried.add(first_choice.worker_id)
+            else:
+                worker = await self._choose_or_wait("prefill", route, tried)
             if worker is None:
                 break
             if worker.role == "aggregated":
@@ -363,11 +371,12 @@ class PDProxy:
     def continue_stream(
         self, endpoint: Endpoint, body: dict[str, Any], first: FirstToken,
         kv_params: dict[str, Any], route: RouteRequest, incoming: dict[str, str],
-        clock: PhaseClock,
+        clock: PhaseClock, first_choice: WorkerRecord | None = None,
     ) -> RelayResponse:
         """Stream the prefill's token now, then the decode's continuation from it (see
         ``router.api.first_token``). Decode failures before its first byte are retried on
-        another decode worker; after it, they end the stream with one error event."""
+        another decode worker; after it, they end the stream with one error event.
+        ``first_choice`` is a decode worker already chosen for the first attempt."""
         plain = encode(continuation_body(body, first, None))
         headers = self._headers(route, incoming)
         rewriter = ContinuationRewriter(endpoint, first)
@@ -410,7 +419,11 @@ class PDProxy:
             last: UpstreamError | None = None
             reached = False  # a decode may have pulled: the params are spent
             for attempt in range(self.settings.decode_retries + 1):
-                worker = await self._choose_or_wait("decode", route, tried)
+                if attempt == 0 and first_choice is not None:
+                    worker: WorkerRecord | None = first_choice
+                    tried.add(first_choice.worker_id)
+                else:
+                    worker = await self._choose_or_wait("decode", route, tried)
                 if worker is None:
                     break
                 clock.mark("decode_chosen")

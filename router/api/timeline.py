@@ -43,6 +43,9 @@ class PhaseClock:
     wall: dict[str, float] = field(default_factory=dict)
     path: str = ""
     """The path the request took (``pdserve_router_paths_total``'s label), once decided."""
+    plan: dict[str, object] = field(default_factory=dict)
+    """The adaptive decision: path, reason, workers and predicted TTFT/TPOT (empty when the
+    fleet's roles chose the path)."""
     span: object | None = None
     """The request's trace span while tracing is on (see ``router.api.tracing``)."""
     model: str = ""
@@ -85,4 +88,5 @@ class PhaseClock:
         """The JSON line of the timeline file."""
         return {"source": "router", "request_id": self.request_id,
                 "upstream_id": self.upstream_id, "path": self.path,
+                **({"plan": dict(self.plan)} if self.plan else {}),
                 "events": dict(self.wall), "phases": self.phases()}

@@ -89,6 +89,11 @@ class RequestTracer:
             child.end(end_time=_ns(max(previous, clock.wall[event])))
             previous = max(previous, clock.wall[event])
         span.set_attribute("http.response.status_code", status)
+        if clock.path:
+            span.set_attribute("pdserve.path", clock.path)
+        for key, value in clock.plan.items():
+            if value is not None:
+                span.set_attribute(f"pdserve.plan.{key}", value)  # type: ignore[arg-type]
         span.end(end_time=_ns(previous))
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Collection
 
 WHOLE_PATHS: dict[str, tuple[str, str]] = {
     "aggregated": ("aggregated", "no_pd_pool"),
+    "flex": ("whole", "no_pd_pool"),
     "decode": ("decode_only", "no_prefill_worker"),
     "prefill": ("prefill_whole", "no_decode_worker"),
 }

@@ -38,7 +38,7 @@ MAX_MESSAGE_BYTES = 16 * 2**20
 RECEIVE_QUEUE = 10_000
 """Messages a SUB socket queues before newer ones are dropped (a gap the router tolerates)."""
 
-ROLES = ("prefill", "aggregated")
+ROLES = ("prefill", "aggregated", "flex")
 """Roles whose engines' caches the prefill policies model."""
 
 

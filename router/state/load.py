@@ -90,7 +90,7 @@ class LoadTracker:
             if load is not None:
                 foreign = max(load.running + load.waiting - load.own_in_flight, 0)
                 kv_usage = load.kv_usage
-                if r.role in ("prefill", "aggregated"):
+                if r.role in ("prefill", "aggregated", "flex"):
                     pending += round(foreign * self.mean_prefill_tokens)
             out.append(Candidate(worker_id=wid, in_flight=own,
                                  recently_failed=self.recently_failed(wid),

@@ -25,8 +25,10 @@ logger = logging.getLogger(__name__)
 TOMBSTONE_MS = 300_000
 """How long a deregistered worker's tombstone lives."""
 
-ROLES = ("prefill", "decode", "aggregated")
-"""``aggregated``: a plain vLLM server that serves whole requests (no KV connector)."""
+ROLES = ("prefill", "decode", "aggregated", "flex")
+"""``aggregated``: a plain vLLM server that serves whole requests (no KV connector); ``flex``: an
+engine with the connector that the router uses, request by request, whole, as a prefill or as a
+decode (adaptive disaggregation, ``router.policy.adaptive``)."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class WorkerRecord:
     """What a worker tells the cluster about itself."""
 
     worker_id: str
-    role: Literal["prefill", "decode", "aggregated"]
+    role: Literal["prefill", "decode", "aggregated", "flex"]
     model: str
     """Served model name (what clients put in ``model``)."""
     model_path: str

@@ -353,10 +353,11 @@ def test_up_passes_shared_settings_to_its_children(monkeypatch: pytest.MonkeyPat
     cluster = Cluster(settings_from_args(args))
     monkeypatch.delenv("PDSERVE_TPOT_SLO_S")  # the children must get it as a flag
     router_flags = cluster._passed_on("router")
-    assert "--tpot-slo-s=0.3" not in router_flags  # the router takes no TPOT SLO
+    assert "--tpot-slo-s=0.3" in router_flags  # the adaptive path decision plans for it
     router = load(router_flags, env={})
-    assert (router.ttft_slo_s, router.max_in_flight_per_worker, router.request_timeout_s,
-            router.decode_policy, router.log_level) == (2.0, 3, 30.0, "kv_aware", "WARNING")
+    assert (router.ttft_slo_s, router.tpot_slo_s, router.max_in_flight_per_worker,
+            router.request_timeout_s, router.decode_policy, router.log_level) == (
+        2.0, 0.3, 3, 30.0, "kv_aware", "WARNING")
     scale_args = _parser().parse_args(["autoscale", *cluster._passed_on("autoscale")])
     planner = autoscale_settings(scale_args).planner
     assert (planner.ttft_slo_s, planner.tpot_slo_s, scale_args.log_level) == (2.0, 0.3,
@@ -430,7 +431,7 @@ def test_config_show_command_line(capsys: pytest.CaptureFixture[str],
     rows = _rows(capsys.readouterr().out)
     assert rows["policy"][:2] == ["prefix_only", "env PDSERVE_POLICY"]
     assert rows["log_level"][:2] == ["ERROR", "flag --log-level"]
-    assert "tpot_slo_s" not in rows
+    assert rows["tpot_slo_s"][:2] == ["0.1", "default"]  # the adaptive decision plans for it
 
 
 def test_readme_table_matches_the_code() -> None:

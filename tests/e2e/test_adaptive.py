@@ -1,0 +1,170 @@
+"""Adaptive disaggregation on a real cluster: `pdserve up --mode adaptive --replicas 2`.
+
+Two flex workers (one vLLM engine each, with our connector) behind the cluster's router, which
+plans every request's path (``router.policy.adaptive``). Two more routers on the same Redis force
+each path (``--path-policy whole`` / ``pd``), so every path is run through the OpenAI SDK and
+compared with the session's plain vLLM server; a third, with a tight TPOT SLO, sees a burst of
+long prompts with short answers and then short prompts with long answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.cluster import SERVED_NAME, Cluster, Plain, registered_records, running_cluster
+from tests.support.metrics import scrape, value
+from tests.support.prompts import make_prompts
+from tests.support.router_process import RouterProcess
+
+pytestmark = pytest.mark.vllm
+
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def adaptive(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[Cluster]:
+    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("adaptive"), instrument=True,
+                         expect_workers=WORKERS,
+                         extra_args=("--mode", "adaptive", "--replicas", str(WORKERS))) as c:
+        yield c
+
+
+@contextmanager
+def _router(cluster: Cluster, **settings: Any) -> Iterator[str]:
+    """Another router on ``cluster``'s Redis and secret (``settings``: RouterSettings fields)."""
+    router = RouterProcess(redis_url=cluster.redis_url,
+                           cluster_secret_file=str(cluster.keyring_file), **settings)
+    router.start(timeout_s=60)
+    try:
+        yield router.url
+    finally:
+        router.stop()
+
+
+def _paths(url: str) -> dict[tuple[str, str], float]:
+    """``pdserve_router_paths_total`` by (path, reason), non-zero ones."""
+    return {(dict(labels)["path"], dict(labels)["reason"]): v
+            for (name, labels), v in scrape(url).items()
+            if name == "pdserve_router_paths_total" and v}
+
+
+def _grew(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]
+          ) -> dict[tuple[str, str], float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+
+
+def _pulls(cluster: Cluster) -> float:
+    """KV pulls done by the cluster's workers (both: either may decode)."""
+    return sum(value(scrape(r.http_url), "pdserve_kv_pulls_total")
+               for r in registered_records(cluster))
+
+
+def _sdk_outputs(url: str, prompt: str) -> list[str]:
+    """Completion, streamed completion, chat and streamed chat of ``prompt`` (greedy)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    done = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=8,
+                                     temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        if c.choices)
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(model=SERVED_NAME, messages=messages,  # type: ignore
+                                          max_tokens=8, temperature=0)
+    chat_streamed = "".join(c.choices[0].delta.content or "" for c in
+                            client.chat.completions.create(
+                                model=SERVED_NAME, messages=messages,  # type: ignore[arg-type]
+                                max_tokens=8, temperature=0, stream=True) if c.choices)
+    return [done.choices[0].text, streamed, chat.choices[0].message.content or "",
+            chat_streamed]
+
+
+def test_adaptive_mode_starts_flex_workers(adaptive: Cluster) -> None:
+    roles = [r.role for r in registered_records(adaptive)]
+    assert roles == ["flex"] * WORKERS
+    health = httpx.get(f"{adaptive.url}/health").json()
+    assert (health["flex_workers"], health["prefill_workers"], health["decode_workers"]) == (
+        WORKERS, 0, 0)
+
+
+def test_every_path_equals_a_plain_server(adaptive: Cluster, plain: Plain,
+                                          tiny_model_dir: Path) -> None:
+    prompts = make_prompts(tiny_model_dir, [40, 300], seed=21, tag="adaptive")
+    reference = {p: _sdk_outputs(plain.url, p) for p in prompts}
+    assert all(all(reference[p]) for p in prompts)
+    with _router(adaptive, path_policy="whole") as whole, \
+            _router(adaptive, path_policy="pd") as pd:
+        for url, name in ((adaptive.url, "auto"), (whole, "whole"), (pd, "pd")):
+            before, pulls = _paths(url), _pulls(adaptive)
+            for prompt in prompts:
+                assert _sdk_outputs(url, prompt) == reference[prompt], (name, prompt)
+            grew, pulled = _grew(before, _paths(url)), _pulls(adaptive) - pulls
+            assert sum(grew.values()) == 4 * len(prompts), (name, grew)
+            if name == "whole":
+                assert set(grew) == {("whole", "forced")}, grew
+                assert pulled == 0  # negative control: nothing moved between the engines
+            elif name == "pd":
+                assert {path for path, _ in grew} <= {"pd", "pd_first_token"}, grew
+                assert {reason for _, reason in grew} == {"forced"}, grew
+                assert pulled == 4 * len(prompts)  # each answer's KV really was pulled
+            else:  # idle engines, relaxed SLOs: the model serves each whole
+                assert set(grew) == {("whole", "whole_meets_slo")}, grew
+
+
+def test_the_decision_is_in_the_timeline(adaptive: Cluster) -> None:
+    body = {"model": SERVED_NAME, "prompt": "the timeline of one plan", "max_tokens": 4}
+    resp = httpx.post(f"{adaptive.url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200
+    import json
+
+    def last_plan() -> dict[str, Any]:
+        lines = adaptive.router_timeline.read_text().splitlines()
+        return dict(json.loads(lines[-1]).get("plan") or {})
+
+    deadline = time.monotonic() + 10
+    while not last_plan() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    plan = last_plan()
+    assert plan["path"] == "whole" and plan["reason"] == "whole_meets_slo", plan
+    assert 0 < plan["predicted_ttft_s"] < 1 and 0 < plan["predicted_tpot_s"] < 0.1, plan
+
+
+async def _burst(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> list[int]:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def one(prompt: str) -> int:
+            async with sem:
+                body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                        "temperature": 0}
+                return (await client.post(f"{url}/v1/completions", json=body)).status_code
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def test_a_switching_load_moves_the_path_mix(adaptive: Cluster, tiny_model_dir: Path) -> None:
+    long = make_prompts(tiny_model_dir, [900 + 7 * i for i in range(16)], seed=22,
+                        tag="switch-long")
+    short = make_prompts(tiny_model_dir, [60 + 3 * i for i in range(6)], seed=23,
+                         tag="switch-short")
+    # 12 ms TPOT: a long prefill on an engine stalls its 4-token answers past it
+    with _router(adaptive, tpot_slo_s=0.012, ttft_slo_s=2.0) as url:
+        before = _paths(url)
+        codes = asyncio.run(_burst(url, long, max_tokens=4, concurrency=6))
+        burst = _grew(before, _paths(url))
+        time.sleep(15)  # the engines' prefill shares decay (10 s window)
+        middle = _paths(url)
+        codes += asyncio.run(_burst(url, short, max_tokens=48, concurrency=1))
+        calm = _grew(middle, _paths(url))
+    assert codes == [200] * (len(long) + len(short)), codes
+    pd_in_burst = sum(v for (path, _), v in burst.items() if path.startswith("pd"))
+    assert pd_in_burst >= 1, burst  # long prompts, short answers: some went P/D
+    assert calm == {("whole", "whole_meets_slo"): len(short)}, calm  # then all whole again
