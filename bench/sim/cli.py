@@ -17,6 +17,9 @@ instances serving after ``--start-delay-s``). ``DIR/summary.json`` per policy th
 both SLOs), ``replicas_max`` (per pool), latency percentiles; ``DIR/replicas.png`` plots the
 pools over time and ``DIR/report.md`` has the table.
 
+``pdserve sim paths ...`` compares adaptive disaggregation with aggregated and static P/D
+fleets instead (:mod:`bench.sim.paths_cli`).
+
 Unknown policy, bad trace or bad numbers: a message on stderr and exit status 2.
 """
 
@@ -102,6 +105,11 @@ def _fail(msg: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["paths"]:
+        from bench.sim.paths_cli import main as paths_main
+
+        return paths_main(argv[1:])
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse already printed the usage error

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.policy.registry import BASELINES
+
+if TYPE_CHECKING:
+    from bench.sim.paths import Row
 
 
 def write_summary(out: Path, summary: Mapping[str, Mapping[str, Any]]) -> Path:
@@ -124,3 +127,33 @@ def write_autoscale_report(out: Path, summary: Mapping[str, Mapping[str, Any]],
     path = out / "report.md"
     path.write_text("\n".join(md))
     return path
+
+
+def paths_table(rows: Sequence[Row]) -> str:
+    """Markdown table of ``pdserve sim paths``: mean capacity (req/s) over the seeds per
+    workload and fleet, adaptive's ratio to the best other fleet, adaptive's P/D share at its
+    capacity."""
+    fleets = list(rows[0].capacity_rps) if rows else []
+    head = ("| workload | " + " | ".join(fleets) + " | adaptive / best static | "
+            "adaptive P/D share |\n|---|" + "---|" * (len(fleets) + 2) + "\n")
+    lines = []
+    for row in rows:
+        mean = {f: sum(c) / len(c) for f, c in row.capacity_rps.items()}
+        static = [v for f, v in mean.items() if f != "adaptive"]
+        best = max(static, default=0.0)
+        ratio = (f"{mean['adaptive'] / best:.2f}x" if "adaptive" in mean and best else "n/a")
+        share = (f"{sum(row.adaptive_pd_share) / len(row.adaptive_pd_share):.0%}"
+                 if row.adaptive_pd_share else "n/a")
+        lines.append(f"| {row.workload} | " + " | ".join(f"{mean[f]:.1f}" for f in fleets)
+                     + f" | {ratio} | {share} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def paths_ranking(rows: Sequence[Row]) -> str:
+    """One line per workload: the fleets from the highest mean capacity down."""
+    out = []
+    for row in rows:
+        mean = {f: sum(c) / len(c) for f, c in row.capacity_rps.items()}
+        order = sorted(mean, key=lambda f: -mean[f])
+        out.append(f"{row.workload}: " + " > ".join(order))
+    return "\n".join(out) + "\n"

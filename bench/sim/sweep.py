@@ -85,13 +85,20 @@ def effective_capacity(name: str, reqs: Sequence[SimRequest], cfg: SweepConfig,
             progress(f"{name} {rate:.2f} req/s -> {att:.3f}")
         return att >= cfg.target_attainment
 
+    return highest_rate(ok, start_rps, cfg.bisect_steps), sorted(points)
+
+def highest_rate(ok: Callable[[float], bool], start_rps: float, bisect_steps: int) -> float:
+    """The highest rate with ``ok`` (assumed monotone): doubled from ``start_rps`` while it
+    holds (or halved until it does), then ``bisect_steps`` bisections of the bracket (each
+    halves it: 5 steps leave it within 1/32 of the answer). 0.0 when even ``start_rps``/2**20
+    fails; ``start_rps`` x 2**20 when that still holds."""
     lo, hi = 0.0, start_rps
     for _ in range(20):
         if not ok(hi):
             break
         lo, hi = hi, hi * 2
     else:
-        return hi, points
+        return hi
     if lo == 0.0:
         for _ in range(20):
             hi_fail, lo = hi, hi / 2
@@ -100,14 +107,14 @@ def effective_capacity(name: str, reqs: Sequence[SimRequest], cfg: SweepConfig,
                 break
             hi = lo
         else:
-            return 0.0, points
-    for _ in range(cfg.bisect_steps):
+            return 0.0
+    for _ in range(bisect_steps):
         mid = (lo + hi) / 2
         if ok(mid):
             lo = mid
         else:
             hi = mid
-    return lo, sorted(points)
+    return lo
 
 
 def summarize(res: RunResult, cfg: SweepConfig) -> dict[str, Any]:

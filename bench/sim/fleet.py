@@ -1,0 +1,227 @@
+"""A fleet of colocated engines whose every request's path is planned by the router's
+:class:`router.policy.adaptive.AdaptivePaths`.
+
+Fleets (:func:`make_fleet`, N engines):
+
+- ``adaptive``: N ``flex`` engines; each request whole or P/D, as the policy decides;
+- ``aggregated``: N ``aggregated`` engines; every request whole (the policy picks the engine);
+- ``pd1:3`` ... ``pd3:1``: static P/D, ``prefill`` : ``decode`` engines in that ratio (at least
+  one of each); every request forced onto a P/D path (``force="pd"``), so the policy only picks
+  the pair.
+
+The simulator calls the policy exactly as a router would, with simulated time: per arrival
+``loads(request, [(role, Candidate)], now)`` then ``decide(request, output_tokens, loads,
+force)`` then ``dispatched(request, plan, output_tokens, now)``; ``finished(request_id)`` when
+the last token is out. Candidates carry the engines' true running sequences and in-flight
+requests (what the router scrapes and counts). ``output_tokens`` is the request's length (the
+benchmark clients send ``max_tokens`` = the length with ``ignore_eos``).
+
+Timing (:mod:`bench.sim.colocated` runs the engines): a whole request's first token comes with
+the iteration that finishes its prefill, then it joins that engine's batch. A P/D request's
+first token is out ``hop_s`` after its prefill (the cost model's TTFT), its KV lands on the
+decode engine ``prompt x pull_s_per_token`` later, and it decodes the rest there. TPOT =
+(last token - first token) / (output - 1).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from bench.sim.colocated import ColocatedEngine
+from bench.sim.workload import SimRequest
+from router.policy.adaptive import AdaptivePaths
+from router.policy.base import Candidate, RouteRequest
+from router.policy.path_cost import PathCosts
+
+MODEL = "sim"
+PD_RATIOS: tuple[tuple[int, int], ...] = ((1, 3), (1, 2), (1, 1), (2, 1), (3, 1))
+FLEETS: tuple[str, ...] = ("adaptive", "aggregated", *(f"pd{p}:{d}" for p, d in PD_RATIOS))
+"""Every fleet name :func:`make_fleet` knows, adaptive first."""
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The roles of a fleet's engines and the path it forces (None: the policy chooses)."""
+
+    name: str
+    roles: tuple[str, ...]
+    force: str | None = None
+
+
+def make_fleet(name: str, n: int) -> Fleet:
+    """The fleet ``name`` (one of :data:`FLEETS`) of ``n`` engines; ValueError otherwise."""
+    if n < 2:
+        raise ValueError(f"a fleet needs >= 2 engines, got {n}")
+    if name == "adaptive":
+        return Fleet(name, ("flex",) * n)
+    if name == "aggregated":
+        return Fleet(name, ("aggregated",) * n)
+    if name in FLEETS:
+        p, d = (int(x) for x in name[2:].split(":"))
+        n_p = min(max(round(n * p / (p + d)), 1), n - 1)
+        return Fleet(name, ("prefill",) * n_p + ("decode",) * (n - n_p), force="pd")
+    raise ValueError(f"unknown fleet {name!r}; allowed: {', '.join(FLEETS)}")
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """What one fleet run holds fixed."""
+
+    ttft_slo_s: float
+    tpot_slo_s: float
+    costs: PathCosts = field(default_factory=PathCosts)
+    """The engines' true costs, and the policy's (a calibrated router)."""
+    chunk_tokens: int = 2048
+    """Most prefill tokens one iteration carries (vLLM's ``max_num_batched_tokens``)."""
+    cache_blocks: int = 20_000
+    """Prefix-cache size per engine, in blocks."""
+    block_tokens: int = 16
+    warmup_s: float = 10.0
+    """Requests arriving earlier run but are not measured."""
+
+
+@dataclass
+class FleetResult:
+    """Per-request outcomes of the measured requests and the paths taken."""
+
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    """TPOT of each request of ``ttft_s`` in the same order (0.0 for one output token)."""
+    paths: Counter[str] = field(default_factory=Counter)
+    """``whole`` / ``pd`` count of every request."""
+    reasons: Counter[str] = field(default_factory=Counter)
+    prefill_share: float = 0.0
+    """Prefill seconds / busy seconds over all engines."""
+
+    def attainment(self, ttft_slo_s: float, tpot_slo_s: float) -> float:
+        """Share of measured requests within both SLOs."""
+        ok = sum(t <= ttft_slo_s and p <= tpot_slo_s
+                 for t, p in zip(self.ttft_s, self.tpot_s, strict=True))
+        return ok / len(self.ttft_s) if self.ttft_s else 0.0
+
+
+class _Job:
+    __slots__ = ("req", "route", "decoder", "pd", "first_s", "measured")
+
+    def __init__(self, req: SimRequest, route: RouteRequest, decoder: ColocatedEngine[_Job],
+                 pd: bool, measured: bool) -> None:
+        self.req, self.route, self.decoder, self.pd = req, route, decoder, pd
+        self.measured = measured
+        self.first_s = 0.0
+
+
+_ENGINE, _PULLED = 0, 1
+
+
+class _Run:
+    """One replay: the engines, the policy, the event heap."""
+
+    def __init__(self, fleet: Fleet, s: FleetSettings) -> None:
+        self.s, self.fleet = s, fleet
+        self.engines = [ColocatedEngine[_Job](f"e{i:03d}", role, s.costs, s.chunk_tokens,
+                                              s.cache_blocks)
+                        for i, role in enumerate(fleet.roles)]
+        self.by_id = {e.wid: e for e in self.engines}
+        self.paths = AdaptivePaths(s.costs, s.ttft_slo_s, s.tpot_slo_s,
+                                   capacity_blocks=s.cache_blocks, block_tokens=s.block_tokens)
+        self.events: list[tuple[float, int, int, object, int]] = []
+        self.seq = 0
+        self.res = FleetResult()
+
+    def push(self, t: float, kind: int, payload: object, version: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, payload, version))
+
+    def wake(self, e: ColocatedEngine[_Job], now: float) -> None:
+        end = e.wake(now)
+        if end is not None:
+            self.push(end, _ENGINE, e, e.version)
+
+    def arrive(self, req: SimRequest, now: float) -> None:
+        route = RouteRequest(str(req.index), MODEL, block_hashes=req.block_hashes,
+                             num_prompt_tokens=req.prompt_tokens)
+        cands = [(e.role, Candidate(e.wid, e.in_flight, False, 0, e.running))
+                 for e in self.engines]
+        loads = self.paths.loads(route, cands, now)
+        decision = self.paths.decide(route, req.output_tokens, loads, force=self.fleet.force)
+        assert decision is not None  # every fleet has engines for its paths
+        plan = decision.plan
+        self.paths.dispatched(route, plan, req.output_tokens, now)
+        self.res.paths[plan.path] += 1
+        self.res.reasons[decision.reason] += 1
+        prefiller = self.by_id[plan.prefill_worker or plan.worker]
+        decoder = self.by_id[plan.worker]
+        job = _Job(req, route, decoder, plan.path == "pd", now >= self.s.warmup_s)
+        bt = self.s.block_tokens
+        hit = min(prefiller.cache.match(req.block_hashes) * bt, req.prompt_tokens - 1)
+        prefiller.in_flight += 1
+        if decoder is not prefiller:
+            decoder.in_flight += 1
+        prefiller.add_prefill(job, req.prompt_tokens - max(hit, 0))
+        self.wake(prefiller, now)
+
+    def prefilled(self, e: ColocatedEngine[_Job], job: _Job, now: float) -> None:
+        e.cache.insert(job.route.block_hashes)
+        c = self.s.costs
+        if not job.pd:
+            job.first_s = now
+            self.start_decode(job, now)
+            return
+        e.in_flight -= 1
+        job.first_s = now + c.hop_s
+        self.push(job.first_s + job.req.prompt_tokens * c.pull_s_per_token, _PULLED, job)
+
+    def start_decode(self, job: _Job, now: float) -> None:
+        if job.req.output_tokens > 1:
+            job.decoder.add_decode(job, job.req.output_tokens - 1)
+        else:
+            self.done(job, max(now, job.first_s))
+
+    def done(self, job: _Job, now: float) -> None:
+        self.paths.finished(job.route.request_id)
+        job.decoder.in_flight -= 1
+        if job.measured:
+            out = job.req.output_tokens
+            self.res.ttft_s.append(job.first_s - job.req.arrival_s)
+            self.res.tpot_s.append((now - job.first_s) / (out - 1) if out > 1 else 0.0)
+
+    def run(self, requests: Iterable[SimRequest]) -> FleetResult:
+        events = self.events
+        it = iter(requests)
+        nxt = next(it, None)
+        while nxt is not None or events:
+            if nxt is not None and (not events or nxt.arrival_s <= events[0][0]):
+                req, nxt = nxt, next(it, None)
+                self.arrive(req, req.arrival_s)
+                continue
+            now, _, kind, payload, version = heapq.heappop(events)
+            if kind == _PULLED:
+                job = payload
+                assert isinstance(job, _Job)
+                job.decoder.cache.insert(job.route.block_hashes)
+                self.start_decode(job, now)
+                self.wake(job.decoder, now)
+                continue
+            e = payload
+            assert isinstance(e, ColocatedEngine)
+            if version != e.version:
+                continue
+            prefilled, finished = e.complete(now)
+            for job in prefilled:
+                self.prefilled(e, job, now)
+            for job in finished:
+                self.done(job, now)
+            self.wake(e, now)
+        busy = sum(e.busy_s for e in self.engines)
+        self.res.prefill_share = sum(e.prefill_busy_s for e in self.engines) / busy if busy else 0
+        return self.res
+
+
+def simulate_fleet(requests: Iterable[SimRequest], fleet: Fleet,
+                   settings: FleetSettings) -> FleetResult:
+    """Replay ``requests`` (arrival times as given) on ``fleet``, every path planned by
+    :class:`~router.policy.adaptive.AdaptivePaths` at ``settings``' SLOs and costs."""
+    return _Run(fleet, settings).run(requests)
