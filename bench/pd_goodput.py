@@ -1,21 +1,29 @@
 """Goodput head-to-head: the highest request rate each setup serves at >= 90 % SLO attainment.
 
-    python -m bench.pd_goodput [--duration 120] [--rates 4,8,12,16,24] [--ttft-slo-s 1.0]
-                               [--tpot-slo-s 0.05] [--out DIR]
+    python -m bench.pd_goodput [--workloads prefill_heavy,decode_heavy,mix,switching,multi_turn]
+                               [--setups plain,aggregated,pd,selective,adaptive,vllm_pd]
+                               [--duration 40] [--rates 0.5,1,2,3,4,6] [--repeats 1] [--out DIR]
 
-One BurstGPT-shaped trace with long prompts (``pdserve bench synth``: median 1,000 prompt tokens,
-64 output tokens) is swept (``pdserve bench sweep``) on this machine against, in turn:
+For each workload of the family (``bench.goodput_workloads``: a BurstGPT-shaped trace from
+``pdserve bench synth`` and its own TTFT/TPOT SLOs) every setup is swept (``pdserve bench
+sweep``: the listed rates, then bisection to 5 %) on this machine, in turn:
 
-  (a) pd          ``pdserve up``: 1 prefill + 1 decode (each engine on its own cores);
-  (b) aggregated  ``pdserve up --mode aggregated --replicas 2``: 2 plain vLLM workers behind the
-                  same router and policies;
-  (c) plain       one plain vLLM server (``pdserve worker --role aggregated``, no router);
-  (d) selective   (a) with ``--disagg-min-prefill-tokens`` (short or decode-cached prompts skip
-                  the prefill hop).
+  plain       one plain vLLM server on all cores (``pdserve worker --role aggregated``, no
+              router): a different deployment, the single-engine reference;
+  aggregated  ``pdserve up --mode aggregated --replicas 2``: 2 plain vLLM workers, one core
+              each, behind the router;
+  pd          ``pdserve up``: 1 prefill + 1 decode, one core each;
+  selective   (pd) with ``--disagg-min-prefill-tokens`` (short or decode-cached prompts skip
+              the prefill hop);
+  adaptive    ``pdserve up --mode adaptive --replicas 2``: 2 flex workers, one core each, the
+              router choosing whole or P/D per request (``router.policy.adaptive``);
+  vllm_pd     vLLM's own P/D stack (``bench.field_pd``: NixlConnector engines behind
+              ``vllm-router``), settings printed.
 
-Every setup is started through the ``pdserve`` CLI, swept alone, and stopped before the next.
-Each setup first serves a discarded warm-up replay. The table prints the highest passing rate,
-attainment at each rate tried, where each process ran and the load average.
+Every setup is started, swept alone and stopped before the next; the pdserve setups' routers get
+the workload's SLOs. Each setup first serves a discarded warm-up replay. The table prints the
+highest passing rate, attainment at each rate tried, the path mix, where each process ran and
+the load average.
 """
 
 from __future__ import annotations
@@ -31,12 +39,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from bench import field_pd
+from bench.goodput_workloads import WORKLOADS, Workload, build_trace
 from bench.placement import children, placement_of
 
-SETUPS = ("pd", "aggregated", "plain", "selective")
+SETUPS = ("plain", "aggregated", "pd", "selective", "adaptive", "vllm_pd")
+SERVED = "tiny-llama"
 
 
 def _free_port() -> int:
@@ -78,11 +90,32 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def start(setup: str, min_prefill_tokens: int) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``setup`` through the pdserve CLI; returns (process group leader, base URL)."""
+class Running:
+    """A started setup: how to stop it and what to print about it."""
+
+    def __init__(self, url: str, stop: Any, pid: int, note: str = "") -> None:
+        self.url = url
+        self.stop = stop
+        self.pid = pid
+        self.note = note
+
+
+def _tiny_model() -> str:
+    out = subprocess.run(_pdserve("model", "tiny"), check=True, capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def start(setup: str, workload: Workload, min_prefill_tokens: int) -> Running:
+    """Start ``setup`` (the pdserve ones through the pdserve CLI, with ``workload``'s SLOs)."""
     port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    if setup == "vllm_pd":
+        stack = field_pd.start(_tiny_model(), SERVED, port)
+        return Running(url, stack.stop, stack.procs[0].pid, field_pd.SETTINGS)
     redis = f"redis://127.0.0.1:{_free_port()}/0"
-    common = ["--port", str(port), "--redis-url", redis, "--served-model-name", "tiny-llama"]
+    common = ["--port", str(port), "--redis-url", redis, "--served-model-name", SERVED,
+              "--ttft-slo-s", str(workload.ttft_slo_s), "--tpot-slo-s", str(workload.tpot_slo_s)]
+    ready: dict[str, int] = {}
     if setup == "pd":
         cmd = _pdserve("up", *common)
     elif setup == "selective":
@@ -90,14 +123,17 @@ def start(setup: str, min_prefill_tokens: int) -> tuple[subprocess.Popen[bytes],
                        f"--router-arg=--disagg-min-prefill-tokens={min_prefill_tokens}")
     elif setup == "aggregated":
         cmd = _pdserve("up", *common, "--mode", "aggregated", "--replicas", "2")
+        ready = {"aggregated_workers": 2}
+    elif setup == "adaptive":
+        cmd = _pdserve("up", *common, "--mode", "adaptive", "--replicas", "2")
+        ready = {"flex_workers": 2}
     else:
         cmd = _pdserve("worker", "--role", "aggregated", "--port", str(port),
-                       "--served-model-name", "tiny-llama")
+                       "--served-model-name", SERVED)
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    _wait(url, proc, {"aggregated_workers": 2} if setup == "aggregated" else {})
-    return proc, url
+    _wait(url, proc, ready)
+    return Running(url, lambda: _stop(proc), proc.pid)
 
 
 def warm_up(url: str, trace: Path, out: Path, args: argparse.Namespace) -> None:
@@ -109,82 +145,117 @@ def warm_up(url: str, trace: Path, out: Path, args: argparse.Namespace) -> None:
                    check=True, stdout=subprocess.DEVNULL)
 
 
-def sweep(url: str, trace: Path, out: Path, args: argparse.Namespace) -> dict[str, object]:
+def sweep(url: str, trace: Path, out: Path, workload: Workload, args: argparse.Namespace
+          ) -> dict[str, Any]:
+    """``pdserve bench sweep`` of ``trace`` against ``url`` under ``workload``'s SLOs."""
     cmd = _pdserve("bench", "sweep", "--url", url, "--trace", str(trace), "--rates", args.rates,
-                   "--ttft-slo-s", str(args.slo_ttft), "--tpot-slo-s", str(args.slo_tpot),
+                   "--ttft-slo-s", str(workload.ttft_slo_s),
+                   "--tpot-slo-s", str(workload.tpot_slo_s),
                    "--bisect-steps", str(args.bisect_steps), "--out", str(out),
-                   "--no-progress", "--no-plots", "--no-sessions")
+                   "--no-progress", "--no-plots",
+                   *(() if workload.sessions else ("--no-sessions",)))
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return json.loads((out / "sweep.json").read_text())
+    return dict(json.loads((out / "sweep.json").read_text()))
+
+
+def _paths(url: str) -> dict[str, float]:
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    return {f"{m[1]}/{m[2]}": float(m[3]) for m in re.finditer(
+        r'pdserve_router_paths_total\{path="(\w+)",reason="(\w+)"\} (\S+)', text)}
+
+
+def run_one(setup: str, workload: Workload, trace: Path, out: Path, args: argparse.Namespace
+            ) -> dict[str, Any]:
+    """Start, warm up, sweep and stop ``setup`` on ``workload``; its result record."""
+    load0 = os.getloadavg()[0]
+    running = start(setup, workload, args.min_prefill_tokens)
+    try:
+        layout = " ".join(f"{name}:{cores}" for name, cores in
+                          placement_of(children(running.pid)).items())
+        if args.warmup_requests:
+            warm_up(running.url, trace, out / "warmup", args)
+        doc = sweep(running.url, trace, out / "sweep", workload, args)
+        paths = _paths(running.url)
+    finally:
+        running.stop()
+    return {"max_rate_rps": doc["max_rate_rps"], "points": doc["points"], "layout": layout,
+            "load_before": load0, "load_after": os.getloadavg()[0], "paths": paths,
+            "note": running.note}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.pd_goodput",
                                      description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--setups", default=",".join(SETUPS))
-    parser.add_argument("--duration", type=float, default=120.0, help="trace seconds at 1 req/s")
-    parser.add_argument("--rates", default="4,8,12,16,24", help="req/s tried in ascending order")
-    parser.add_argument("--bisect-steps", type=int, default=2)
-    # The shared spelling (router.settings); --slo-ttft/--slo-tpot kept as aliases.
-    parser.add_argument("--ttft-slo-s", "--slo-ttft", dest="slo_ttft", type=float, default=1.0)
-    parser.add_argument("--tpot-slo-s", "--slo-tpot", dest="slo_tpot", type=float, default=0.05)
-    parser.add_argument("--prompt-median", type=float, default=1000.0)
-    parser.add_argument("--response-median", type=float, default=64.0)
+    parser.add_argument("--duration", type=float, default=40.0,
+                        help="trace seconds at 1 req/s (= requests per sweep point)")
+    parser.add_argument("--rates", default="0.5,1,2,3,4,6", help="req/s tried in ascending order")
+    parser.add_argument("--bisect-steps", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=1, help="sweeps of each setup")
     parser.add_argument("--min-prefill-tokens", type=int, default=512,
-                        help="selective disaggregation threshold of setup (d)")
-    parser.add_argument("--warmup-requests", type=int, default=20,
+                        help="selective disaggregation threshold of setup (selective)")
+    parser.add_argument("--warmup-requests", type=int, default=10,
                         help="requests replayed (and discarded) before each sweep; 0 = none")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="pd-goodput-"))
     out.mkdir(parents=True, exist_ok=True)
-    trace = out / "trace.csv"
-    subprocess.run(_pdserve("bench", "synth", "--out", str(trace), "--duration",
-                            str(args.duration), "--rate", "1", "--prompt-median",
-                            str(args.prompt_median), "--response-median",
-                            str(args.response_median), "--max-prompt-tokens", "2500",
-                            "--max-response-tokens", "192", "--conversation-fraction", "0",
-                            "--seed", str(args.seed)), check=True, stdout=subprocess.DEVNULL)
-    results: dict[str, dict[str, object]] = {}
-    for setup in [s for s in args.setups.split(",") if s]:
-        if setup not in SETUPS:
-            raise SystemExit(f"unknown setup {setup!r}; allowed: {', '.join(SETUPS)}")
-        load0 = os.getloadavg()[0]
-        proc, url = start(setup, args.min_prefill_tokens)
-        try:
-            layout = " ".join(f"{name}:{cores}" for name, cores in
-                              placement_of(children(proc.pid)).items())
-            if args.warmup_requests:
-                warm_up(url, trace, out / f"{setup}-warmup", args)
-            doc = sweep(url, trace, out / setup, args)
-            paths = {}
-            if setup in ("pd", "selective", "aggregated"):
-                text = httpx.get(f"{url}/metrics", timeout=10).text
-                for m in re.finditer(r'pdserve_router_paths_total\{path="(\w+)",reason="(\w+)"\}'
-                                     r" (\S+)", text):
-                    paths[f"{m[1]}/{m[2]}"] = float(m[3])
-        finally:
-            _stop(proc)
-        results[setup] = {"max_rate_rps": doc["max_rate_rps"], "points": doc["points"],
-                          "layout": layout, "load_before": load0,
-                          "load_after": os.getloadavg()[0], "paths": paths}
-        print(f"{setup:11s} max rate at >= 90% attainment: {doc['max_rate_rps']} req/s  "
-              f"(load {load0:.2f} -> {os.getloadavg()[0]:.2f}; {layout})", flush=True)
-    print(f"\ntrace: {trace} ({args.duration:.0f} s, prompt median {args.prompt_median:.0f}, "
-          f"output median {args.response_median:.0f}); SLO TTFT {args.slo_ttft} s, "
-          f"TPOT {args.slo_tpot} s")
-    print(f"\n{'setup':11s} {'max req/s':>10s}   attainment by rate")
-    for setup, r in results.items():
-        points: list[dict[str, float]] = r["points"]  # type: ignore[assignment]
-        pts = sorted(points, key=lambda p: p["rate"])
-        cells = " ".join(f"{p['rate']:g}:{p['slo_attainment']:.2f}" for p in pts)
-        print(f"{setup:11s} {r['max_rate_rps']!s:>10s}   {cells}")
-        if r["paths"]:
-            print(f"{'':11s} {'':>10s}   paths: {r['paths']}")
-    (out / "goodput.json").write_text(json.dumps(results, indent=2))
+    setups = [s for s in args.setups.split(",") if s]
+    for name in setups:
+        if name not in SETUPS:
+            raise SystemExit(f"unknown setup {name!r}; allowed: {', '.join(SETUPS)}")
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for wname in [w for w in args.workloads.split(",") if w]:
+        if wname not in WORKLOADS:
+            raise SystemExit(f"unknown workload {wname!r}; allowed: {', '.join(WORKLOADS)}")
+        workload = WORKLOADS[wname]
+        trace = build_trace(workload, out / f"{wname}.csv", args.duration, args.seed)
+        results[wname] = {}
+        for repeat in range(args.repeats):
+            for setup in setups:
+                res = run_one(setup, workload, trace, out / wname / f"{setup}-{repeat}", args)
+                results[wname].setdefault(setup, []).append(res)
+                print(f"{wname:13s} {setup:10s} run {repeat + 1}: {res['max_rate_rps']} req/s "
+                      f"(load {res['load_before']:.2f} -> {res['load_after']:.2f}; "
+                      f"{res['layout']}) {res['paths'] or ''}", flush=True)
+                (out / "goodput.json").write_text(json.dumps(results, indent=2))
+    print_table(results, args)
     print(f"\nwritten: {out / 'goodput.json'}")
     return 0
+
+
+def _best(runs: list[dict[str, Any]]) -> float:
+    """The lower of a setup's repeated results (0 when none passed)."""
+    return min(float(r["max_rate_rps"] or 0.0) for r in runs)
+
+
+def print_table(results: dict[str, dict[str, list[dict[str, Any]]]],
+                args: argparse.Namespace) -> None:
+    """Max rate per workload and setup, adaptive's ratio to the best static setup over the
+    same engines (aggregated, pd, selective) and to vLLM's P/D stack."""
+    setups = [s for s in SETUPS if any(s in r for r in results.values())]
+    print(f"\ntraces: {args.duration:.0f} requests each, seed {args.seed}; rates "
+          f"{args.rates} then bisection; min over {args.repeats} run(s)")
+    print(f"{'workload':13s} {'SLO ttft/tpot':>14s} " + " ".join(f"{s:>10s}" for s in setups)
+          + "   adaptive/best-static  adaptive/vllm_pd")
+    for wname, by_setup in results.items():
+        w = WORKLOADS[wname]
+        rates = {s: _best(runs) for s, runs in by_setup.items()}
+        static = max((rates[s] for s in ("aggregated", "pd", "selective") if s in rates),
+                     default=0.0)
+        ratio = f"{rates['adaptive'] / static:.2f}" if "adaptive" in rates and static else "-"
+        field = f"{rates['adaptive'] / rates['vllm_pd']:.2f}" \
+            if "adaptive" in rates and rates.get("vllm_pd") else "-"
+        cells = " ".join(f"{rates[s]:>10.2f}" if s in rates else f"{'-':>10s}" for s in setups)
+        print(f"{wname:13s} {w.ttft_slo_s:>6.1f}/{w.tpot_slo_s:<7.3f} {cells}   {ratio:>20s}  "
+              f"{field:>16s}")
+    if any("vllm_pd" in r for r in results.values()):
+        print(f"vllm_pd settings: {field_pd.SETTINGS}")
 
 
 if __name__ == "__main__":

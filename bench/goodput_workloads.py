@@ -1,0 +1,95 @@
+"""The workload family of the goodput head-to-head (``python -m bench.pd_goodput``).
+
+Each workload is a BurstGPT-shaped trace (``pdserve bench synth``) with its own SLO pair:
+
+  prefill_heavy  long prompts (median 1,500 tokens), short answers (median 12): TTFT 2 s,
+                 TPOT 50 ms. A colocated engine's prefills stall few tokens each, P/D's pay off
+                 only if the decode stall per token matters.
+  decode_heavy   short prompts (median 150), long answers (median 160), a tight TPOT SLO
+                 (25 ms): decode batches dominate.
+  mix            the README's original: 1,000-token prompts, 64-token answers, TTFT 1 s,
+                 TPOT 50 ms.
+  switching      prefill_heavy and decode_heavy phases alternating every quarter of the trace
+                 (every ~60 s at the rates swept), under one SLO pair (TTFT 2 s, TPOT 25 ms).
+  multi_turn     800-token prompts, 64-token answers, 80 % conversation turns (shared prefixes):
+                 TTFT 1 s, TPOT 50 ms.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from bench.trace import TraceRow, read_trace, write_trace
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One trace shape and the SLOs it is judged by."""
+
+    name: str
+    prompt_median: float
+    response_median: float
+    ttft_slo_s: float
+    tpot_slo_s: float
+    max_prompt_tokens: int = 3000
+    max_response_tokens: int = 256
+    conversation_fraction: float = 0.0
+    sessions: bool = False
+    """Replay conversation turns with their earlier turns (shared prefixes)."""
+    phases: tuple[str, ...] = ()
+    """Workload names whose traces alternate (switching); empty: this one's own trace."""
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("prefill_heavy", 1500, 12, 2.0, 0.05, max_response_tokens=32),
+    Workload("decode_heavy", 150, 160, 1.0, 0.025, max_prompt_tokens=400),
+    Workload("mix", 1000, 64, 1.0, 0.05, max_prompt_tokens=2500, max_response_tokens=192),
+    Workload("switching", 0, 0, 2.0, 0.025, phases=("prefill_heavy", "decode_heavy")),
+    Workload("multi_turn", 800, 64, 1.0, 0.05, max_prompt_tokens=2500,
+             max_response_tokens=192, conversation_fraction=0.8, sessions=True),
+)}
+"""Every workload by name."""
+
+
+def _synth(workload: Workload, out: Path, duration_s: float, seed: int) -> None:
+    subprocess.run([sys.executable, "-m", "serve.cli", "bench", "synth", "--out", str(out),
+                    "--duration", str(duration_s), "--rate", "1",
+                    "--prompt-median", str(workload.prompt_median),
+                    "--response-median", str(workload.response_median),
+                    "--max-prompt-tokens", str(workload.max_prompt_tokens),
+                    "--max-response-tokens", str(workload.max_response_tokens),
+                    "--conversation-fraction", str(workload.conversation_fraction),
+                    "--seed", str(seed), "--layout", "v2" if workload.sessions else "v1"],
+                   check=True, stdout=subprocess.DEVNULL)
+
+
+def alternate(traces: Sequence[list[TraceRow]], phases: int, duration_s: float
+              ) -> list[TraceRow]:
+    """Rows of ``traces`` taken in turn, one per phase of ``duration_s / phases`` seconds (each
+    phase's rows come from the trace whose turn it is, at their own times)."""
+    span = duration_s / phases
+    rows: list[TraceRow] = []
+    for phase in range(phases):
+        source = traces[phase % len(traces)]
+        start = source[0].timestamp_s if source else 0.0
+        rows += [replace(r, timestamp_s=r.timestamp_s - start) for r in source
+                 if phase * span <= r.timestamp_s - start < (phase + 1) * span]
+    return sorted(rows, key=lambda r: r.timestamp_s)
+
+
+def build_trace(workload: Workload, out: Path, duration_s: float, seed: int) -> Path:
+    """Write ``workload``'s trace (``duration_s`` seconds at 1 req/s) to ``out``."""
+    if not workload.phases:
+        _synth(workload, out, duration_s, seed)
+        return out
+    parts = []
+    for i, name in enumerate(workload.phases):
+        part = out.with_name(f"{out.stem}-{name}.csv")
+        _synth(WORKLOADS[name], part, duration_s, seed + i)
+        parts.append(list(read_trace(part)))
+    write_trace(alternate(parts, 4, duration_s), out)
+    return out
