@@ -94,6 +94,11 @@ class RouterMetrics:
             "aggregated_worker; adaptive: whole_meets_slo, whole_misses_ttft, whole_misses_tpot, "
             "whole_harms_admitted, best_effort, forced, no_pd_pair).",
             ["path", "reason"], registry=r)
+        self.path_cost_scale = Gauge(
+            "pdserve_router_path_cost_scale",
+            "The adaptive path decision's learned calibration: observed / assumed cost of a "
+            "prefill (part=prefill) and of a decode step (part=decode); 1 = as configured.",
+            ["part"], registry=r)
         self.in_flight = Gauge(
             "pdserve_router_in_flight_requests",
             "Requests dispatched to workers and not yet finished, by worker role.",

@@ -143,8 +143,16 @@ class RouterService:
 
     def _timeline_done(self, clock: PhaseClock, status: int) -> None:
         """A request ended: phase metrics, the timeline file, the trace; the adaptive decision
-        stops counting it."""
+        stops counting it and, from a stream it planned, learns the engines' real costs."""
         self.adaptive.finished(clock.upstream_id)
+        if clock.plan and status == 200 and clock.first_output is not None:
+            self.adaptive.learn(
+                float(clock.plan["predicted_ttft_s"]),  # type: ignore[arg-type]
+                clock.first_output - clock.mono["validated"],
+                float(clock.plan["predicted_tpot_s"]),  # type: ignore[arg-type]
+                clock.tpot_s)
+            self.metrics.path_cost_scale.labels(part="prefill").set(self.adaptive.prefill_scale)
+            self.metrics.path_cost_scale.labels(part="decode").set(self.adaptive.decode_scale)
         for phase, seconds in clock.phases().items():
             self.metrics.phase.labels(phase=phase).observe(seconds)
         self.tracer.end(clock.span, clock, status)

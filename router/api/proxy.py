@@ -412,6 +412,7 @@ class PDProxy:
             head = first_events(endpoint, first)
             watch.feed(head, time.perf_counter())
             yield head
+            clock.first_output = time.perf_counter()
             metrics.ttft.labels(endpoint=endpoint.name, model_name=route.model).observe(
                 time.perf_counter() - clock.started)
             tried: set[str] = set()
@@ -468,6 +469,7 @@ class PDProxy:
                 return
             state["done"] = True
             clock.mark("done")
+            clock.tpot_s = sum(watch.gaps) / len(watch.gaps) if watch.gaps else None
             # the client got a 200 and a stream, but the request failed if the decode did
             metrics.requests.labels(endpoint=endpoint.name, status=str(state["status"]),
                                     model_name=route.model).inc()
@@ -494,6 +496,7 @@ class PDProxy:
             now = time.perf_counter()
             watch.feed(chunk, now)
             if not detector.found and detector.feed(chunk):
+                clock.first_output = now
                 metrics.ttft.labels(endpoint=endpoint.name, model_name=route.model).observe(
                     now - clock.started)
 
@@ -525,6 +528,7 @@ class PDProxy:
             # Bookkeeping first: the await below may be interrupted by cancellation.
             self.end(role, route, worker, ok=state["ok"])
             clock.mark("done")
+            clock.tpot_s = sum(watch.gaps) / len(watch.gaps) if watch.gaps else None
             metrics.requests.labels(endpoint=endpoint.name, status=str(resp.status_code),
                                     model_name=route.model).inc()
             metrics.request_duration.labels(endpoint=endpoint.name,

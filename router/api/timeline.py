@@ -43,6 +43,11 @@ class PhaseClock:
     wall: dict[str, float] = field(default_factory=dict)
     path: str = ""
     """The path the request took (``pdserve_router_paths_total``'s label), once decided."""
+    first_output: float | None = None
+    """``perf_counter`` when a stream's first generated token reached the client (None: not a
+    stream, or nothing generated)."""
+    tpot_s: float | None = None
+    """A stream's mean gap between generated tokens, once it ended."""
     plan: dict[str, object] = field(default_factory=dict)
     """The adaptive decision: path, reason, workers and predicted TTFT/TPOT (empty when the
     fleet's roles chose the path)."""

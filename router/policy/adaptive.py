@@ -12,11 +12,15 @@ and it plans (:mod:`router.policy.path_cost`):
    ``whole_harms_admitted``);
 3. else the plan with the lowest worst-SLO ratio (``best_effort``).
 
-State, updated only through ``dispatched``/``finished`` with the caller's clock (nothing here
-reads a clock): a virtual prefill queue per engine (busy-until time, the DualMap-style TTFT
-estimate), the decayed prefill seconds per engine (its prefill share rho over the last
-``share_window_s``), the sequences each engine decodes with their expected output lengths, and a
-prefix-cache estimate per engine (every prompt it prefilled or pulled).
+Costs start from :class:`~router.policy.path_cost.PathCosts` (defaults or a ``pdserve bench
+profile``) and are calibrated online: ``learn`` moves a prefill scale and a decode scale toward
+observed/predicted TTFT and TPOT of each streamed request (exponential average, weight 0.1).
+
+State, updated only through ``dispatched``/``finished``/``learn`` with the caller's clock and
+measurements (nothing here reads a clock): a virtual prefill queue per engine (busy-until time,
+the DualMap-style TTFT estimate), the decayed prefill seconds per engine (its prefill share rho
+over the last ``share_window_s``), the sequences each engine decodes with their expected output
+lengths, and a prefix-cache estimate per engine (every prompt it prefilled or pulled).
 
 Because the split is decided per request from this state, the share of the fleet prefilling and
 decoding follows the load: a burst of long prompts raises the engines' queues and shares until
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from router.policy.base import Candidate, RouteRequest
 from router.policy.cache_model import DEFAULT_CAPACITY_BLOCKS, PrefixCacheModel
@@ -48,6 +52,13 @@ CAPABILITIES: dict[str, tuple[bool, bool, bool]] = {
     "decode": (True, False, True),
 }
 """Role -> (whole, prefill, decode): what an engine of that role may do in a plan."""
+
+LEARNING_RATE = 0.1
+"""Weight of one observed request in the learned cost scales (an exponential average)."""
+MIN_LEARN_S = 0.005
+"""Predictions shorter than this teach nothing (HTTP and scheduling noise dominate them)."""
+SCALE_LIMITS = (0.1, 10.0)
+"""The learned scales stay within these factors of the starting costs."""
 
 REASONS = ("whole_meets_slo", "whole_misses_ttft", "whole_misses_tpot", "whole_harms_admitted",
            "best_effort", "forced", "no_pd_pair")
@@ -94,6 +105,11 @@ class AdaptivePaths:
         self._caches: dict[str, PrefixCacheModel] = {}
         self._requests: dict[str, tuple[str, ...]] = {}
         """Request id -> the engines it occupies (decode engine first)."""
+        self.base_costs = costs
+        self.prefill_scale = 1.0
+        """Observed / predicted TTFT, averaged: scales the prefill costs."""
+        self.decode_scale = 1.0
+        """Observed / predicted TPOT, averaged: scales the decode step costs."""
 
     # -- state -> EngineLoad ------------------------------------------------------------------
 
@@ -213,6 +229,31 @@ class AdaptivePaths:
             if cache is None:
                 cache = self._caches[worker] = PrefixCacheModel(self.capacity_blocks)
             cache.insert(request.block_hashes)
+
+    def learn(self, predicted_ttft_s: float, observed_ttft_s: float | None,
+              predicted_tpot_s: float, observed_tpot_s: float | None) -> None:
+        """Move the cost scales toward what one served request showed (online calibration
+        from the router's own measurements: a deployment's engines need no profile to start
+        right; a profile, ``PathCosts.from_profile``, only starts them closer)."""
+        lo, hi = SCALE_LIMITS
+
+        def step(scale: float, predicted: float, observed: float | None) -> float:
+            if observed is None or observed <= 0 or predicted < MIN_LEARN_S:
+                return scale
+            ratio = min(max(observed / predicted, 0.25), 4.0)  # one outlier moves it little
+            target = scale * ratio
+            return min(max(math.exp((1 - LEARNING_RATE) * math.log(scale)
+                                    + LEARNING_RATE * math.log(target)), lo), hi)
+
+        self.prefill_scale = step(self.prefill_scale, predicted_ttft_s, observed_ttft_s)
+        self.decode_scale = step(self.decode_scale, predicted_tpot_s, observed_tpot_s)
+        base = self.base_costs
+        self.costs = replace(base,
+                             prefill_s_per_token=base.prefill_s_per_token * self.prefill_scale,
+                             prefill_fixed_s=base.prefill_fixed_s * self.prefill_scale,
+                             decode_step_s=base.decode_step_s * self.decode_scale,
+                             decode_step_s_per_seq=base.decode_step_s_per_seq
+                             * self.decode_scale)
 
     def finished(self, request_id: str) -> None:
         """``request_id`` ended (answered, failed or re-planned): its engines stop counting it."""

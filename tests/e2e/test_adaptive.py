@@ -119,6 +119,11 @@ def test_every_path_equals_a_plain_server(adaptive: Cluster, plain: Plain,
                 assert pulled == 4 * len(prompts)  # each answer's KV really was pulled
             else:  # idle engines, relaxed SLOs: the model serves each whole
                 assert set(grew) == {("whole", "whole_meets_slo")}, grew
+                # the streamed answers calibrated the cost model to these engines
+                scales = scrape(url)
+                for part in ("prefill", "decode"):
+                    scale = value(scales, "pdserve_router_path_cost_scale", part=part)
+                    assert scale > 0 and scale != 1.0, (part, scale)
 
 
 def test_the_decision_is_in_the_timeline(adaptive: Cluster) -> None:

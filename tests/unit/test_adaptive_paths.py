@@ -178,3 +178,25 @@ def test_costs_from_a_profile(tmp_path: Path) -> None:
         PathCosts.from_file(tmp_path / "missing.json")
     with pytest.raises(ConfigError):
         PathCosts(prefill_s_per_token=0)
+
+
+def test_costs_are_learned_from_what_served_requests_showed() -> None:
+    paths = _paths()
+    for _ in range(60):  # the engines are twice as slow to prefill as assumed, decode as fast
+        plan = estimate_whole(paths.costs, 1000, 64, EngineLoad("a"))
+        paths.learn(plan.ttft_s, 0.2, plan.tpot_s, 0.01)
+    assert paths.prefill_scale == pytest.approx(2.0, rel=0.05)
+    assert paths.decode_scale == pytest.approx(1.0)
+    assert paths.costs.prefill_s_per_token == pytest.approx(2e-4, rel=0.05)
+    assert paths.costs.decode_step_s == pytest.approx(0.01)
+    # the calibrated model predicts what was observed
+    assert estimate_whole(paths.costs, 1000, 64, EngineLoad("a")).ttft_s == pytest.approx(
+        0.2, rel=0.05)
+    # controls: no measurement, or a prediction too short to trust, teaches nothing
+    before = (paths.prefill_scale, paths.decode_scale)
+    paths.learn(0.2, None, 0.01, None)
+    paths.learn(0.001, 0.5, 0.001, 0.5)
+    assert (paths.prefill_scale, paths.decode_scale) == before
+    # one absurd outlier moves the scale by at most 4 ** 0.1
+    paths.learn(0.2, 1000.0, 0.01, 0.01)
+    assert paths.prefill_scale <= before[0] * 4 ** 0.1 + 1e-9
