@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import socket
 import subprocess
 import threading
@@ -105,6 +106,16 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
+def compose_cli() -> list[str]:
+    """The compose command for `config`, which parses the file and needs no engine."""
+    if not shutil.which("docker-compose"):
+        if os.geteuid() != 0:
+            pytest.skip("no docker-compose, and installing it needs root")
+        c.ensure_tools()
+    return c.compose_cmd()
+
+
+@pytest.fixture(scope="module")
 def images(tools: None) -> c.Images:
     return c.ensure_images()
 
@@ -135,13 +146,34 @@ def cluster(images: c.Images) -> Iterator[Cluster]:
         cl.compose("down", "-v", "--remove-orphans", "--timeout", "20", check=False)
 
 
-def test_compose_file_validates(tools: None) -> None:
-    proc = c.run([*c.compose_cmd(), "-f", str(c.DEPLOY / "docker-compose.yml"), "config", "-q"],
+def test_compose_file_validates(compose_cli: list[str]) -> None:
+    proc = c.run([*compose_cli, "-f", str(c.DEPLOY / "docker-compose.yml"), "config", "-q"],
                  timeout_s=60)
     assert proc.returncode == 0
-    for profile in ("autoscale", "grafana", "gpu"):
-        c.run([*c.compose_cmd(), "-f", str(c.DEPLOY / "docker-compose.yml"),
+    for profile in ("autoscale", "grafana", "gpu", "adaptive"):
+        c.run([*compose_cli, "-f", str(c.DEPLOY / "docker-compose.yml"),
                "--profile", profile, "config", "-q"], timeout_s=60)
+
+
+def test_adaptive_profile_validates_with_flex_workers(compose_cli: list[str]) -> None:
+    """`--profile adaptive` adds a flex service built like the prefill and decode ones (the
+    same worker anchors; only the role differs), and nothing waits on prefill or decode, so
+    `--scale prefill=0 --scale decode=0 --scale flex=2` starts (the router's /health is 200
+    with one flex worker). Config only: this fleet is never started here."""
+    yaml = pytest.importorskip("yaml", reason="PyYAML not installed")
+    out = c.run([*compose_cli, "-f", str(c.DEPLOY / "docker-compose.yml"),
+                 "--profile", "adaptive", "config"], timeout_s=60).stdout
+    services = yaml.safe_load(out)["services"]
+    flex, prefill = services["flex"], services["prefill"]
+    assert flex["profiles"] == ["adaptive"]
+    assert not prefill.get("profiles") and not services["decode"].get("profiles")
+    assert flex["environment"].pop("PDSERVE_WORKER_ROLE") == "flex"
+    assert prefill["environment"].pop("PDSERVE_WORKER_ROLE") == "prefill"
+    assert flex["environment"] == prefill["environment"]
+    for key in ("image", "command", "entrypoint", "volumes", "healthcheck", "depends_on"):
+        assert flex[key] == prefill[key], key
+    for name, svc in services.items():
+        assert not {"prefill", "decode", "flex"} & set(svc.get("depends_on", {})), name
 
 
 def test_prometheus_and_grafana_provisioning_parse() -> None:
@@ -149,7 +181,8 @@ def test_prometheus_and_grafana_provisioning_parse() -> None:
     prom = yaml.safe_load((c.DEPLOY / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
     assert jobs["pdserve-router"]["static_configs"] == [{"targets": ["router:8000"]}]
-    assert jobs["pdserve-workers"]["dns_sd_configs"][0]["names"] == ["prefill", "decode"]
+    # a name with no replica (flex outside `--profile adaptive`) resolves to no target
+    assert jobs["pdserve-workers"]["dns_sd_configs"][0]["names"] == ["prefill", "decode", "flex"]
     ds = yaml.safe_load((c.DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
     (source,) = ds["datasources"]
     # the panels name the dashboard's `datasource` variable, which defaults to the default
@@ -192,7 +225,8 @@ def test_gpu_profile_reserves_nvidia_gpus_with_the_cuda_image() -> None:
     assert "hf-cache" in compose["volumes"]
 
 
-PDSERVE_SERVICES = ("router", "prefill", "decode", "prefill-gpu", "decode-gpu", "autoscaler")
+PDSERVE_SERVICES = ("router", "prefill", "decode", "flex", "prefill-gpu", "decode-gpu",
+                    "autoscaler")
 
 
 def test_secrets_are_generated_and_each_service_gets_only_its_own() -> None:

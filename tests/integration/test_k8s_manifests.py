@@ -24,11 +24,20 @@ from router.autoscale.drain import main as drain_main  # noqa: E402
 from router.autoscale.kubernetes import KubernetesActuatorConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERLAYS = ("cpu", "cuda")
+OVERLAYS = ("cpu", "cuda", "adaptive")
 K8S_VERSION = "1.33.0"
 CRD_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"),
              ("monitoring.coreos.com/v1", "ServiceMonitor")}
-WORKERS = ("pdserve-prefill", "pdserve-decode")
+PD_WORKERS = ("pdserve-prefill", "pdserve-decode")
+# The worker Deployments of each overlay: adaptive runs flex workers instead of the two pools,
+# and no autoscaler (it sizes only those two).
+WORKERS = {"cpu": PD_WORKERS, "cuda": PD_WORKERS, "adaptive": ("pdserve-flex",)}
+AUTOSCALED = frozenset({"cpu", "cuda"})
+CPU_IMAGE = frozenset({"cpu", "adaptive"})  # the image of deploy/Dockerfile, the tiny model
+
+
+def _autoscaler(overlay: str) -> tuple[str, ...]:
+    return ("pdserve-autoscaler",) if overlay in AUTOSCALED else ()
 
 
 def _kustomize(overlay: str) -> list[dict[str, Any]]:
@@ -58,9 +67,11 @@ def _by(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 def test_every_builtin_object_validates_strictly(rendered: tuple[str, list[dict]]) -> None:
     overlay, objs = rendered
     builtin = [o for o in objs if (o["apiVersion"], o["kind"]) not in CRD_KINDS]
-    assert {o["kind"] for o in builtin} >= {"Namespace", "Deployment", "Service", "StatefulSet",
-                                            "ServiceAccount", "Role", "RoleBinding",
-                                            "PodDisruptionBudget", "NetworkPolicy", "ConfigMap"}
+    kinds = {"Namespace", "Deployment", "Service", "StatefulSet", "PodDisruptionBudget",
+             "NetworkPolicy", "ConfigMap"}
+    if overlay in AUTOSCALED:
+        kinds |= {"ServiceAccount", "Role", "RoleBinding"}
+    assert {o["kind"] for o in builtin} >= kinds
     for obj in builtin:
         try:
             kv.validate(obj, K8S_VERSION, strict=True)
@@ -98,7 +109,7 @@ def test_monitors_select_real_pods_and_ports(rendered: tuple[str, list[dict]]) -
     monitors = [o for o in objs if (o["apiVersion"], o["kind"]) in CRD_KINDS]
     assert {(o["kind"], o["metadata"]["name"]) for o in monitors} == {
         ("PodMonitor", "pdserve-workers"), ("ServiceMonitor", "pdserve-router"),
-        ("PodMonitor", "pdserve-autoscaler")}
+        *(("PodMonitor", name) for name in _autoscaler(overlay))}
     for mon in monitors:
         assert mon["metadata"]["namespace"] == "pdserve"
         selector = mon["spec"]["selector"]["matchLabels"]
@@ -122,7 +133,7 @@ def test_monitors_select_real_pods_and_ports(rendered: tuple[str, list[dict]]) -
 def test_workers_probe_health_drain_and_advertise_pod_ip(
         rendered: tuple[str, list[dict]]) -> None:
     overlay, objs = rendered
-    for name in WORKERS:
+    for name in WORKERS[overlay]:
         dep = _by(objs, "Deployment", name)
         pod = dep["spec"]["template"]["spec"]
         (c,) = pod["containers"]
@@ -166,10 +177,12 @@ def test_workers_probe_health_drain_and_advertise_pod_ip(
 
 def test_autoscaler_rbac_is_only_the_two_scale_subresources(
         rendered: tuple[str, list[dict]]) -> None:
-    _, objs = rendered
+    overlay, objs = rendered
+    if overlay not in AUTOSCALED:
+        pytest.skip(f"{overlay} has no autoscaler (test_adaptive_runs_flex_workers_only)")
     role = _by(objs, "Role", "pdserve-autoscaler")
     assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments/scale"],
-                              "resourceNames": list(WORKERS), "verbs": ["get", "patch"]}]
+                              "resourceNames": list(PD_WORKERS), "verbs": ["get", "patch"]}]
     assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
     binding = _by(objs, "RoleBinding", "pdserve-autoscaler")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
@@ -180,7 +193,44 @@ def test_autoscaler_rbac_is_only_the_two_scale_subresources(
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "pdserve-autoscaler"
     # The actuator's defaults name exactly what the manifests deploy and the Role allows.
     cfg = KubernetesActuatorConfig()
-    assert (cfg.namespace, cfg.prefill_deployment, cfg.decode_deployment) == ("pdserve", *WORKERS)
+    assert (cfg.namespace, cfg.prefill_deployment, cfg.decode_deployment) == (
+        "pdserve", *PD_WORKERS)
+
+
+def test_adaptive_runs_flex_workers_only() -> None:
+    """overlays/adaptive: one pool of 2 flex workers, no prefill or decode Deployment and
+    nothing left that names one (the autoscaler is gone with them); apart from its name, role
+    and replicas, the flex pod is the cpu overlay's prefill pod (same secrets, probes, drain)."""
+    objs, cpu = _kustomize("adaptive"), _kustomize("cpu")
+    workers = [o for o in objs if o["kind"] == "Deployment"
+               and o["metadata"]["labels"].get("app.kubernetes.io/name") == "pdserve-worker"]
+    assert [w["metadata"]["name"] for w in workers] == ["pdserve-flex"]
+    (flex,) = workers
+    assert flex["spec"]["replicas"] == 2
+    labels = flex["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/component"] == "flex"
+    assert flex["spec"]["selector"]["matchLabels"] == labels
+    (c,) = flex["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["PDSERVE_WORKER_ROLE"] == {"name": "PDSERVE_WORKER_ROLE", "value": "flex"}
+    assert _by(objs, "PodDisruptionBudget", "pdserve-flex")["spec"]["selector"] == {
+        "matchLabels": labels}
+    text = json.dumps(objs)
+    assert "pdserve-prefill" not in text and "pdserve-decode" not in text
+    # (the NetworkPolicies still admit the autoscaler's label: no pod here carries it)
+    assert not [o for o in objs if o["metadata"]["name"] == "pdserve-autoscaler"]
+    # control: the cpu overlay, which it builds on, has both pools and the autoscaler
+    for name in (*PD_WORKERS, "pdserve-autoscaler"):
+        _by(cpu, "Deployment", name)
+
+    def pod(dep: dict[str, Any]) -> dict[str, Any]:
+        spec = json.loads(json.dumps(dep["spec"]["template"]["spec"]))
+        (box,) = spec["containers"]
+        box["env"] = sorted((e for e in box["env"] if e["name"] != "PDSERVE_WORKER_ROLE"),
+                            key=lambda e: e["name"])
+        return spec
+
+    assert pod(flex) == pod(_by(cpu, "Deployment", "pdserve-prefill"))
 
 
 def test_router_service_and_redis(rendered: tuple[str, list[dict]]) -> None:
@@ -264,7 +314,7 @@ def test_every_workload_has_a_disruption_budget_selecting_exactly_it(
     pdbs = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
     deployments = [o for o in objs if o["kind"] == "Deployment"]
     assert {d["metadata"]["name"] for d in deployments} == {
-        "pdserve-router", "pdserve-prefill", "pdserve-decode", "pdserve-autoscaler"}
+        "pdserve-router", *WORKERS[overlay], *_autoscaler(overlay)}
     for dep in deployments:
         labels = dep["spec"]["template"]["metadata"]["labels"]
         mine = [p for p in pdbs if _labels_selected(p["spec"]["selector"], labels)]
@@ -300,7 +350,9 @@ CLIENT = {"app": "curl"}
 def test_workers_are_reachable_only_from_router_autoscaler_prometheus_and_workers(
         rendered: tuple[str, list[dict]]) -> None:
     overlay, objs = rendered
-    for name in WORKERS:
+    roles = [_by(objs, "Deployment", name)["spec"]["template"]["metadata"]["labels"][
+        "app.kubernetes.io/component"] for name in WORKERS[overlay]]
+    for name in WORKERS[overlay]:
         pod = _by(objs, "Deployment", name)["spec"]["template"]
         labels = pod["metadata"]["labels"]
         covering = [p for p in objs if p["kind"] == "NetworkPolicy"
@@ -318,7 +370,7 @@ def test_workers_are_reachable_only_from_router_autoscaler_prometheus_and_worker
         assert _ingress_allows(objs, labels, ROUTER, NAMESPACE, "http")
         assert _ingress_allows(objs, labels, AUTOSCALER, NAMESPACE, "http")
         assert _ingress_allows(objs, labels, PROMETHEUS, MONITORING, "http")
-        for role in ("prefill", "decode"):
+        for role in roles:
             peer = {"app.kubernetes.io/name": "pdserve-worker", "app.kubernetes.io/component": role}
             assert _ingress_allows(objs, labels, peer, NAMESPACE, None)
         # negative controls: anything else, the router on another port or namespace, and a
@@ -375,7 +427,7 @@ def test_cluster_secret_is_required_by_router_and_workers(
     exist (``optional: false``): a missing Secret keeps the pod from starting rather than
     starting it unsigned; no pdserve-cluster reference is optional but the client API keys."""
     overlay, objs = rendered
-    for name in ("pdserve-router", *WORKERS):
+    for name in ("pdserve-router", *WORKERS[overlay]):
         pod = _by(objs, "Deployment", name)["spec"]["template"]["spec"]
         (c,) = pod["containers"]
         env = {e["name"]: e for e in c["env"]}
@@ -414,7 +466,7 @@ def test_redis_requires_the_password_every_client_sends(
         "name": CLUSTER_SECRET, "key": "redis-password", "optional": False}
     assert "redis-cli" in " ".join(c["readinessProbe"]["exec"]["command"])
     password = "0123abcd" * 8  # what `openssl rand -hex 32` gives: URL-safe
-    for name in ("pdserve-router", "pdserve-autoscaler", *WORKERS):
+    for name in ("pdserve-router", *_autoscaler(overlay), *WORKERS[overlay]):
         (c,) = _by(objs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
         resolved: dict[str, str] = {}
         for e in c["env"]:  # in order: $(VAR) sees only the names defined before it
@@ -437,7 +489,8 @@ def test_only_the_autoscaler_mounts_a_service_account_token(
     automounted token: a compromised worker, router or Redis gets no API credential."""
     overlay, objs = rendered
     pods = dict(_pod_specs(objs))
-    assert set(pods) == {"pdserve-router", *WORKERS, "pdserve-autoscaler", "pdserve-redis"}
+    assert set(pods) == {"pdserve-router", *WORKERS[overlay], *_autoscaler(overlay),
+                         "pdserve-redis"}
     for name, pod in pods.items():
         if name == "pdserve-autoscaler":
             assert pod.get("automountServiceAccountToken", True) is True
@@ -474,13 +527,14 @@ def _assert_hardened(name: str, pod: dict[str, Any]) -> None:
 
 
 def test_every_pod_runs_non_root_with_a_read_only_root(rendered: tuple[str, list[dict]]) -> None:
-    _, objs = rendered
+    overlay, objs = rendered
     pods = _pod_specs(objs)
-    assert len(pods) == 5  # router, prefill, decode, autoscaler, redis
+    # router, the workers, the autoscaler where there is one, redis
+    assert len(pods) == 2 + len(WORKERS[overlay]) + len(_autoscaler(overlay))
     for name, pod in pods:
         _assert_hardened(name, pod)
     # the workers' caches (HF, vLLM, torch) go to HOME, an emptyDir
-    for name in WORKERS:
+    for name in WORKERS[overlay]:
         pod = _by(objs, "Deployment", name)["spec"]["template"]["spec"]
         (c,) = pod["containers"]
         env = {e["name"]: e.get("value") for e in c["env"]}
@@ -500,25 +554,25 @@ def test_model_comes_from_the_volume_and_hf_token_from_a_secret(
         rendered: tuple[str, list[dict]]) -> None:
     overlay, objs = rendered
     claims = {o["metadata"]["name"] for o in objs if o["kind"] == "PersistentVolumeClaim"}
-    for name in WORKERS:
+    for name in WORKERS[overlay]:
         (c,) = _by(objs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e for e in c["env"]}
         token = env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
         assert token == {"name": "pdserve-hf", "key": "token", "optional": True}
         model = env["PDSERVE_WORKER_MODEL"]["value"]
-        if overlay == "cpu":  # the tiny model built into the image; no claim to bind
+        if overlay in CPU_IMAGE:  # the tiny model built into the image; no claim to bind
             assert model == "/models/tiny"
             assert env["PDSERVE_WORKER_SERVED_MODEL_NAME"]["value"] == "tiny-llama"
             continue
         assert model.startswith("/mnt/models/")
-    if overlay == "cpu":
+    if overlay in CPU_IMAGE:
         assert claims == set()
         assert not [v for _, pod in _pod_specs(objs) for v in pod.get("volumes", [])
                     if "persistentVolumeClaim" in v]
         return
     assert claims == {"pdserve-models"}
     # workers load the model and routers tokenize with it: the same claim at the same path
-    for name in (*WORKERS, "pdserve-router"):
+    for name in (*WORKERS[overlay], "pdserve-router"):
         pod = _by(objs, "Deployment", name)["spec"]["template"]["spec"]
         (c,) = pod["containers"]
         volumes = {v["name"]: v for v in pod["volumes"]}
