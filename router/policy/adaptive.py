@@ -18,14 +18,16 @@ observed/predicted TTFT and TPOT of each streamed request (exponential average, 
 
 State, updated only through ``dispatched``/``finished``/``learn`` with the caller's clock and
 measurements (nothing here reads a clock): a virtual prefill queue per engine (busy-until time,
-the DualMap-style TTFT estimate), the decayed prefill seconds per engine (its prefill share rho
-over the last ``share_window_s``), the sequences each engine decodes with their expected output
-lengths, and a prefix-cache estimate per engine (every prompt it prefilled or pulled).
+the DualMap-style TTFT estimate), the decayed count and seconds of the prefills each engine was
+given (their rate and mean length over the last ``share_window_s``), the sequences each engine
+decodes with their expected output lengths and the prefill stall per token added to each since
+it started, and a prefix-cache estimate per engine (every prompt it prefilled or pulled).
 
 Because the split is decided per request from this state, the share of the fleet prefilling and
-decoding follows the load: a burst of long prompts raises the engines' queues and shares until
-whole plans miss and P/D takes over on the engines with the least decode work; long generations
-fill the decode batches until whole plans are the cheaper ones again.
+decoding follows the load: a burst of long prompts raises the engines' queues and prefill rates
+until whole plans miss (their tail TPOT, or the stall they add to admitted short answers) and
+P/D moves the decodes to the engines prefilling least; long generations with few prefills make
+whole plans the cheaper ones again.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from router.policy.path_cost import (
     EngineLoad,
     PathCosts,
     PlanEstimate,
+    decode_tpot,
     estimate_pd,
     estimate_whole,
 )
@@ -80,9 +83,12 @@ class PathDecision:
 class _Engine:
     busy_until_s: float = 0.0
     share_s: float = 0.0
+    """Prefill seconds dispatched, decayed to ``share_at_s``."""
+    count: float = 0.0
+    """Prefills dispatched, decayed to ``share_at_s``."""
     share_at_s: float = 0.0
-    decoding: dict[str, int] = field(default_factory=dict)
-    """Request id -> its expected output tokens."""
+    decoding: dict[str, list[float]] = field(default_factory=dict)
+    """Request id -> [its expected output tokens, the prefill stall per token added to it]."""
 
 
 class AdaptivePaths:
@@ -113,11 +119,10 @@ class AdaptivePaths:
 
     # -- state -> EngineLoad ------------------------------------------------------------------
 
-    def _share(self, engine: _Engine, now_s: float) -> float:
-        """Prefill seconds dispatched, decayed to ``now_s`` (exponential, window time
-        constant)."""
-        dt = max(now_s - engine.share_at_s, 0.0)
-        return engine.share_s * math.exp(-dt / self.share_window_s)
+    def _decay(self, engine: _Engine, now_s: float) -> float:
+        """The factor ``share_s`` and ``count`` decay by until ``now_s`` (exponential, the
+        window as time constant)."""
+        return math.exp(-max(now_s - engine.share_at_s, 0.0) / self.share_window_s)
 
     def cached_tokens(self, request: RouteRequest, worker_id: str) -> int:
         """Tokens of ``request``'s prompt ``worker_id`` is estimated to hold."""
@@ -133,14 +138,17 @@ class AdaptivePaths:
         for role, c in engines:
             whole, prefill, decode = CAPABILITIES[role]
             engine = self._engines.get(c.worker_id) or _Engine()
+            decay = self._decay(engine, now_s)
+            admitted = engine.decoding.values()
             out.append(EngineLoad(
                 worker_id=c.worker_id, whole=whole, prefill=prefill, decode=decode,
                 queued_s=max(engine.busy_until_s - now_s, 0.0),
                 running=max(c.running, len(engine.decoding)),
-                prefill_share=self._share(engine, now_s) / self.share_window_s,
+                prefill_rate=engine.count * decay / self.share_window_s,
+                mean_prefill_s=engine.share_s / engine.count if engine.count > 1e-9 else 0.0,
                 cached_tokens=self.cached_tokens(request, c.worker_id),
-                admitted_output_tokens=(sum(engine.decoding.values()) / len(engine.decoding)
-                                        if engine.decoding else 0.0),
+                admitted_output_tokens=min((a[0] for a in admitted), default=0.0),
+                admitted_stall_s=max((a[1] for a in admitted), default=0.0),
                 recently_failed=c.recently_failed))
         return out
 
@@ -158,8 +166,7 @@ class AdaptivePaths:
                          key=lambda e: (e.queued_s + self.costs.prefill_s(n - e.cached_tokens),
                                         e.running, e.worker_id))[:self.top_k]
         by_tpot = sorted((e for e in healthy if e.decode),
-                         key=lambda e: (self.costs.step_s(e.running + 1)
-                                        / (1 - min(e.prefill_share, 0.9)), e.worker_id)
+                         key=lambda e: (decode_tpot(self.costs, e, out), e.worker_id)
                          )[:self.top_k]
         pd = [estimate_pd(self.costs, n, out, p, d) for p in by_ttft for d in by_tpot
               if p.worker_id != d.worker_id]
@@ -219,10 +226,14 @@ class AdaptivePaths:
         seconds = self.costs.prefill_s(plan.uncached_tokens)
         engine = self._engines.setdefault(prefiller, _Engine())
         engine.busy_until_s = max(engine.busy_until_s, now_s) + seconds
-        engine.share_s = self._share(engine, now_s) + seconds
+        decay = self._decay(engine, now_s)
+        engine.share_s = engine.share_s * decay + seconds
+        engine.count = engine.count * decay + (1.0 if seconds > 0 else 0.0)
         engine.share_at_s = now_s
+        for admitted in engine.decoding.values():  # the prefill stalls what it decodes
+            admitted[1] += seconds / max(admitted[0], 1.0)
         decoder = self._engines.setdefault(plan.worker, _Engine())
-        decoder.decoding[request.request_id] = output_tokens
+        decoder.decoding[request.request_id] = [float(output_tokens), 0.0]
         self._requests[request.request_id] = (plan.worker,)
         for worker in {prefiller, plan.worker}:
             cache = self._caches.get(worker)

@@ -12,18 +12,23 @@ profile`` measures them for a deployment, :meth:`PathCosts.from_profile` reads t
     step_s(n)     = decode_step_s + (n - 1) x decode_step_s_per_seq  (one decode step, n seqs)
 
 Per engine e (:class:`EngineLoad`): ``queued_s`` seconds of prefill already dispatched and not
-done, ``running`` decoding sequences, ``prefill_share`` (rho) the fraction of its recent time
-spent prefilling, ``cached_tokens`` of this prompt it holds, L_e the mean expected output of what
-it decodes. With u = prompt - cached and L the request's expected output tokens:
+done, ``running`` decoding sequences, the rate lambda_e and mean length P_e of the prefills it was
+given lately, ``cached_tokens`` of this prompt it holds, and of what it decodes: the shortest
+expected output L_a and the largest stall per token already added to one (S_a). With u = prompt -
+cached and L the request's expected output tokens:
 
-    whole on w:  TTFT = queued_s(w) + prefill_s(u_w)
-                 TPOT = step_s(running_w + 1) / (1 - rho_w)
-                 admitted on w: step_s(running_w + 1) / (1 - rho_w) + prefill_s(u_w) / L_w
+    TPOT on e    = step_s(running_e + 1) + k x P_e / L,   k = the q-quantile (q = 0.9, the
+                   attainment target) of Poisson(lambda_e x L x step_s): how many neighbours'
+                   prefills land on e while this request decodes there, in 9 requests of 10
+    whole on w:  TTFT = queued_s(w) + prefill_s(u_w);  TPOT = TPOT on w
+                 admitted on w: step_s(running_w + 1) + S_a + prefill_s(u_w) / L_a
     pd p -> d:   TTFT = queued_s(p) + prefill_s(u_p) + hop_s
-                 TPOT = step_s(running_d + 1) / (1 - rho_d)
-                        + (hop_s + prompt x pull_s_per_token) / L
-                 admitted on p: as whole's (p stalls its own decodes); on d: step_s(running_d + 1)
-                 / (1 - rho_d)
+                 TPOT = TPOT on d + (hop_s + prompt x pull_s_per_token) / L
+                 admitted on p: as whole's; on d: step_s(running_d + 1) + S_a
+
+TPOT is judged per request (a request with 8 output tokens that catches one neighbour's 0.25 s
+prefill misses a 25 ms SLO however rare prefills are on average), so the model predicts the
+tail, not the mean stall.
 
 A plan meets its SLOs when TTFT <= the TTFT SLO, TPOT <= the TPOT SLO, and no engine it touches
 that already decodes is pushed past the TPOT SLO (``harm_tpot_s``): that last term is where
@@ -33,6 +38,7 @@ goodput comes from, a request must not buy its own SLO with other requests'.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +46,8 @@ from typing import Any
 
 from router.errors import ConfigError
 
-MAX_PREFILL_SHARE = 0.9
-"""rho is capped here: an engine that only prefilled lately still decodes between chunks."""
+TAIL_QUANTILE = 0.9
+"""The per-request TPOT is predicted at this quantile (the goodput target's attainment)."""
 
 
 @dataclass(frozen=True)
@@ -79,16 +85,16 @@ class PathCosts:
     @classmethod
     def from_profile(cls, profile: Mapping[str, Any], **overrides: float) -> PathCosts:
         """Costs from ``pdserve bench profile``'s instance profile: the prefill line's
-        ``fixed_s``/``per_token_s``, the decode points' ``step_s`` by ``batch`` (least squares
+        ``fixed_s``/``per_token_s``, the decode points' ``step_s`` by ``batch_size`` (least squares
         line); missing parts keep their defaults; ``overrides`` win."""
         values: dict[str, float] = {}
         prefill = profile.get("prefill") or {}
         if prefill.get("per_token_s"):
             values["prefill_s_per_token"] = float(prefill["per_token_s"])
             values["prefill_fixed_s"] = float(prefill.get("fixed_s", 0.0))
-        points = [(int(p["batch"]), float(p["step_s"]))
+        points = [(int(p["batch_size"]), float(p["step_s"]))
                   for p in (profile.get("decode") or {}).get("points", [])
-                  if "batch" in p and "step_s" in p]
+                  if "batch_size" in p and "step_s" in p]
         if points:
             base, per_seq = _line(points)
             values["decode_step_s"] = max(base + per_seq, 1e-4)  # step of one sequence
@@ -133,12 +139,16 @@ class EngineLoad:
     """Seconds of prefill dispatched to it and not yet done."""
     running: int = 0
     """Sequences it decodes now."""
-    prefill_share: float = 0.0
-    """Fraction of its recent time spent prefilling (rho), in [0, 1]."""
+    prefill_rate: float = 0.0
+    """Prefills per second it was given lately (lambda)."""
+    mean_prefill_s: float = 0.0
+    """Mean seconds of those prefills (P)."""
     cached_tokens: int = 0
     """Tokens of this request's prompt it holds in its prefix cache."""
     admitted_output_tokens: float = 0.0
-    """Mean expected output tokens of the sequences it decodes (0: unknown, use the request's)."""
+    """Shortest expected output of the sequences it decodes (0: none or unknown)."""
+    admitted_stall_s: float = 0.0
+    """Largest prefill stall per token already added to one of the sequences it decodes."""
     recently_failed: bool = False
     """In the router's failure cool-down: planned only when nothing else can serve."""
 
@@ -171,14 +181,37 @@ class PlanEstimate:
                    self.harm_tpot_s / tpot_slo_s)
 
 
-def _stall_per_token(engine: EngineLoad, prefill_s: float, output_tokens: int) -> float:
-    """What ``prefill_s`` of prefill on ``engine`` adds to the TPOT of what it decodes."""
-    return prefill_s / max(engine.admitted_output_tokens or output_tokens, 1)
+def poisson_quantile(mean: float, q: float = TAIL_QUANTILE, limit: int = 64) -> int:
+    """The smallest k with P(Poisson(mean) <= k) >= q."""
+    if mean <= 0:
+        return 0
+    p = cdf = math.exp(-mean)
+    k = 0
+    while cdf < q and k < limit:
+        k += 1
+        p *= mean / k
+        cdf += p
+    return k
 
 
-def _decode_tpot(costs: PathCosts, engine: EngineLoad, extra: int = 1) -> float:
-    rho = min(max(engine.prefill_share, 0.0), MAX_PREFILL_SHARE)
-    return costs.step_s(engine.running + extra) / (1.0 - rho)
+def decode_tpot(costs: PathCosts, engine: EngineLoad, output_tokens: int, extra: int = 1
+                ) -> float:
+    """Tail TPOT of a request with ``output_tokens`` decoding on ``engine`` beside its
+    ``running`` sequences (+ ``extra``): the step, plus the neighbours' prefills that land on
+    the engine during its decode, at :data:`TAIL_QUANTILE`."""
+    out = max(output_tokens, 1)
+    step = costs.step_s(engine.running + extra)
+    hits = poisson_quantile(engine.prefill_rate * out * step)
+    return step + hits * engine.mean_prefill_s / out
+
+
+def _admitted_tpot(costs: PathCosts, engine: EngineLoad, stall_s: float) -> float:
+    """TPOT of the worst-off sequence ``engine`` decodes after ``stall_s`` more prefill (0 when
+    it decodes none)."""
+    if not engine.running:
+        return 0.0
+    out = engine.admitted_output_tokens or 1.0
+    return costs.step_s(engine.running + 1) + engine.admitted_stall_s + stall_s / out
 
 
 def estimate_whole(costs: PathCosts, prompt_tokens: int, output_tokens: int,
@@ -186,10 +219,9 @@ def estimate_whole(costs: PathCosts, prompt_tokens: int, output_tokens: int,
     """The request served whole on ``engine``."""
     uncached = max(prompt_tokens - engine.cached_tokens, 0)
     prefill = costs.prefill_s(uncached)
-    tpot = _decode_tpot(costs, engine)
-    harm = tpot + _stall_per_token(engine, prefill, output_tokens) if engine.running else 0.0
-    return PlanEstimate("whole", engine.worker_id, None, engine.queued_s + prefill, tpot, harm,
-                        uncached)
+    return PlanEstimate("whole", engine.worker_id, None, engine.queued_s + prefill,
+                        decode_tpot(costs, engine, output_tokens),
+                        _admitted_tpot(costs, engine, prefill), uncached)
 
 
 def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
@@ -197,12 +229,8 @@ def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
     """The request prefilled on ``prefill`` and decoded on ``decode``."""
     uncached = max(prompt_tokens - prefill.cached_tokens, 0)
     prefill_s = costs.prefill_s(uncached)
-    out = max(output_tokens, 1)
     hop = costs.hop_s + prompt_tokens * costs.pull_s_per_token
-    tpot = _decode_tpot(costs, decode) + hop / out
-    harm_p = (_decode_tpot(costs, prefill, extra=0)
-              + _stall_per_token(prefill, prefill_s, output_tokens)) if prefill.running else 0.0
-    harm_d = _decode_tpot(costs, decode) if decode.running else 0.0
+    tpot = decode_tpot(costs, decode, output_tokens) + hop / max(output_tokens, 1)
+    harm = max(_admitted_tpot(costs, prefill, prefill_s), _admitted_tpot(costs, decode, 0.0))
     return PlanEstimate("pd", decode.worker_id, prefill.worker_id,
-                        prefill.queued_s + prefill_s + costs.hop_s, tpot, max(harm_p, harm_d),
-                        uncached)
+                        prefill.queued_s + prefill_s + costs.hop_s, tpot, harm, uncached)

@@ -11,7 +11,13 @@ from router.errors import ConfigError
 from router.policy.adaptive import REASONS, AdaptivePaths
 from router.policy.base import Candidate, RouteRequest
 from router.policy.hashing import block_hashes
-from router.policy.path_cost import EngineLoad, PathCosts, estimate_pd, estimate_whole
+from router.policy.path_cost import (
+    EngineLoad,
+    PathCosts,
+    estimate_pd,
+    estimate_whole,
+    poisson_quantile,
+)
 
 COSTS = PathCosts(prefill_s_per_token=1e-4, prefill_fixed_s=0.0, decode_step_s=0.01,
                   decode_step_s_per_seq=0.001, hop_s=0.02, pull_s_per_token=0.0)
@@ -69,16 +75,21 @@ def test_prefill_on_a_busy_decoder_would_harm_its_admitted_requests() -> None:
 
 
 def test_a_prefill_heavy_engine_misses_tpot_whole_and_a_quiet_decoder_takes_it() -> None:
-    engines = [EngineLoad("a", prefill_share=0.9), EngineLoad("b", prefill_share=0.9),
+    # 5 prefills/s of 0.2 s each on a and b: a 16-token answer decoding there for ~0.16 s
+    # catches 2 of them in the 90th percentile, 25 ms per token more: past a 30 ms SLO
+    busy = {"prefill_rate": 5.0, "mean_prefill_s": 0.2}
+    engines = [EngineLoad("a", **busy), EngineLoad("b", **busy),  # type: ignore[arg-type]
                EngineLoad("d", whole=False, prefill=False)]
-    decision = _paths(tpot=0.05).decide(_request(100), 128, engines)
+    decision = _paths(tpot=0.03).decide(_request(100), 16, engines)
     assert decision is not None
     assert decision.plan.path == "pd" and decision.plan.worker == "d"
     assert decision.reason == "whole_misses_tpot"
-    assert decision.plan.tpot_s < 0.05 < decision.other.tpot_s  # type: ignore[union-attr]
-    # control: with prefill shares low the same request is served whole
+    assert decision.plan.tpot_s < 0.03 < decision.other.tpot_s  # type: ignore[union-attr]
+    # control: with no prefills landing there the same request is served whole
     calm = [EngineLoad("a"), EngineLoad("b"), EngineLoad("d", whole=False, prefill=False)]
-    assert _paths(tpot=0.05).decide(_request(100), 128, calm).reason == "whole_meets_slo"  # type: ignore
+    assert _paths(tpot=0.03).decide(_request(100), 16, calm).reason == "whole_meets_slo"  # type: ignore
+    # and a long answer amortises the same prefills: whole again
+    assert _paths(tpot=0.03).decide(_request(100), 512, engines).reason == "whole_meets_slo"  # type: ignore
 
 
 def test_nothing_meets_the_slos_takes_the_least_bad_plan() -> None:
@@ -121,16 +132,25 @@ def test_dispatches_build_queues_shares_and_caches_and_finishes_release_them() -
     loads = {e.worker_id: e for e in paths.loads(request, cands, 0.05)}
     chosen = loads[first.plan.worker]
     assert chosen.queued_s == pytest.approx(0.05)  # 0.1 s of prefill, 0.05 s later
-    assert chosen.running == 1 and chosen.prefill_share > 0
+    assert chosen.running == 1 and chosen.mean_prefill_s == pytest.approx(0.1)
+    assert chosen.prefill_rate == pytest.approx(0.1, rel=0.01)  # one prefill, 10 s window
     assert chosen.cached_tokens == 992  # whole 16-token blocks of the prompt
     other = next(e for e in loads.values() if e is not chosen)
     assert (other.queued_s, other.running, other.cached_tokens) == (0.0, 0, 0)
     # the same prompt again goes where it is cached
     again = paths.decide(request, 64, list(loads.values()))
     assert again is not None and again.plan.worker == first.plan.worker
+    # a second prompt prefilled there stalls r1 (64 tokens) by its 0.1 s: 1.6 ms per token
+    second = _request(1000, "r2")
+    paths.dispatched(second, estimate_whole(COSTS, 1000, 8, EngineLoad(chosen.worker_id)), 8,
+                     now_s=0.06)
+    after = {e.worker_id: e for e in paths.loads(request, cands, 0.07)}[first.plan.worker]
+    assert after.admitted_stall_s == pytest.approx(0.1 / 64)
+    assert after.admitted_output_tokens == 8 and after.running == 2
+    paths.finished("r2")
     paths.finished("r1")
     assert paths.loads(request, cands, 100.0)[0].running == 0
-    assert max(e.prefill_share for e in paths.loads(request, cands, 100.0)) < 1e-3
+    assert max(e.prefill_rate for e in paths.loads(request, cands, 100.0)) < 1e-5
     paths.retain(["b"])
     assert all(e.cached_tokens == 0 for e in paths.loads(request, [("flex", Candidate("a"))],
                                                           0.0))
@@ -151,11 +171,17 @@ def test_roles_limit_what_a_plan_may_use() -> None:
 
 
 def test_estimates_follow_the_formulas() -> None:
-    engine = EngineLoad("a", queued_s=0.3, running=3, prefill_share=0.5, cached_tokens=200)
+    engine = EngineLoad("a", queued_s=0.3, running=3, prefill_rate=2.0, mean_prefill_s=0.1,
+                        cached_tokens=200, admitted_output_tokens=40, admitted_stall_s=0.002)
     whole = estimate_whole(COSTS, 1000, 50, engine)
     assert whole.ttft_s == pytest.approx(0.3 + 800 * 1e-4)
-    assert whole.tpot_s == pytest.approx((0.01 + 3 * 0.001) / 0.5)
-    assert whole.harm_tpot_s == pytest.approx(whole.tpot_s + 0.08 / 50)
+    step = 0.01 + 3 * 0.001
+    # Poisson(2/s x 50 tokens x 13 ms = 1.3): 90th percentile 3 prefills of 0.1 s over 50 tokens
+    assert poisson_quantile(2.0 * 50 * step) == 3
+    assert whole.tpot_s == pytest.approx(step + 3 * 0.1 / 50)
+    assert whole.harm_tpot_s == pytest.approx(step + 0.002 + 0.08 / 40)
+    assert poisson_quantile(0.0) == 0 and poisson_quantile(0.05) == 0
+    assert poisson_quantile(0.2) == 1
     pd = estimate_pd(COSTS, 1000, 50, EngineLoad("p"), EngineLoad("d"))
     assert pd.ttft_s == pytest.approx(0.1 + 0.02)
     assert pd.tpot_s == pytest.approx(0.01 + 0.02 / 50)
@@ -163,9 +189,10 @@ def test_estimates_follow_the_formulas() -> None:
 
 
 def test_costs_from_a_profile(tmp_path: Path) -> None:
+    # the file `pdserve bench profile` writes
     profile = {"prefill": {"fixed_s": 0.02, "per_token_s": 2e-4},
-               "decode": {"points": [{"batch": 1, "step_s": 0.005},
-                                     {"batch": 9, "step_s": 0.013}]}}
+               "decode": {"points": [{"batch_size": 1, "step_s": 0.005},
+                                     {"batch_size": 9, "step_s": 0.013}]}}
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
     costs = PathCosts.from_file(path, hop_s=0.05)
