@@ -92,7 +92,7 @@ class RouterMetrics:
             "whole (the adaptive decision served it on one engine); reason says why (eligible, "
             "not_eligible, prefill_token_unusable, short_prompt, cached_on_decode, "
             "aggregated_worker; adaptive: whole_meets_slo, whole_misses_ttft, whole_misses_tpot, "
-            "whole_harms_admitted, best_effort, forced, no_pd_pair).",
+            "whole_harms_admitted, stall_sensitive, best_effort, forced, no_pd_pair).",
             ["path", "reason"], registry=r)
         self.path_cost_scale = Gauge(
             "pdserve_router_path_cost_scale",

@@ -283,9 +283,18 @@ class Cluster:
         return [(name, p) for name, p in [*named, ("router", self.router),
                                           ("autoscaler", self.autoscaler)] if p is not None]
 
+    def _expected_workers(self) -> dict[str, int]:
+        """``/health`` counts that mean every worker started is registered (an autoscaled pool
+        starts with one)."""
+        s = self.settings
+        first = (lambda n: min(1, n)) if s.autoscale else (lambda n: n)
+        return {"prefill_workers": first(s.prefill), "decode_workers": first(s.decode),
+                "aggregated_workers": s.aggregated, "flex_workers": s.flex}
+
     async def wait_ready(self) -> None:
-        """Wait until the router reports both pools live; :class:`StartupError` naming the
-        child that died first, or the timeout."""
+        """Wait until the router reports every worker it started registered (both pools
+        live); :class:`StartupError` naming the child that died first, or the timeout."""
+        expected = self._expected_workers()
         deadline = asyncio.get_running_loop().time() + self.settings.ready_timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
             while asyncio.get_running_loop().time() < deadline:
@@ -294,8 +303,10 @@ class Cluster:
                     name, proc = dead[0]
                     raise StartupError(f"{name} exited during start-up "
                                        f"({exit_reason(proc.returncode)}); its output is above")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(f"{self.url}/health")).status_code == 200:
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    resp = await client.get(f"{self.url}/health")
+                    if resp.status_code == 200 and all(
+                            resp.json().get(k, 0) >= n for k, n in expected.items()):
                         return
                 await asyncio.sleep(0.5)
         raise StartupError(f"cluster not ready within {self.settings.ready_timeout_s:g} s")

@@ -149,7 +149,7 @@ class _Run:
         decision = self.paths.decide(route, req.output_tokens, loads, force=self.fleet.force)
         assert decision is not None  # every fleet has engines for its paths
         plan = decision.plan
-        self.paths.dispatched(route, plan, req.output_tokens, now)
+        self.paths.dispatched(route, plan, req.output_tokens, now, sensitive=decision.sensitive)
         self.res.paths[plan.path] += 1
         self.res.reasons[decision.reason] += 1
         prefiller = self.by_id[plan.prefill_worker or plan.worker]

@@ -334,7 +334,7 @@ class RouterService:
             raise APIError(f"no live worker for model '{route.model}'", status=503,
                            code="no_workers", type="server_error")
         plan = decision.plan
-        self.adaptive.dispatched(route, plan, output_tokens, now)
+        self.adaptive.dispatched(route, plan, output_tokens, now, sensitive=decision.sensitive)
         clock.plan = {"path": plan.path, "reason": decision.reason, "worker": plan.worker,
                       "prefill_worker": plan.prefill_worker,
                       "predicted_ttft_s": round(plan.ttft_s, 6),

@@ -56,6 +56,10 @@ CAPABILITIES: dict[str, tuple[bool, bool, bool]] = {
 }
 """Role -> (whole, prefill, decode): what an engine of that role may do in a plan."""
 
+TPOT_MARGIN = 0.8
+"""Plans aim for this fraction of the TPOT SLO: the tail model is approximate (a chunked
+iteration may carry several prefills). Chosen in ``pdserve sim paths`` on the mix workload,
+seed 0 (0.6-1.0 tried); the other workloads and seeds were not used to pick it."""
 LEARNING_RATE = 0.1
 """Weight of one observed request in the learned cost scales (an exponential average)."""
 MIN_LEARN_S = 0.005
@@ -64,7 +68,7 @@ SCALE_LIMITS = (0.1, 10.0)
 """The learned scales stay within these factors of the starting costs."""
 
 REASONS = ("whole_meets_slo", "whole_misses_ttft", "whole_misses_tpot", "whole_harms_admitted",
-           "best_effort", "forced", "no_pd_pair")
+           "best_effort", "forced", "no_pd_pair", "stall_sensitive")
 """Every ``reason`` a decision may carry (bounded metric labels)."""
 
 FORCED_PATHS = ("whole", "pd")
@@ -77,6 +81,9 @@ class PathDecision:
     plan: PlanEstimate
     reason: str
     other: PlanEstimate | None = None
+    sensitive: bool = False
+    """Its TPOT holds on a quiet decoder but not on any engine that also prefills: its decode
+    counts toward the quiet decoders the split keeps (``dispatched``)."""
 
 
 @dataclass
@@ -86,23 +93,35 @@ class _Engine:
     """Prefill seconds dispatched, decayed to ``share_at_s``."""
     count: float = 0.0
     """Prefills dispatched, decayed to ``share_at_s``."""
+    square_s: float = 0.0
+    """Sum of the squared prefill seconds, decayed to ``share_at_s``."""
     share_at_s: float = 0.0
     decoding: dict[str, list[float]] = field(default_factory=dict)
     """Request id -> [its expected output tokens, the prefill stall per token added to it]."""
+
+
+def _typical_prefill_s(engines: Sequence[EngineLoad]) -> float:
+    """The length of the prefill a decode step is likely to find running in this fleet: the
+    engines' size-biased means weighted by their prefill rates (0 when none ran lately)."""
+    rate = sum(e.prefill_rate for e in engines)
+    if rate <= 0:
+        return 0.0
+    return sum(e.prefill_rate * e.mean_prefill_s for e in engines) / rate
 
 
 class AdaptivePaths:
     """Chooses whole or P/D per request; remembers what it dispatched where."""
 
     def __init__(self, costs: PathCosts, ttft_slo_s: float, tpot_slo_s: float, *,
-                 share_window_s: float = 10.0, top_k: int = 2,
+                 tpot_margin: float = TPOT_MARGIN, share_window_s: float = 10.0, top_k: int = 2,
                  capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
                  block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
         if ttft_slo_s <= 0 or tpot_slo_s <= 0 or share_window_s <= 0 or top_k < 1:
             raise ValueError("SLOs and share_window_s must be > 0 and top_k >= 1")
         self.costs = costs
         self.ttft_slo_s = ttft_slo_s
-        self.tpot_slo_s = tpot_slo_s
+        self.tpot_slo_s = tpot_slo_s * tpot_margin
+        """The TPOT the plans aim for: the SLO x ``tpot_margin``."""
         self.share_window_s = share_window_s
         self.top_k = top_k
         self.capacity_blocks = capacity_blocks
@@ -111,6 +130,11 @@ class AdaptivePaths:
         self._caches: dict[str, PrefixCacheModel] = {}
         self._requests: dict[str, tuple[str, ...]] = {}
         """Request id -> the engines it occupies (decode engine first)."""
+        self._sensitive_tokens = 0.0
+        """Output tokens of stall-sensitive requests, decayed like the prefill counts."""
+        self._sensitive_at_s = 0.0
+        self.reserved: tuple[str, ...] = ()
+        """Engines kept quiet for stall-sensitive decodes (the split's decode side)."""
         self.base_costs = costs
         self.prefill_scale = 1.0
         """Observed / predicted TTFT, averaged: scales the prefill costs."""
@@ -134,6 +158,8 @@ class AdaptivePaths:
     def loads(self, request: RouteRequest, engines: Iterable[tuple[str, Candidate]],
               now_s: float) -> list[EngineLoad]:
         """:class:`EngineLoad` of each ``(role, candidate)`` for ``request`` at ``now_s``."""
+        engines = list(engines)
+        self._resize_split(engines, now_s)
         out = []
         for role, c in engines:
             whole, prefill, decode = CAPABILITIES[role]
@@ -145,12 +171,47 @@ class AdaptivePaths:
                 queued_s=max(engine.busy_until_s - now_s, 0.0),
                 running=max(c.running, len(engine.decoding)),
                 prefill_rate=engine.count * decay / self.share_window_s,
-                mean_prefill_s=engine.share_s / engine.count if engine.count > 1e-9 else 0.0,
+                mean_prefill_s=engine.square_s / engine.share_s if engine.share_s > 1e-12
+                else 0.0,
                 cached_tokens=self.cached_tokens(request, c.worker_id),
                 admitted_output_tokens=min((a[0] for a in admitted), default=0.0),
                 admitted_stall_s=max((a[1] for a in admitted), default=0.0),
-                recently_failed=c.recently_failed))
+                recently_failed=c.recently_failed, reserved=c.worker_id in self.reserved))
         return out
+
+    # -- the split --------------------------------------------------------------------------
+
+    def quiet_decoders_needed(self, now_s: float) -> int:
+        """Quiet decoders the recent stall-sensitive decode demand needs: its tokens per second
+        over what one decoder streams within the planned TPOT (0 under 2 % of one decoder)."""
+        decay = math.exp(-max(now_s - self._sensitive_at_s, 0.0) / self.share_window_s)
+        demand = self._sensitive_tokens * decay / self.share_window_s  # tokens/s
+        batch = 1
+        while batch < 256 and self.costs.step_s(batch + 1) <= self.tpot_slo_s:
+            batch += 1
+        capacity = batch / self.costs.step_s(batch)  # tokens/s of one quiet decoder
+        return 0 if demand < 0.02 * capacity else math.ceil(demand / capacity)
+
+    def _resize_split(self, engines: list[tuple[str, Candidate]], now_s: float) -> None:
+        """Keep :meth:`quiet_decoders_needed` engines reserved (at most all but one of the
+        engines that can prefill or serve whole): the ones already reserved first, then the
+        quietest. This is the control rule by which the split follows the load."""
+        can_decode = [c.worker_id for role, c in engines
+                      if CAPABILITIES[role][2] and CAPABILITIES[role][0]]
+        others = sum(1 for role, _ in engines if CAPABILITIES[role][0] or CAPABILITIES[role][1])
+        # the engines left prefilling must keep their prefill utilisation under 70 %
+        prefill_load = sum((self._engines.get(c.worker_id) or _Engine()).share_s
+                           * self._decay(self._engines.get(c.worker_id) or _Engine(), now_s)
+                           for _, c in engines) / self.share_window_s
+        room = others - math.ceil(prefill_load / 0.7)
+        want = max(min(self.quiet_decoders_needed(now_s), len(can_decode), others - 1, room), 0)
+
+        def quietness(worker_id: str) -> tuple[bool, float, str]:
+            engine = self._engines.get(worker_id) or _Engine()
+            return (worker_id not in self.reserved, engine.share_s * self._decay(engine, now_s),
+                    worker_id)
+
+        self.reserved = tuple(sorted(sorted(can_decode, key=quietness)[:want]))
 
     # -- the decision ---------------------------------------------------------------------------
 
@@ -160,9 +221,13 @@ class AdaptivePaths:
         no other can take that part)."""
         healthy = [e for e in engines if not e.recently_failed] or list(engines)
         n, out = request.prompt_len, output_tokens
-        whole = [estimate_whole(self.costs, n, out, e) for e in healthy if e.whole]
+        # reserved (quiet) decoders prefill nothing while another engine can
+        open_ = [e for e in healthy if not e.reserved]
+        whole = [estimate_whole(self.costs, n, out, e)
+                 for e in ([e for e in open_ if e.whole] or [e for e in healthy if e.whole])]
+        prefillers = [e for e in open_ if e.prefill] or [e for e in healthy if e.prefill]
         # prefillers by their TTFT, then by the decoding they would stall
-        by_ttft = sorted((e for e in healthy if e.prefill),
+        by_ttft = sorted(prefillers,
                          key=lambda e: (e.queued_s + self.costs.prefill_s(n - e.cached_tokens),
                                         e.running, e.worker_id))[:self.top_k]
         by_tpot = sorted((e for e in healthy if e.decode),
@@ -178,6 +243,7 @@ class AdaptivePaths:
         (``whole`` or ``pd``) restricts it to that kind when one exists. None: no engine."""
         whole, pd = self.plans(request, output_tokens, engines)
         slo = (self.ttft_slo_s, self.tpot_slo_s)
+        by_id = {e.worker_id: e for e in engines}
 
         def best(plans: list[PlanEstimate]) -> PlanEstimate | None:
             return min(plans, key=lambda p: (p.badness(*slo), p.worker,
@@ -195,6 +261,10 @@ class AdaptivePaths:
             return PathDecision(best_whole, "no_pd_pair")
         if best_whole is None:
             return PathDecision(best_pd, "no_pd_pair")
+        if self.stall_sensitive(request, output_tokens, engines):
+            quiet = [p for p in pd if by_id[p.worker].reserved] or pd
+            return PathDecision(best(quiet), "stall_sensitive", best_whole,  # type: ignore[arg-type]
+                                sensitive=True)
         # a whole plan that meets the SLOs: the least prefill work (a cached prefix), then the
         # least loaded; cache affinity is kept only while the SLOs hold
         meeting = min((p for p in whole if p.meets(*slo)),
@@ -209,6 +279,27 @@ class AdaptivePaths:
         return PathDecision(chosen, "best_effort",
                             best_pd if chosen is best_whole else best_whole)
 
+    def stall_sensitive(self, request: RouteRequest, output_tokens: int,
+                        engines: Sequence[EngineLoad]) -> bool:
+        """Its tail TPOT on a typical engine that prefills (this fleet's prefill rate spread
+        over the engines that take prefills) misses the SLO, while a decoder that prefills
+        nothing would keep it: such requests are decoded where no prefill runs (the split's
+        quiet decoders), whatever the momentary load of one engine says."""
+        open_ = [e for e in engines if not e.reserved and (e.prefill or e.whole)]
+        decoders = [e for e in engines if e.decode]
+        if not open_ or len(decoders) + len(open_) < 2:
+            return False
+        out = max(output_tokens, 1)
+        rate = sum(e.prefill_rate for e in engines) / len(open_)
+        typical = EngineLoad("typical", running=round(sum(e.running for e in open_)
+                                                      / len(open_)),
+                             prefill_rate=rate, mean_prefill_s=_typical_prefill_s(engines))
+        if decode_tpot(self.costs, typical, out) <= self.tpot_slo_s:
+            return False
+        least = min((e.running for e in decoders), default=0)
+        hop = self.costs.hop_s + request.prompt_len * self.costs.pull_s_per_token
+        return self.costs.step_s(least + 1) + hop / out <= self.tpot_slo_s
+
     def _why_not_whole(self, plan: PlanEstimate) -> str:
         if plan.ttft_s > self.ttft_slo_s:
             return "whole_misses_ttft"
@@ -219,9 +310,14 @@ class AdaptivePaths:
     # -- what happened --------------------------------------------------------------------------
 
     def dispatched(self, request: RouteRequest, plan: PlanEstimate, output_tokens: int,
-                   now_s: float) -> None:
+                   now_s: float, *, sensitive: bool = False) -> None:
         """``plan`` was sent at ``now_s``: the prefilling engine's queue and share grow by its
-        prefill, the decoding engine decodes it, both caches now hold the prompt."""
+        prefill, the decoding engine decodes it, both caches now hold the prompt; a
+        ``sensitive`` decode (``PathDecision.sensitive``) adds to the quiet decoders' demand."""
+        if sensitive:
+            decay = math.exp(-max(now_s - self._sensitive_at_s, 0.0) / self.share_window_s)
+            self._sensitive_tokens = self._sensitive_tokens * decay + output_tokens
+            self._sensitive_at_s = now_s
         prefiller = plan.prefill_worker or plan.worker
         seconds = self.costs.prefill_s(plan.uncached_tokens)
         engine = self._engines.setdefault(prefiller, _Engine())
@@ -229,6 +325,7 @@ class AdaptivePaths:
         decay = self._decay(engine, now_s)
         engine.share_s = engine.share_s * decay + seconds
         engine.count = engine.count * decay + (1.0 if seconds > 0 else 0.0)
+        engine.square_s = engine.square_s * decay + seconds * seconds
         engine.share_at_s = now_s
         for admitted in engine.decoding.values():  # the prefill stalls what it decodes
             admitted[1] += seconds / max(admitted[0], 1.0)

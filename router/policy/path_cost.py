@@ -142,7 +142,8 @@ class EngineLoad:
     prefill_rate: float = 0.0
     """Prefills per second it was given lately (lambda)."""
     mean_prefill_s: float = 0.0
-    """Mean seconds of those prefills (P)."""
+    """Size-biased mean seconds of those prefills (P = sum P_i^2 / sum P_i): the length of the
+    prefill a decode step finds running, which long prompts dominate."""
     cached_tokens: int = 0
     """Tokens of this request's prompt it holds in its prefix cache."""
     admitted_output_tokens: float = 0.0
@@ -151,6 +152,9 @@ class EngineLoad:
     """Largest prefill stall per token already added to one of the sequences it decodes."""
     recently_failed: bool = False
     """In the router's failure cool-down: planned only when nothing else can serve."""
+    reserved: bool = False
+    """Kept quiet for stall-sensitive decodes (``router.policy.adaptive``'s split): it gets
+    no prefill while another engine can take it."""
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def test_prefill_on_a_busy_decoder_would_harm_its_admitted_requests() -> None:
     assert _paths(tpot=0.03).decide(_request(2000), 8, patient).reason == "whole_meets_slo"  # type: ignore
 
 
-def test_a_prefill_heavy_engine_misses_tpot_whole_and_a_quiet_decoder_takes_it() -> None:
+def test_a_stall_sensitive_request_is_decoded_where_no_prefill_runs() -> None:
     # 5 prefills/s of 0.2 s each on a and b: a 16-token answer decoding there for ~0.16 s
     # catches 2 of them in the 90th percentile, 25 ms per token more: past a 30 ms SLO
     busy = {"prefill_rate": 5.0, "mean_prefill_s": 0.2}
@@ -83,7 +83,7 @@ def test_a_prefill_heavy_engine_misses_tpot_whole_and_a_quiet_decoder_takes_it()
     decision = _paths(tpot=0.03).decide(_request(100), 16, engines)
     assert decision is not None
     assert decision.plan.path == "pd" and decision.plan.worker == "d"
-    assert decision.reason == "whole_misses_tpot"
+    assert decision.reason == "stall_sensitive" and decision.sensitive
     assert decision.plan.tpot_s < 0.03 < decision.other.tpot_s  # type: ignore[union-attr]
     # control: with no prefills landing there the same request is served whole
     calm = [EngineLoad("a"), EngineLoad("b"), EngineLoad("d", whole=False, prefill=False)]
@@ -227,3 +227,26 @@ def test_costs_are_learned_from_what_served_requests_showed() -> None:
     # one absurd outlier moves the scale by at most 4 ** 0.1
     paths.learn(0.2, 1000.0, 0.01, 0.01)
     assert paths.prefill_scale <= before[0] * 4 ** 0.1 + 1e-9
+
+
+def test_the_split_keeps_quiet_decoders_for_stall_sensitive_demand() -> None:
+    paths = _paths(tpot=0.05)
+    cands = [("flex", Candidate(w)) for w in ("a", "b", "c", "d")]
+    request = _request(1500, "long")
+    assert paths.quiet_decoders_needed(0.0) == 0
+    paths.loads(request, cands, 0.0)
+    assert paths.reserved == ()  # control: no sensitive demand, no reserved engine
+    for i in range(40):  # long prompts with 8-token answers on b: it prefills a lot
+        rid = _request(1500, f"s{i}")
+        paths.dispatched(rid, estimate_whole(COSTS, 1500, 8, EngineLoad("b")), 8, now_s=i * 0.1,
+                         sensitive=True)
+    assert paths.quiet_decoders_needed(4.0) == 1
+    loads = {e.worker_id: e for e in paths.loads(request, cands, 4.0)}
+    assert paths.reserved == ("a",)  # the quietest (b prefilled), the first by name of a/c/d
+    assert loads["a"].reserved and not loads["b"].reserved
+    whole, pd = paths.plans(request, 256, list(loads.values()))
+    assert "a" not in {p.worker for p in whole}  # no prefill lands on the quiet decoder
+    assert "a" not in {p.prefill_worker for p in pd}
+    # the demand decays: a minute later the engine is open again
+    paths.loads(request, cands, 64.0)
+    assert paths.reserved == ()

@@ -15,7 +15,7 @@ from bench.report import require_optional
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-BENCH_ONLY = ("matplotlib", "rich")
+BENCH_ONLY = ("matplotlib", "rich", "vllm-router")
 
 
 def _names(reqs: list[str]) -> set[str]:
