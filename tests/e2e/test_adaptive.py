@@ -10,7 +10,9 @@ long prompts with short answers and then short prompts with long answers.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +25,7 @@ from tests.support.cluster import SERVED_NAME, Cluster, Plain, registered_record
 from tests.support.metrics import scrape, value
 from tests.support.prompts import make_prompts
 from tests.support.router_process import RouterProcess
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.vllm
 
@@ -126,22 +129,36 @@ def test_every_path_equals_a_plain_server(adaptive: Cluster, plain: Plain,
                     assert scale > 0 and scale != 1.0, (part, scale)
 
 
-def test_the_decision_is_in_the_timeline(adaptive: Cluster) -> None:
+def test_the_decision_is_in_the_timeline_and_the_trace(adaptive: Cluster) -> None:
+    rid = f"plan-{uuid.uuid4().hex}"
     body = {"model": SERVED_NAME, "prompt": "the timeline of one plan", "max_tokens": 4}
-    resp = httpx.post(f"{adaptive.url}/v1/completions", json=body, timeout=60)
+    resp = httpx.post(f"{adaptive.url}/v1/completions", json=body, timeout=60,
+                      headers={"x-request-id": rid})
     assert resp.status_code == 200
-    import json
 
-    def last_plan() -> dict[str, Any]:
-        lines = adaptive.router_timeline.read_text().splitlines()
-        return dict(json.loads(lines[-1]).get("plan") or {})
+    def plan_of_request() -> dict[str, Any]:
+        for line in adaptive.router_timeline.read_text().splitlines():
+            record = json.loads(line)
+            if record["request_id"] == rid:
+                return dict(record.get("plan") or {})
+        return {}
 
-    deadline = time.monotonic() + 10
-    while not last_plan() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    plan = last_plan()
+    plan = eventually(plan_of_request, bool, timeout_s=10)
     assert plan["path"] == "whole" and plan["reason"] == "whole_meets_slo", plan
     assert 0 < plan["predicted_ttft_s"] < 1 and 0 < plan["predicted_tpot_s"] < 0.1, plan
+    assert adaptive.traces is not None
+
+    def root_span() -> dict[str, object]:
+        for span in adaptive.traces.snapshot():  # type: ignore[union-attr]
+            if span.name == "pdserve.request" and \
+                    span.attributes.get("pdserve.request_id") == rid:
+                return span.attributes
+        return {}
+
+    attributes = eventually(root_span, bool, timeout_s=30)
+    assert attributes["pdserve.path"] == "whole", attributes
+    assert attributes["pdserve.plan.reason"] == "whole_meets_slo", attributes
+    assert attributes["pdserve.plan.predicted_ttft_s"] == plan["predicted_ttft_s"], attributes
 
 
 async def _burst(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> list[int]:

@@ -21,6 +21,12 @@ class ReceivedSpan:
     attributes: dict[str, object]
 
 
+def _value(value: object) -> object:
+    """An OTLP ``AnyValue`` as the Python value it holds (string, bool, int or double)."""
+    kind = value.WhichOneof("value")  # type: ignore[attr-defined]
+    return getattr(value, kind) if kind else None
+
+
 class OtlpReceiver:
     """Listens on 127.0.0.1 (a free port) for ``POST /v1/traces`` until ``close``."""
 
@@ -62,8 +68,7 @@ class OtlpReceiver:
                     out.append(ReceivedSpan(
                         service, sp.name, sp.trace_id.hex(), sp.span_id.hex(),
                         sp.parent_span_id.hex(), sp.start_time_unix_nano, sp.end_time_unix_nano,
-                        {a.key: a.value.string_value or a.value.int_value
-                         for a in sp.attributes}))
+                        {a.key: _value(a.value) for a in sp.attributes}))
         with self._lock:
             self.spans.extend(out)
 

@@ -15,7 +15,7 @@ from bench.sim.sweep import highest_rate
 from bench.sim.workload import SimRequest
 from router.policy.path_cost import PathCosts
 
-COSTS = PathCosts()  # prefill 0.01 + 1.5e-4/token, step 0.006 + 0.0003/extra seq, hop 0.02
+COSTS = PathCosts()  # prefill 0.01 + 1.5e-4/token, step 0.006 + 0.0003/extra seq, hop 0.05
 
 
 def _short(name: str, duration_s: float) -> PathWorkload:
@@ -44,7 +44,7 @@ def test_whole_request_timing_by_hand() -> None:
 
 def test_pd_request_timing_by_hand() -> None:
     ttft, tpot = _one("pd1:1", 1000, 3)
-    assert ttft == pytest.approx(0.16 + 0.02)  # prefill + hop
+    assert ttft == pytest.approx(0.16 + 0.05)  # prefill + hop
     # the KV lands 1000 x 2e-6 after the first token, then two steps on the decode engine
     assert tpot == pytest.approx((1000 * 2e-6 + 2 * 0.006) / 2)
 
