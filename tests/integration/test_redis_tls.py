@@ -94,7 +94,7 @@ def test_registry_router_and_lock_over_tls_with_password(tls_redis: tuple[int, P
         try:
             health = httpx.get(router.url + "/health", timeout=10).json()
             assert health == {"status": "ok", "prefill_workers": 1, "decode_workers": 1,
-                              "aggregated_workers": 0, "redis": "ok"}
+                              "aggregated_workers": 0, "flex_workers": 0, "redis": "ok"}
             resp = httpx.post(router.url + "/v1/completions", timeout=10,
                               json={"model": "tiny", "prompt": "hello", "max_tokens": 3})
             assert resp.status_code == 200, resp.text
