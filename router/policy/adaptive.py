@@ -143,10 +143,15 @@ class AdaptivePaths:
 
     # -- state -> EngineLoad ------------------------------------------------------------------
 
-    def _decay(self, engine: _Engine, now_s: float) -> float:
-        """The factor ``share_s`` and ``count`` decay by until ``now_s`` (exponential, the
-        window as time constant)."""
-        return math.exp(-max(now_s - engine.share_at_s, 0.0) / self.share_window_s)
+    def _decay(self, since_s: float, now_s: float) -> float:
+        """The factor a sum stamped at ``since_s`` decays by until ``now_s`` (exponential, the
+        window as time constant): the engines' prefill sums and the sensitive demand."""
+        return math.exp(-max(now_s - since_s, 0.0) / self.share_window_s)
+
+    def _prefill_seconds(self, worker_id: str, now_s: float) -> float:
+        """Prefill seconds dispatched to ``worker_id`` lately, decayed to ``now_s``."""
+        engine = self._engines.get(worker_id)
+        return 0.0 if engine is None else engine.share_s * self._decay(engine.share_at_s, now_s)
 
     def cached_tokens(self, request: RouteRequest, worker_id: str) -> int:
         """Tokens of ``request``'s prompt ``worker_id`` is estimated to hold."""
@@ -164,7 +169,7 @@ class AdaptivePaths:
         for role, c in engines:
             whole, prefill, decode = CAPABILITIES[role]
             engine = self._engines.get(c.worker_id) or _Engine()
-            decay = self._decay(engine, now_s)
+            decay = self._decay(engine.share_at_s, now_s)
             admitted = engine.decoding.values()
             out.append(EngineLoad(
                 worker_id=c.worker_id, whole=whole, prefill=prefill, decode=decode,
@@ -184,8 +189,8 @@ class AdaptivePaths:
     def quiet_decoders_needed(self, now_s: float) -> int:
         """Quiet decoders the recent stall-sensitive decode demand needs: its tokens per second
         over what one decoder streams within the planned TPOT (0 under 2 % of one decoder)."""
-        decay = math.exp(-max(now_s - self._sensitive_at_s, 0.0) / self.share_window_s)
-        demand = self._sensitive_tokens * decay / self.share_window_s  # tokens/s
+        demand = (self._sensitive_tokens * self._decay(self._sensitive_at_s, now_s)
+                  / self.share_window_s)  # tokens/s
         batch = 1
         while batch < 256 and self.costs.step_s(batch + 1) <= self.tpot_slo_s:
             batch += 1
@@ -200,15 +205,13 @@ class AdaptivePaths:
                       if CAPABILITIES[role][2] and CAPABILITIES[role][0]]
         others = sum(1 for role, _ in engines if CAPABILITIES[role][0] or CAPABILITIES[role][1])
         # the engines left prefilling must keep their prefill utilisation under 70 %
-        prefill_load = sum((self._engines.get(c.worker_id) or _Engine()).share_s
-                           * self._decay(self._engines.get(c.worker_id) or _Engine(), now_s)
+        prefill_load = sum(self._prefill_seconds(c.worker_id, now_s)
                            for _, c in engines) / self.share_window_s
         room = others - math.ceil(prefill_load / 0.7)
         want = max(min(self.quiet_decoders_needed(now_s), len(can_decode), others - 1, room), 0)
 
         def quietness(worker_id: str) -> tuple[bool, float, str]:
-            engine = self._engines.get(worker_id) or _Engine()
-            return (worker_id not in self.reserved, engine.share_s * self._decay(engine, now_s),
+            return (worker_id not in self.reserved, self._prefill_seconds(worker_id, now_s),
                     worker_id)
 
         self.reserved = tuple(sorted(sorted(can_decode, key=quietness)[:want]))
@@ -315,14 +318,14 @@ class AdaptivePaths:
         prefill, the decoding engine decodes it, both caches now hold the prompt; a
         ``sensitive`` decode (``PathDecision.sensitive``) adds to the quiet decoders' demand."""
         if sensitive:
-            decay = math.exp(-max(now_s - self._sensitive_at_s, 0.0) / self.share_window_s)
-            self._sensitive_tokens = self._sensitive_tokens * decay + output_tokens
+            self._sensitive_tokens = (self._sensitive_tokens
+                                      * self._decay(self._sensitive_at_s, now_s) + output_tokens)
             self._sensitive_at_s = now_s
         prefiller = plan.prefill_worker or plan.worker
         seconds = self.costs.prefill_s(plan.uncached_tokens)
         engine = self._engines.setdefault(prefiller, _Engine())
         engine.busy_until_s = max(engine.busy_until_s, now_s) + seconds
-        decay = self._decay(engine, now_s)
+        decay = self._decay(engine.share_at_s, now_s)
         engine.share_s = engine.share_s * decay + seconds
         engine.count = engine.count * decay + (1.0 if seconds > 0 else 0.0)
         engine.square_s = engine.square_s * decay + seconds * seconds
