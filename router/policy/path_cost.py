@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.autoscale.profile import fit_line
 from router.errors import ConfigError
 
 TAIL_QUANTILE = 0.9
@@ -95,11 +94,11 @@ class PathCosts:
         if prefill.get("per_token_s"):
             values["prefill_s_per_token"] = float(prefill["per_token_s"])
             values["prefill_fixed_s"] = float(prefill.get("fixed_s", 0.0))
-        points = [(float(p["batch_size"]), float(p["step_s"]))
+        points = [(int(p["batch_size"]), float(p["step_s"]))
                   for p in (profile.get("decode") or {}).get("points", [])
                   if "batch_size" in p and "step_s" in p]
         if points:
-            base, per_seq = fit_line(points)
+            base, per_seq = _line(points)
             values["decode_step_s"] = max(base + per_seq, 1e-4)  # step of one sequence
             values["decode_step_s_per_seq"] = max(per_seq, 0.0)
         values.update(overrides)
@@ -113,6 +112,18 @@ class PathCosts:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read the instance profile {path}: {exc}") from None
         return cls.from_profile(profile, **overrides)
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares ``y = a + b x``; a flat line through the mean for one distinct x."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx == 0:
+        return my, 0.0
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - b * mx, b
 
 
 @dataclass(frozen=True)
