@@ -55,6 +55,13 @@ class RouterSettings:
     """Extra attempts on other prefill workers after a connect error, timeout or 5xx."""
     decode_retries: int = 2
     """Extra attempts on other decode workers, only while no byte was relayed to the client."""
+    migration_limit: int = 3
+    """How many times one client stream may move to another worker after its output started
+    (its worker died, reset, sent an error event or stalled); 0 = never (the stream ends with
+    an error event, as before)."""
+    stall_timeout_s: float = 3.0
+    """A stream whose worker sent output and then nothing for this long (or 25 times its
+    recent median gap, if longer) moves to another worker; 0 = only ``decode_timeout_s``."""
     no_worker_wait_s: float = 5.0
     """An admitted request that finds its pool empty (membership changing: an evicted or
     restarting worker) waits this long for a worker before failing with 503."""
@@ -150,7 +157,8 @@ class RouterSettings:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("prefill_retries", "decode_retries", "failure_cooldown_s", "no_worker_wait_s",
-                     "max_in_flight_per_worker", "admission_queue_slo_factor", "max_body_bytes",
+                     "migration_limit", "stall_timeout_s", "max_in_flight_per_worker",
+                     "admission_queue_slo_factor", "max_body_bytes",
                      "max_prompt_tokens", "max_output_tokens", "request_timeout_s",
                      "load_poll_interval_s", "disagg_min_prefill_tokens"):
             if getattr(self, name) < 0:
@@ -190,6 +198,12 @@ def _parser() -> argparse.ArgumentParser:
                    action=argparse.BooleanOptionalAction,
                    help="stream the prefill's sampled token at once "
                    "(PDSERVE_ROUTER_FIRST_TOKEN_FROM_PREFILL, default on)")
+    p.add_argument("--migration-limit", dest="migration_limit", type=int,
+                   help="moves of one stream to another worker when its worker fails "
+                   "mid-stream (PDSERVE_ROUTER_MIGRATION_LIMIT, default 3; 0 = off)")
+    p.add_argument("--stall-timeout-s", dest="stall_timeout_s", type=float,
+                   help="silence after output that moves a stream to another worker "
+                   "(PDSERVE_ROUTER_STALL_TIMEOUT_S, default 3; 0 = off)")
     p.add_argument("--disagg-min-prefill-tokens", dest="disagg_min_prefill_tokens", type=int,
                    help="selective disaggregation: prompts with fewer uncached tokens (on the "
                    "chosen decode worker) skip the prefill hop "
@@ -234,6 +248,8 @@ _ENV_NAMES = {
     "decode_retries": "DECODE_RETRIES",
     "failure_cooldown_s": "FAILURE_COOLDOWN_S",
     "no_worker_wait_s": "NO_WORKER_WAIT_S",
+    "migration_limit": "MIGRATION_LIMIT",
+    "stall_timeout_s": "STALL_TIMEOUT_S",
     "max_upstream_connections": "MAX_UPSTREAM_CONNECTIONS",
     "load_poll_interval_s": "LOAD_POLL_INTERVAL_S",
     "first_token_from_prefill": "FIRST_TOKEN_FROM_PREFILL",

@@ -117,6 +117,19 @@ class RouterMetrics:
             "Decode retries sent without the prefill's kv_transfer_params because the failed "
             "attempt may have pulled and released them (the retry recomputes the prompt).",
             registry=r)
+        self.migrations = Counter(
+            "pdserve_router_migrations_total",
+            "Client streams moved to another worker after the client got output (the new "
+            "worker continues from the ids already sent), by what ended the old source: "
+            "connect, timeout, protocol, status, error_event, truncated, stall.",
+            ["reason"], registry=r)
+        self.migrations_refused = Counter(
+            "pdserve_router_migrations_refused_total",
+            "Client streams that ended with an error event although their worker failed "
+            "mid-stream, by why they could not move: limit (--migration-limit reached), "
+            "not_resumable (sampling that one engine must finish: stop strings, penalties, "
+            "logprobs, seeds...), no_worker.",
+            ["reason"], registry=r)
         self.routing_decisions = Counter(
             "pdserve_router_routing_decisions_total",
             "Placement decisions by worker role and reason (dualmap: cache_affinity, "

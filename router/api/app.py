@@ -118,7 +118,9 @@ class RouterService:
         self.proxy = PDProxy(self.settings, self.cluster, self.metrics, self.placement,
                              self.tracker, self.client,
                              self.loads.loads if self.loads is not None else dict,
-                             on_done=self._timeline_done, keyring=self.keyring)
+                             on_done=self._timeline_done, keyring=self.keyring,
+                             unresponsive=self.loads.unresponsive if self.loads is not None
+                             else lambda worker_id: False)
         await self.cluster.start()
         if self.loads is not None:
             self.loads.start()

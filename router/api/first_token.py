@@ -19,19 +19,15 @@ whose token ended the request or is an incomplete UTF-8 sequence, uses classic P
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from router.api.journal import SAMPLING_FIELDS, max_tokens_of, sse_event
 from router.api.schemas import Endpoint
 
-_SAMPLING = {"temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop_token_ids",
-             "repetition_penalty", "skip_special_tokens", "spaces_between_special_tokens",
-             "include_stop_str_in_output", "min_tokens", "user", "seed"}
-"""Request fields that mean the same for the continuation as for the whole request."""
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "n", "best_of", "stop",
-           "presence_penalty", "frequency_penalty", "logprobs"} | _SAMPLING
+           "presence_penalty", "frequency_penalty", "logprobs"} | SAMPLING_FIELDS
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs",
                           "add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice"}
@@ -40,6 +36,14 @@ _EMPTY: tuple[Any, ...] = (None, False, 0, 0.0, "", [], {})
 
 def eligible(endpoint: Endpoint, body: Mapping[str, Any]) -> bool:
     """True when continuing from the prefill's token gives what the whole request would."""
+    max_tokens = max_tokens_of(body)
+    return resumable(endpoint, body) and (max_tokens is None or max_tokens >= 2)
+
+
+def resumable(endpoint: Endpoint, body: Mapping[str, Any]) -> bool:
+    """True when a stream of ``body`` can go on from any of its generated ids on another
+    engine and give what the whole request would (``router.api.journal``): greedy output
+    token for token, sampled output from the same distribution."""
     allowed = _CHAT_FIELDS if endpoint.chat else _COMPLETION_FIELDS
     if set(body) - allowed or body.get("stream") is not True:
         return False
@@ -48,9 +52,6 @@ def eligible(endpoint: Endpoint, body: Mapping[str, Any]) -> bool:
         if body.get(name) not in _EMPTY and body.get(name) != "none":
             return False
     if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
-        return False
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    if max_tokens is not None and max_tokens < 2:
         return False
     if body.get("seed") is not None and body.get("temperature") != 0:
         return False  # a seeded sample must come from one generator, as on one engine
@@ -101,37 +102,11 @@ def parse_prefill(data: Any) -> FirstToken | None:
                       tuple(int(t) for t in prompt_ids))
 
 
-def continuation_body(body: Mapping[str, Any], first: FirstToken,
-                      kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
-    """The decode request (always ``/v1/completions``): prompt ids + the first token, one
-    token less to generate, the prefill's ``kv_transfer_params`` (None: the decode computes
-    the prompt itself)."""
-    out: dict[str, Any] = {k: body[k] for k in _SAMPLING if k in body}
-    out["model"] = body["model"]
-    out["prompt"] = [*first.prompt_token_ids, first.token_id]
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    if max_tokens is not None:
-        out["max_tokens"] = max_tokens - 1
-    if isinstance(out.get("min_tokens"), int):
-        out["min_tokens"] = max(0, out["min_tokens"] - 1)
-    out["stream"] = True
-    if body.get("stream_options") is not None:
-        out["stream_options"] = body["stream_options"]
-    if kv_transfer_params is not None:
-        out["kv_transfer_params"] = kv_transfer_params
-    return out
-
-
-def _event(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + \
-        b"\n\n"
-
-
 def first_events(endpoint: Endpoint, first: FirstToken) -> bytes:
     """The SSE events that carry the first token (chat: the role chunk, then the content)."""
     head = {"id": first.response_id, "created": first.created, "model": first.model}
     if not endpoint.chat:
-        return _event({**head, "object": "text_completion", "choices": [
+        return sse_event({**head, "object": "text_completion", "choices": [
             {"index": 0, "text": first.text, "logprobs": None, "finish_reason": None,
              "stop_reason": None}], "usage": None})
     chunk = {**head, "object": "chat.completion.chunk"}
@@ -139,52 +114,4 @@ def first_events(endpoint: Endpoint, first: FirstToken) -> bytes:
             "finish_reason": None}
     content = {"index": 0, "delta": {"content": first.text}, "logprobs": None,
                "finish_reason": None}
-    return _event({**chunk, "choices": [role]}) + _event({**chunk, "choices": [content]})
-
-
-class ContinuationRewriter:
-    """Turns the decode's completion stream into the rest of the client's stream: usage counts
-    the first token as output (not prompt), chat requests get chat chunks under the prefill's id."""
-
-    def __init__(self, endpoint: Endpoint, first: FirstToken) -> None:
-        self.endpoint = endpoint
-        self.first = first
-        self._buf = b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        """Rewrite every complete event in ``chunk`` (partial events wait for the rest)."""
-        self._buf += chunk.replace(b"\r\n", b"\n")
-        *events, self._buf = self._buf.split(b"\n\n")
-        return b"".join(self._rewrite(e) for e in events if e.strip())
-
-    def flush(self) -> bytes:
-        """Whatever is left when the stream ends."""
-        rest, self._buf = self._buf, b""
-        return self._rewrite(rest) if rest.strip() else b""
-
-    def _rewrite(self, event: bytes) -> bytes:
-        if not event.startswith(b"data:"):
-            return event + b"\n\n"
-        payload = event[5:].strip()
-        if payload == b"[DONE]":
-            return b"data: [DONE]\n\n"
-        try:
-            data = json.loads(payload)
-        except ValueError:
-            return event + b"\n\n"
-        if not isinstance(data, dict) or "error" in data:
-            return event + b"\n\n"
-        usage = data.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-            usage["prompt_tokens"] -= 1
-            usage["completion_tokens"] = int(usage.get("completion_tokens") or 0) + 1
-        data["id"] = self.first.response_id
-        if self.endpoint.chat:
-            data["object"] = "chat.completion.chunk"
-            data["choices"] = [
-                {"index": c.get("index", 0),
-                 "delta": {"content": c["text"]} if c.get("text") else {},
-                 "logprobs": None, "finish_reason": c.get("finish_reason"),
-                 "stop_reason": c.get("stop_reason")}
-                for c in data.get("choices") or [] if isinstance(c, dict)]
-        return _event(data)
+    return sse_event({**chunk, "choices": [role]}) + sse_event({**chunk, "choices": [content]})

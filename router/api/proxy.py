@@ -8,9 +8,10 @@ worker; decode failures are retried on another decode worker as long as no byte 
 client. A decode that may have received the prefill's ``kv_transfer_params`` may have pulled and
 released that lease (its blocks may hold another request's KV by now), so its retry carries no
 params and computes the prompt itself; only a decode that was never reached (connect refused)
-is retried with them. Once a stream has started, an upstream failure becomes one
-final ``data: {"error": ...}`` event followed by ``data: [DONE]``. Every upstream call has a
-connect and a read timeout, so nothing waits forever. Upstream 4xx answers are the client's fault
+is retried with them. Once a stream has started, an upstream failure moves it to another
+worker, which continues from the ids already sent (``router.api.resume``); a stream that cannot
+move ends with one ``data: {"error": ...}`` event and ``data: [DONE]``. Every upstream call has
+a connect and a read timeout, so nothing waits forever. Upstream 4xx answers are the client's fault
 and are relayed unchanged.
 """
 
@@ -27,13 +28,10 @@ import httpx
 from starlette.responses import Response
 
 from kvtransfer.signing import Keyring, KeyringFile, current, strip_signature
-from router.api.first_token import (
-    ContinuationRewriter,
-    FirstToken,
-    continuation_body,
-    first_events,
-)
+from router.api.first_token import FirstToken, first_events, resumable
+from router.api.journal import StreamJournal
 from router.api.relay import FirstOutput, RelayResponse, relay_body
+from router.api.resume import ResumableStream, Source
 from router.api.rewrite import decode_body, encode, prefill_body
 from router.api.schemas import Endpoint
 from router.api.timeline import PhaseClock
@@ -74,6 +72,7 @@ class PDProxy:
         reported_loads: Callable[[], Mapping[str, WorkerLoad]] = dict,
         on_done: Callable[[PhaseClock, int], None] = lambda clock, status: None,
         keyring: Keyring | KeyringFile | None = None,
+        unresponsive: Callable[[str], bool] = lambda worker_id: False,
     ) -> None:
         self.settings = settings
         self.cluster = cluster
@@ -89,6 +88,8 @@ class PDProxy:
         """Called once when a relayed stream ends (its timeline is complete)."""
         self.keyring = keyring
         """Signs every ``kv_transfer_params`` sent to a worker (None: unsigned)."""
+        self.unresponsive = unresponsive
+        """Whether a worker stopped answering its load probes (a stream waiting on it moves)."""
         self._prefill_timeout = httpx.Timeout(settings.prefill_timeout_s,
                                               connect=settings.connect_timeout_s)
         self._decode_timeout = httpx.Timeout(settings.decode_timeout_s,
@@ -293,6 +294,9 @@ class PDProxy:
         """Run the decode (``kv_params`` from the prefill), or the whole request on one worker
         (``kv_params`` None: a decode worker skipping the prefill hop, or an aggregated worker,
         ``role``); ``first_choice`` is a worker already chosen for the first attempt."""
+        movable = stream and self.settings.migration_limit > 0 and resumable(endpoint, body)
+        if movable:  # the ids let the stream continue elsewhere (router.api.resume)
+            body = {**body, "return_token_ids": True}
         plain = encode(body)
         headers = self._headers(route, incoming)
         tried: set[str] = set()
@@ -343,6 +347,12 @@ class PDProxy:
                             self._account(route.model, body_usage(data))
                         return relay_body(data, resp.status_code,
                                            resp.headers.get("content-type"))
+                    if movable:  # it waits for the first chunk itself, and can move on
+                        handed_over = True
+                        resumed = ResumableStream(self, endpoint, body, route, incoming, clock,
+                                                  StreamJournal(endpoint, body), role=role)
+                        resumed.adopt(Source(worker, role, resp, resp.aiter_raw()))
+                        return resumed.response()
                     chunks = resp.aiter_raw()
                     first = b""
                     async for chunk in chunks:
@@ -374,113 +384,14 @@ class PDProxy:
         clock: PhaseClock, first_choice: WorkerRecord | None = None,
     ) -> RelayResponse:
         """Stream the prefill's token now, then the decode's continuation from it (see
-        ``router.api.first_token``). Decode failures before its first byte are retried on
-        another decode worker; after it, they end the stream with one error event.
-        ``first_choice`` is a decode worker already chosen for the first attempt."""
-        plain = encode(continuation_body(body, first, None))
-        headers = self._headers(route, incoming)
-        rewriter = ContinuationRewriter(endpoint, first)
-        state: dict[str, Any] = {"done": False, "status": 200}
-        metrics = self.metrics
-        watch = StreamWatch()
-
-        async def decode_once(worker: WorkerRecord, pull: bool) -> AsyncIterator[bytes]:
-            content = encode(continuation_body(body, first, self.signed(kv_params, worker))) \
-                if pull else plain
-            request = self.client.build_request("POST", worker.http_url + "/v1/completions",
-                                                content=content, headers=headers,
-                                                timeout=self._decode_timeout)
-            resp = await self.client.send(request, stream=True)
-            try:
-                if resp.status_code >= 400:
-                    detail = (await resp.aread())[:500].decode(errors="replace")
-                    raise UpstreamError(f"decode worker {worker.worker_id} answered "
-                                        f"{resp.status_code}: {detail}", role="decode",
-                                        kind="status")
-                async for chunk in resp.aiter_raw():
-                    if chunk:
-                        out = rewriter.feed(chunk)
-                        if out:
-                            yield out
-                tail = rewriter.flush()
-                if tail:
-                    yield tail
-            finally:
-                await resp.aclose()
-
-        async def stream() -> AsyncIterator[bytes]:
-            head = first_events(endpoint, first)
-            watch.feed(head, time.perf_counter())
-            yield head
-            clock.first_output = time.perf_counter()
-            metrics.ttft.labels(endpoint=endpoint.name, model_name=route.model).observe(
-                time.perf_counter() - clock.started)
-            tried: set[str] = set()
-            retried: set[str] = set()
-            last: UpstreamError | None = None
-            reached = False  # a decode may have pulled: the params are spent
-            for attempt in range(self.settings.decode_retries + 1):
-                if attempt == 0 and first_choice is not None:
-                    worker: WorkerRecord | None = first_choice
-                    tried.add(first_choice.worker_id)
-                else:
-                    worker = await self._choose_or_wait("decode", route, tried)
-                if worker is None:
-                    break
-                clock.mark("decode_chosen")
-                if attempt:
-                    metrics.upstream_retries.labels(role="decode").inc()
-                    if reached:
-                        metrics.kv_params_withdrawn.inc()
-                self.begin("decode", route, worker)
-                relayed = ok = False
-                try:
-                    async for out in decode_once(worker, not reached):
-                        if not relayed:
-                            clock.mark("decode_first_byte")
-                            relayed = True
-                        watch.feed(out, time.perf_counter())
-                        yield out
-                    ok = True
-                    self.tracker.mark_ok(worker.worker_id)
-                    return
-                except (httpx.HTTPError, UpstreamError) as exc:
-                    err = exc if isinstance(exc, UpstreamError) else \
-                        upstream_error("decode", worker, exc)
-                    self._failed(worker, err)
-                    last = err
-                    reached = reached or may_have_reached(
-                        exc if isinstance(exc, httpx.HTTPError) else None)
-                    if relayed:
-                        break
-                    if isinstance(exc, httpx.HTTPError):
-                        allow_same_worker_retry(exc, worker, tried, retried)
-                finally:
-                    self.end("decode", route, worker, ok=ok)
-            state["status"] = last.status if last is not None else 503
-            message = last.message if last is not None else \
-                f"no live decode worker for model '{route.model}'"
-            event = {"error": {"message": f"decode failed: {message}", "type": "upstream_error",
-                               "param": None, "code": "upstream_stream_error"}}
-            yield b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
-
-        async def cleanup() -> None:
-            if state["done"]:
-                return
-            state["done"] = True
-            clock.mark("done")
-            clock.tpot_s = sum(watch.gaps) / len(watch.gaps) if watch.gaps else None
-            # the client got a 200 and a stream, but the request failed if the decode did
-            metrics.requests.labels(endpoint=endpoint.name, status=str(state["status"]),
-                                    model_name=route.model).inc()
-            metrics.request_duration.labels(endpoint=endpoint.name,
-                                            model_name=route.model).observe(
-                clock.mono["done"] - clock.started)
-            self._account(route.model, watch.usage, watch.gaps)
-            self.on_done(clock, state["status"])
-
-        return RelayResponse(stream(), status_code=200, media_type="text/event-stream",
-                             cleanup=cleanup)
+        ``router.api.first_token``), moved to another worker if its decode fails
+        (``router.api.resume``). ``first_choice`` is a decode worker already chosen."""
+        journal = StreamJournal(endpoint, body, prompt_ids=first.prompt_token_ids,
+                                committed=(first.token_id,), response_id=first.response_id)
+        stream = ResumableStream(self, endpoint, body, route, incoming, clock, journal,
+                                 head=first_events(endpoint, first), kv_params=kv_params,
+                                 first_choice=first_choice)
+        return stream.response()
 
     def _relay(
         self, endpoint: Endpoint, route: RouteRequest, worker: WorkerRecord,

@@ -51,6 +51,9 @@ class PhaseClock:
     plan: dict[str, object] = field(default_factory=dict)
     """The adaptive decision: path, reason, workers and predicted TTFT/TPOT (empty when the
     fleet's roles chose the path)."""
+    moves: list[dict[str, object]] = field(default_factory=list)
+    """Every move of the stream to another worker: from, to, why, when (wall clock) and how
+    many generated tokens the client had then."""
     span: object | None = None
     """The request's trace span while tracing is on (see ``router.api.tracing``)."""
     model: str = ""
@@ -94,4 +97,5 @@ class PhaseClock:
         return {"source": "router", "request_id": self.request_id,
                 "upstream_id": self.upstream_id, "path": self.path,
                 **({"plan": dict(self.plan)} if self.plan else {}),
+                **({"moves": list(self.moves)} if self.moves else {}),
                 "events": dict(self.wall), "phases": self.phases()}

@@ -94,6 +94,12 @@ class RequestTracer:
         for key, value in clock.plan.items():
             if value is not None:
                 span.set_attribute(f"pdserve.plan.{key}", value)  # type: ignore[arg-type]
+        if clock.moves:
+            span.set_attribute("pdserve.moves", len(clock.moves))
+            for move in clock.moves:
+                span.add_event("pdserve.move", attributes={  # type: ignore[attr-defined]
+                    k: v for k, v in move.items() if k != "at" and v is not None},
+                    timestamp=_ns(float(move["at"])))  # type: ignore[arg-type]
         span.end(end_time=_ns(previous))
 
     def close(self) -> None:

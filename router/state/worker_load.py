@@ -104,6 +104,11 @@ class WorkerLoadPoller:
         return {wid: load for wid, load in self._loads.items()
                 if now - load.scraped_at_s <= self._max_age_s}
 
+    def unresponsive(self, worker_id: str) -> bool:
+        """Whether the worker's last load read failed (refused, timed out, or an error): a
+        stopped or wedged engine stops answering its ``/metrics`` too."""
+        return worker_id in self._failing
+
     async def _poll_one(self, client: httpx.AsyncClient, worker: WorkerRecord) -> None:
         worker_id = worker.worker_id
         try:

@@ -4,9 +4,10 @@ Unlike ``bench.client`` (timings for SLO reports), this client keeps every reque
 misbehave on purpose (hang up mid-stream or before the first token, read slowly) and sorts each
 request into exactly one outcome:
 
-- ``completed``: the stream ended with ``[DONE]`` and no error event;
-- ``failed_clean``: the client was told: an HTTP error status, an error event, or a refused or
-  reset connection (a process that is gone);
+- ``completed``: the stream ended with ``[DONE]``, no error event, and every token asked for
+  (its usage says ``max_tokens`` completion tokens: the load sets ``ignore_eos``);
+- ``failed_clean``: the client was told: an HTTP error status, an error event, a stream shorter
+  than asked, or a refused or reset connection (a process that is gone);
 - ``aborted``: the client hung up on purpose (not judged);
 - ``lost``: no response head by the deadline;
 - ``hung``: the response started but did not finish by the deadline.
@@ -41,6 +42,17 @@ class Outcome:
     sent_at: float = 0.0
     """Unix time of the send."""
     seconds: float = 0.0
+    status: int = 0
+    """HTTP status of the response head (0: none came)."""
+    ttft_s: float | None = None
+    """Seconds from the send to the first generated text."""
+    tokens: int | None = None
+    """Completion tokens the stream's usage reported."""
+
+    @property
+    def client_failure(self) -> bool:
+        """Failed as the person waiting saw it (an overload 429 asks them to retry: not one)."""
+        return self.outcome in ("failed_clean", "lost", "hung") and self.status != 429
 
 
 @dataclass
@@ -103,7 +115,7 @@ class ChaosLoad:
         cfg = self.config
         body = {"model": cfg.model, "prompt": cfg.prompts[out.prompt_index],
                 "max_tokens": cfg.max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+                "stream": True, "stream_options": {"include_usage": True}}
         out.sent_at = time.time()
         started = time.monotonic()
         headed = False
@@ -111,6 +123,7 @@ class ChaosLoad:
             async with asyncio.timeout(cfg.deadline_s):
                 async with client.stream("POST", "/v1/completions", json=body) as resp:
                     headed = True
+                    out.status = resp.status_code
                     if out.behaviour == "abort_early":
                         out.outcome = "aborted"
                         return  # leaving the block closes the connection before any token
@@ -126,13 +139,22 @@ class ChaosLoad:
                             continue
                         data = line[5:].strip()
                         if data == "[DONE]":
-                            out.outcome = "completed"
+                            if out.tokens is not None and out.tokens < cfg.max_tokens:
+                                out.outcome = "failed_clean"
+                                out.error = f"short stream: {out.tokens} of {cfg.max_tokens}"
+                            else:
+                                out.outcome = "completed"
                             return
                         event = json.loads(data)
                         if "error" in event:
                             out.outcome, out.error = "failed_clean", str(event["error"])[:300]
                             return
+                        usage = event.get("usage")
+                        if isinstance(usage, dict):
+                            out.tokens = usage.get("completion_tokens")
                         for choice in event.get("choices") or ():
+                            if choice.get("text") and out.ttft_s is None:
+                                out.ttft_s = time.monotonic() - started
                             out.text += choice.get("text") or ""
                         chunks += 1
                         if out.behaviour == "abort_mid" and chunks >= 3:

@@ -9,8 +9,10 @@ stops the load and checks that every worker's KV cache and queues drain to 0 wit
 server: a completed greedy output that differs is **wrong**.
 
 ``--out DIR`` gets ``summary.json`` (faults by kind, requests by outcome, wrong, stranded,
-recovery seconds per kind and pool) and ``requests.jsonl``. The exit code is 1 when anything was
-lost, hung, wrong or stranded, or the cluster did not recover.
+recovery seconds per kind and pool; what the clients saw, in all and per fault kind: failures
+among the requests they did not abort, 429s, time to first token; the router's stream moves and
+role fallbacks, :mod:`serve.chaos.router_tally`) and ``requests.jsonl``. The exit code is 1
+when anything was lost, hung, wrong or stranded, or the cluster did not recover.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from router.state.registry import WorkerRegistry
 from router.state.worker_load import fetch_samples
 from serve.chaos.faults import KINDS, POOL_OF, FaultInjector, Injected
 from serve.chaos.load import OUTCOMES, ChaosLoad, LoadConfig, Outcome, prompt_pool
+from serve.chaos.router_tally import CounterTally
 from serve.plain_vllm import start_plain_vllm
 from serve.redis_server import free_port
 from serve.supervisor import Cluster, ClusterSettings
@@ -157,9 +160,57 @@ async def references(model: str, prompts: dict[int, str], max_tokens: int) -> di
         await asyncio.to_thread(stop_process, proc)
 
 
+async def tally_router(url: str, tally: CounterTally, stop: asyncio.Event) -> None:
+    """Read the router's fault counters every second until ``stop`` (and once more after)."""
+    async with httpx.AsyncClient(trust_env=False) as client:
+        while True:
+            with contextlib.suppress(httpx.HTTPError, ValueError):  # restarting: next time
+                tally.add(await fetch_samples(client, url, 2.0))
+            if stop.is_set():
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+
+
+def _p50(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def client_view(faults: list[Injected], outcomes: list[Outcome]) -> dict[str, Any]:
+    """What the clients saw: failures among the requests they did not abort themselves, in all
+    and per fault kind (a request belongs to the last fault injected before it was sent), with
+    the time to first token of the requests sent after each kind of fault."""
+    judged = [o for o in outcomes if o.outcome != "aborted"]
+    failures = [o for o in judged if o.client_failure]
+    ordered = sorted(faults, key=lambda f: f.at)
+    per: dict[str, list[Outcome]] = {}
+    for o in judged:
+        kind = "before_faults"
+        for f in ordered:
+            if f.at > o.sent_at:
+                break
+            kind = f.kind
+        per.setdefault(kind, []).append(o)
+    return {
+        "judged": len(judged),
+        "failures": len(failures),
+        "failure_rate": round(len(failures) / len(judged), 4) if judged else 0.0,
+        "overloaded_429": sum(1 for o in judged if o.status == 429),
+        "failure_kinds": dict(Counter(o.error.split(":")[0][:60] for o in failures)),
+        "by_fault": {kind: {
+            "requests": len(group),
+            "failures": sum(1 for o in group if o.client_failure),
+            "ttft_p50_s": _p50([o.ttft_s for o in group if o.ttft_s is not None]),
+            "ttft_max_s": max((round(o.ttft_s, 3) for o in group if o.ttft_s is not None),
+                              default=None)}
+            for kind, group in sorted(per.items())},
+    }
+
+
 def summarize(faults: list[Injected], outcomes: list[Outcome], wrong: list[Outcome],
               stranded: dict[str, dict[str, float]], restarts: dict[str, int],
-              duration_s: float, args: argparse.Namespace) -> dict[str, Any]:
+              duration_s: float, args: argparse.Namespace,
+              router: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
     """The ``summary.json`` document."""
     by_outcome = Counter(o.outcome for o in outcomes)
     recovery: dict[str, list[float]] = {}
@@ -179,6 +230,8 @@ def summarize(faults: list[Injected], outcomes: list[Outcome], wrong: list[Outco
         "requests_by_behaviour": {b: dict(Counter(o.outcome for o in outcomes
                                                   if o.behaviour == b))
                                   for b in sorted({o.behaviour for o in outcomes})},
+        "client": client_view(faults, outcomes),
+        "router": router or {},
         "lost": by_outcome.get("lost", 0),
         "hung": by_outcome.get("hung", 0),
         "wrong": len(wrong),
@@ -231,6 +284,7 @@ async def run_chaos(args: argparse.Namespace) -> int:
     faults: list[Injected] = []
     outcomes: list[Outcome] = []
     stranded: dict[str, dict[str, float]] = {}
+    tally = CounterTally()
     prompts = prompt_pool(args.prompts, args.prompt_words, args.seed)
     try:
         await cluster.wait_ready()
@@ -243,6 +297,7 @@ async def run_chaos(args: argparse.Namespace) -> int:
                          random.Random(args.seed + 1))
         stop_load = asyncio.Event()
         load_task = asyncio.create_task(load.run(stop_load))
+        tally_task = asyncio.create_task(tally_router(cluster.url, tally, stop_load))
         injector = FaultInjector(cluster, load, rng, lease_s=args.kv_lease_s,
                                  redis_outage_s=args.redis_outage_s)
         await asyncio.sleep(3.0)  # load in flight before the first fault
@@ -260,6 +315,7 @@ async def run_chaos(args: argparse.Namespace) -> int:
         await asyncio.sleep(3.0)  # requests sent after the last fault complete too
         stop_load.set()
         await load_task
+        await tally_task
         outcomes = load.outcomes
         stranded = await stranded_workers(cluster.redis_url, args.kv_lease_s + 20.0)
     finally:
@@ -275,7 +331,7 @@ async def run_chaos(args: argparse.Namespace) -> int:
     wrong = [o for o in completed if o.text != refs[o.prompt_index]]
     wrong_ids = {o.index for o in wrong}
     summary = summarize(faults, outcomes, wrong, stranded, dict(cluster.restarts),
-                        time.monotonic() - started, args)
+                        time.monotonic() - started, args, tally.summary())
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     with open(out_dir / "requests.jsonl", "w") as fh:
         for o in outcomes:

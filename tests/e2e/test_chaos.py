@@ -86,3 +86,18 @@ def test_stranded_check_sees_a_held_lease(cluster: Cluster, workers: dict[str, s
     started = time.monotonic()
     assert asyncio.run(stranded_workers(cluster.redis_url, 60.0)) == {}
     assert time.monotonic() - started > 1.0  # it had to wait for the lease to run out
+
+
+def test_the_client_view_is_counted_per_fault(chaos: tuple[int, dict[str, Any], str]) -> None:
+    """The summary says what the clients saw (failures among requests they did not abort,
+    per fault kind) and what the router did (moves, fallbacks), consistently with the
+    per-request outcomes."""
+    _, summary, _ = chaos
+    client, requests = summary["client"], summary["requests"]
+    assert client["judged"] == requests["sent"] - requests["aborted"]
+    assert client["failures"] <= requests["failed_clean"] + requests["lost"] + requests["hung"]
+    by_fault = client["by_fault"]
+    assert set(by_fault) <= {*KINDS, "before_faults"}
+    assert sum(v["requests"] for v in by_fault.values()) == client["judged"]
+    assert sum(v["failures"] for v in by_fault.values()) == client["failures"]
+    assert set(summary["router"]) == {"moves", "moves_refused", "fallbacks"}

@@ -42,6 +42,10 @@ FAKE_UCX_ADDRESS = b"fake"
 """What every fake worker registers (and, unless told otherwise, hands out) as its UCX address."""
 
 DECODE_PIECES = ("Hello", " from", " the", " fake", " decoder", ".")
+FAKE_PROMPT_IDS = (1, 2, 3, 4, 5, 6, 7)
+"""The ids a fake worker says any text prompt has (``return_token_ids``)."""
+GENERATED_ID_BASE = 100
+"""The id of ``DECODE_PIECES[i]`` is ``GENERATED_ID_BASE + i``."""
 
 
 @dataclass
@@ -205,8 +209,9 @@ class FakeWorker:
                 return JSONResponse({"error": {"message": "injected bad request",
                                                "type": "BadRequestError", "param": None,
                                                "code": 400}}, status_code=400)
-            if self.role == "prefill":
+            if self.role == "prefill" and "kv_transfer_params" in body:
                 return JSONResponse(self._prefill_answer(body, rid, chat))
+            # a decode, or a prefill serving a whole request (role fallback, a moved stream)
             if body.get("stream"):
                 return StreamingResponse(self._stream(body, rid, chat),
                                          media_type="text/event-stream")
@@ -282,13 +287,25 @@ class FakeWorker:
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": f"cmpl-{rid}", "object": obj, "created": 1_700_000_000,
                 "model": body.get("model")}
+        ids = body.get("return_token_ids") is True
+        # A continuation's prompt ends with the ids already generated (GENERATED_ID_BASE + i):
+        # the fake goes on from there, so a moved stream stitches into DECODE_PIECES.
+        raw = body.get("prompt")
+        prompt: list[int] = raw if isinstance(raw, list) and all(
+            isinstance(t, int) for t in raw) else []
+        start = 0
+        while start < len(prompt) and prompt[-1 - start] >= GENERATED_ID_BASE:
+            start += 1
+        prompt_tokens = len(prompt) if start else 7
         if chat:
             yield event({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                    "content": ""}}]})
-        for i, piece in enumerate(DECODE_PIECES):
-            if i == 2 and self.mode == "die_mid_stream":
+                                                                    "content": ""}}],
+                         **({"prompt_token_ids": list(FAKE_PROMPT_IDS)} if ids else {})})
+        for n, i in enumerate(range(start, len(DECODE_PIECES))):
+            piece = DECODE_PIECES[i]
+            if n == 2 and self.mode == "die_mid_stream":
                 raise RuntimeError("injected decode worker death")
-            if i == 2 and self.mode == "stall_mid_stream":
+            if n == 2 and self.mode == "stall_mid_stream":
                 await asyncio.sleep(3600)
             last = i == len(DECODE_PIECES) - 1
             choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None}
@@ -296,11 +313,16 @@ class FakeWorker:
                 choice["delta"] = {"content": piece}
             else:
                 choice["text"] = piece
+                if ids and n == 0:
+                    choice["prompt_token_ids"] = prompt if start else list(FAKE_PROMPT_IDS)
+            if ids:
+                choice["token_ids"] = [GENERATED_ID_BASE + i]
             yield event({**base, "choices": [choice]})
             await asyncio.sleep(0)
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": 7, "completion_tokens": len(DECODE_PIECES),
-                     "total_tokens": 7 + len(DECODE_PIECES)}
+            made = len(DECODE_PIECES) - start
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": made,
+                     "total_tokens": prompt_tokens + made}
             yield event({**base, "choices": [], "usage": usage})
         yield event("[DONE]")
 

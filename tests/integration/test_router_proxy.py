@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -70,7 +71,10 @@ def test_stream_relay_is_byte_identical(
         assert resp.headers["content-type"].startswith("text/event-stream")
         assert resp.headers["x-request-id"] == "s-1"
         relayed = b"".join(resp.iter_raw())
-    assert fakes["d0"].sent == [relayed]
+    # The router asked for the ids (the stream can then move, router.api.resume) and relays
+    # every event as the worker sent it, the ids nulled as in a plain answer.
+    assert _events(relayed) == [_without_ids(e) for e in _events(fakes["d0"].sent[0])]
+    assert b"token_ids\": [" in fakes["d0"].sent[0]  # control: the worker did send ids
     assert relayed.endswith(b"data: [DONE]\n\n")
     assert b'"usage"' in relayed
     prefill = fakes["p0"].requests[0].body
@@ -78,7 +82,8 @@ def test_stream_relay_is_byte_identical(
     assert prefill["max_tokens"] == 1
     assert prefill.get("max_completion_tokens") == (1 if chat else None)
     pulled = fakes["p0"].kv_params(_upstream(fakes["p0"]))
-    assert fakes["d0"].requests[0].body == {**body, "kv_transfer_params": pulled}
+    assert fakes["d0"].requests[0].body == {**body, "return_token_ids": True,
+                                            "kv_transfer_params": pulled}
 
     endpoint = "chat_completions" if chat else "completions"
     # Stream accounting closes right after the last byte, possibly after the client has it.
@@ -205,14 +210,83 @@ def test_decode_failure_before_first_byte_is_retried(
     assert "kv_transfer_params" not in fakes["d1"].requests[0].body
     wait_metrics(client, url, ["pdserve_router_kv_params_withdrawn_total 1.0"])
     if stream:
-        assert resp.content == fakes["d1"].sent[0]
+        assert _events(resp.content) == [_without_ids(e) for e in _events(fakes["d1"].sent[0])]
+
+
+def _events(raw: bytes) -> list[Any]:
+    return [e if e == "[DONE]" else json.loads(e)
+            for e in (part.removeprefix(b"data: ").decode() for part in raw.split(b"\n\n"))
+            if e]
+
+
+def _without_ids(event: Any) -> Any:
+    if not isinstance(event, dict):
+        return event
+    event = json.loads(json.dumps(event))
+    if "prompt_token_ids" in event:
+        event["prompt_token_ids"] = None
+    for choice in event.get("choices") or ():
+        for key in ("prompt_token_ids", "token_ids"):
+            if key in choice:
+                choice[key] = None
+    return event
+
+
+def _text(events: list[Any]) -> str:
+    out = ""
+    for e in events:
+        for c in e.get("choices") or () if isinstance(e, dict) else ():
+            out += c.get("text") or (c.get("delta") or {}).get("content") or ""
+    return out
+
+
+def test_without_migration_a_stream_is_relayed_byte_for_byte(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router(migration_limit=0)
+    path, body = stream_request(False)
+    with client.stream("POST", url + path, json=body) as resp:
+        relayed = b"".join(resp.iter_raw())
+    assert fakes["d0"].sent == [relayed]
+    assert "return_token_ids" not in fakes["d0"].requests[0].body
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("mode", ["die_mid_stream", "stall_mid_stream"])
+def test_a_stream_whose_decode_fails_mid_stream_moves_and_completes(
+        mode: str, chat: bool, fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    """Fault transparency: d0 dies (or goes silent) after two tokens; the stream goes on on
+    d1 from the prompt's ids plus the two ids sent, and the client sees one complete stream
+    (one id, no error event, usage counting each token once)."""
+    url = start_router(stall_timeout_s=0.5)
+    fakes["d0"].mode = mode  # type: ignore[assignment]
+    path, body = stream_request(chat)
+    with client.stream("POST", url + path, json=body) as resp:
+        assert resp.status_code == 200
+        events = _events(b"".join(resp.iter_raw()))
+    assert events[-1] == "[DONE]"
+    assert not any("error" in e for e in events if isinstance(e, dict))
+    assert _text(events) == "".join(DECODE_PIECES)
+    assert {e["id"] for e in events if isinstance(e, dict)} == {events[0]["id"]}
+    assert events[-2]["usage"] == {"prompt_tokens": 7, "completion_tokens": 6,
+                                   "total_tokens": 13}
+    moved = fakes["d1"].requests[0]
+    assert moved.path == "/v1/completions"  # a chat stream goes on as a completion
+    assert moved.body["prompt"] == [1, 2, 3, 4, 5, 6, 7, 100, 101]
+    assert moved.body["max_tokens"] == 4 and "kv_transfer_params" not in moved.body
+    reason = "stall" if mode == "stall_mid_stream" else "protocol"
+    wait_metrics(client, url, [f'pdserve_router_migrations_total{{reason="{reason}"}} 1.0',
+                               'pdserve_router_in_flight_requests{role="decode"} 0.0'])
 
 
 @pytest.mark.parametrize("mode", ["die_mid_stream", "stall_mid_stream"])
-def test_mid_stream_decode_failure_ends_with_error_event(
+def test_mid_stream_decode_failure_ends_with_error_event_when_moves_are_off(
         mode: str, fakes: dict[str, FakeWorker], start_router: Callable[..., str],
         client: httpx.Client) -> None:
-    url = start_router(decode_timeout_s=1.0)
+    """Negative control of the move: --migration-limit 0 ends the stream with one error
+    event after what was produced."""
+    url = start_router(decode_timeout_s=1.0, migration_limit=0)
     fakes["d0"].mode = mode  # type: ignore[assignment]
     fakes["d1"].mode = mode  # type: ignore[assignment]
     body = {"model": "tiny", "prompt": "hi", "stream": True}
@@ -231,6 +305,34 @@ def test_mid_stream_decode_failure_ends_with_error_event(
     fakes["d0"].mode = fakes["d1"].mode = "ok"
     assert client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}
                        ).status_code == 200
+
+
+def test_a_stream_that_keeps_failing_stops_at_the_migration_limit(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router(migration_limit=1)
+    for fake in fakes.values():
+        fake.mode = "die_mid_stream"
+    body = {"model": "tiny", "prompt": "hi", "stream": True, "max_tokens": 6}
+    with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        events = _events(b"".join(resp.iter_raw()))
+    assert events[-1] == "[DONE]" and "error" in events[-2]
+    assert _text(events) == "".join(DECODE_PIECES[:4])  # two on d0, two on the one move
+    wait_metrics(client, url, ['pdserve_router_migrations_total{reason="protocol"} 1.0',
+                               'pdserve_router_migrations_refused_total{reason="limit"} 1.0'])
+
+
+def test_a_stream_that_cannot_be_continued_ends_with_an_error_event(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    """A stop string may span the move: such a stream is never continued elsewhere."""
+    url = start_router()
+    fakes["d0"].mode = "die_mid_stream"
+    body = {"model": "tiny", "prompt": "hi", "stream": True, "stop": ["zzz"]}
+    with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        events = _events(b"".join(resp.iter_raw()))
+    assert "error" in events[-2] and calls(fakes)["d1"] == 0
+    assert "return_token_ids" not in fakes["d0"].requests[0].body
 
 
 def test_client_disconnect_mid_stream_releases_the_decode_slot(

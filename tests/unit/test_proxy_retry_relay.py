@@ -10,6 +10,7 @@ No uvicorn, no Redis, no sockets.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import AsyncIterator, Callable
@@ -89,12 +90,14 @@ class MemoryCluster:
 
 
 class Script:
-    """A broken (or complete) SSE body: ``chunks``, then ``error`` raised if given."""
+    """A broken (or complete) SSE body: ``chunks``, then ``error`` raised if given, or silence
+    (``hang``: a stopped worker)."""
 
     def __init__(self, chunks: list[bytes],
-                 error: type[httpx.TransportError] | None = None) -> None:
+                 error: type[httpx.TransportError] | None = None, hang: bool = False) -> None:
         self.chunks = chunks
         self.error = error
+        self.hang = hang
 
 
 class ScriptedStream(httpx.AsyncByteStream):
@@ -109,6 +112,8 @@ class ScriptedStream(httpx.AsyncByteStream):
     async def __aiter__(self) -> AsyncIterator[bytes]:
         for chunk in self.script.chunks:
             yield chunk
+        if self.script.hang:
+            await asyncio.Event().wait()
         if self.script.error is not None:
             raise self.script.error("connection dropped mid-stream", request=self.request)
 
@@ -183,9 +188,12 @@ async def rig_of() -> AsyncIterator[Callable[..., Rig]]:
     """Builds a proxy over ``prefill`` and ``decode`` workers with the given scripts."""
     clients: list[httpx.AsyncClient] = []
 
-    def build(**scripts: list[Behaviour]) -> Rig:
-        settings = RouterSettings(policy="round_robin", decode_policy="round_robin",
-                                  prefill_retries=2, decode_retries=2, no_worker_wait_s=0.0)
+    def build(overrides: dict[str, Any] | None = None,
+              unresponsive: Callable[[str], bool] = lambda worker_id: False,
+              **scripts: list[Behaviour]) -> Rig:
+        settings = RouterSettings(**{"policy": "round_robin", "decode_policy": "round_robin",
+                                     "prefill_retries": 2, "decode_retries": 2,
+                                     "no_worker_wait_s": 0.0, **(overrides or {})})
         records = [record(w, "prefill" if w.startswith("p") else "decode") for w in scripts]
         workers = Workers(dict(scripts))
         client = httpx.AsyncClient(transport=httpx.MockTransport(workers.handle))
@@ -194,7 +202,8 @@ async def rig_of() -> AsyncIterator[Callable[..., Rig]]:
         placement = Placement.create(settings.policy, settings.decode_policy, PolicyContext(),
                                      tracker)
         cluster = MemoryCluster(records)
-        proxy = PDProxy(settings, cluster, metrics, placement, tracker, client)
+        proxy = PDProxy(settings, cluster, metrics, placement, tracker, client,
+                        unresponsive=unresponsive)
         return Rig(proxy, cluster, workers, tracker, metrics)
 
     yield build
@@ -332,6 +341,8 @@ async def test_stream_is_relayed_in_order_and_ends_with_done(
                                    httpx.ReadTimeout])
 async def test_upstream_failure_mid_stream_becomes_one_error_event(
         rig_of: Callable[..., Rig], error: type[httpx.TransportError]) -> None:
+    """A worker that sent no token ids (EVENTS have none): what the client has cannot be
+    continued elsewhere, so the stream ends with one error event."""
     rig = rig_of(p1=[], d1=[Script(EVENTS[:2], error), Script(EVENTS)])
     response = await decode(rig, stream=True)
     body = await play(response)
@@ -479,3 +490,95 @@ async def test_hang_up_before_the_body_still_ends_the_booking(
         await play(response, hang_up_after=0)
     assert rig.in_flight() == {}
     assert rig.workers.streams[0].closed
+
+
+# ---- (d) streams that move (router.api.resume) ---------------------------------------------
+
+def ids_event(text: str, ids: list[int], finish: str | None = None,
+              prompt: list[int] | None = None) -> bytes:
+    choice = {"index": 0, "text": text, "finish_reason": finish, "token_ids": ids,
+              "prompt_token_ids": prompt}
+    return b"data: " + json.dumps({"id": "cmpl-x", "choices": [choice]}).encode() + b"\n\n"
+
+
+ID_EVENTS = [ids_event("a", [10], prompt=[1, 2, 3]), ids_event("b", [11]),
+             ids_event("c", [12]), ids_event("d", [13], "length"), b"data: [DONE]\n\n"]
+MOVED = [ids_event("c", [12], prompt=[1, 2, 3, 10, 11]), ids_event("d", [13], "length"),
+         b"data: [DONE]\n\n"]
+
+
+def texts(body: bytes) -> str:
+    out = ""
+    for part in body.split(b"\n\n"):
+        if part.startswith(b"data: {"):
+            event = json.loads(part[6:])
+            assert "error" not in event, event
+            out += "".join(c["text"] for c in event["choices"])
+    return out
+
+
+def moves(rig: Rig) -> float:
+    return total(parse_samples(rig.metrics.render().decode()),
+                 "pdserve_router_migrations_total")
+
+
+@pytest.mark.parametrize("error", [httpx.ReadError, httpx.RemoteProtocolError,
+                                   httpx.ReadTimeout])
+async def test_a_stream_whose_worker_fails_mid_stream_moves_to_another(
+        rig_of: Callable[..., Rig], error: type[httpx.TransportError]) -> None:
+    rig = rig_of(p1=[], d1=[Script(ID_EVENTS[:2], error)], d2=[Script(MOVED)])
+    body = await play(await decode(rig, stream=True))
+    assert texts(body) == "abcd" and body.endswith(b"data: [DONE]\n\n")
+    assert body.count(b"[DONE]") == 1 and b'"token_ids":[' not in body  # ids stay here
+    first, moved = rig.workers.bodies
+    assert first["return_token_ids"] is True and first["kv_transfer_params"] == KV
+    assert moved["prompt"] == [1, 2, 3, 10, 11] and moved["max_tokens"] == 2
+    assert "kv_transfer_params" not in moved  # d1 may have pulled: never sent again
+    assert moves(rig) == 1 and rig.in_flight() == {}
+    assert all(stream.closed for stream in rig.workers.streams)
+
+
+async def test_a_stream_that_goes_silent_moves_after_the_stall_bound(
+        rig_of: Callable[..., Rig]) -> None:
+    rig = rig_of({"stall_timeout_s": 0.05}, p1=[], d1=[Script(ID_EVENTS[:2], hang=True)],
+                 d2=[Script(MOVED)])
+    body = await play(await decode(rig, stream=True))
+    assert texts(body) == "abcd" and rig.workers.calls == ["d1", "d2"]
+    assert total(parse_samples(rig.metrics.render().decode()),
+                 "pdserve_router_migrations_total", reason="stall") == 1
+    assert rig.in_flight() == {} and rig.workers.streams[0].closed  # d1's request aborted
+
+
+async def test_a_stream_waiting_on_a_worker_that_stopped_answering_is_sent_elsewhere(
+        rig_of: Callable[..., Rig]) -> None:
+    """Before any output the stall bound does not apply (a long queue is not a fault); a
+    worker failing its load probes is. Nothing was known of the prompt's ids yet, so the
+    request itself is sent again."""
+    rig = rig_of({"stall_timeout_s": 0.05}, unresponsive=lambda worker_id: worker_id == "d1",
+                 p1=[], d1=[Script([], hang=True)], d2=[Script(ID_EVENTS)])
+    body = await play(await decode(rig, stream=True))
+    assert texts(body) == "abcd" and rig.workers.calls == ["d1", "d2"]
+    assert rig.workers.bodies[1]["prompt"] == BODY["prompt"]  # the request as it was
+    assert moves(rig) == 0 and rig.retries("decode") == 1  # nothing had reached the client
+    assert rig.in_flight() == {}
+
+
+async def test_a_slow_but_answering_worker_keeps_its_waiting_stream(
+        rig_of: Callable[..., Rig]) -> None:
+    """Negative control of the above: the same silence from a worker that answers its probes
+    is waited for (here until the test gives up), never sent elsewhere."""
+    rig = rig_of({"stall_timeout_s": 0.05}, p1=[], d1=[Script([], hang=True)],
+                 d2=[Script(ID_EVENTS)])
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(play(await decode(rig, stream=True)), timeout=0.5)
+    assert rig.workers.calls == ["d1"]
+
+
+async def test_moves_stop_at_the_limit(rig_of: Callable[..., Rig]) -> None:
+    rig = rig_of({"migration_limit": 1}, p1=[], d1=[Script(ID_EVENTS[:2], httpx.ReadError)],
+                 d2=[Script(MOVED[:1], httpx.ReadError)], d3=[Script(MOVED)])
+    body = await play(await decode(rig, stream=True))
+    assert b"upstream_stream_error" in body and rig.workers.calls == ["d1", "d2"]
+    assert moves(rig) == 1 and rig.in_flight() == {}
+    assert total(parse_samples(rig.metrics.render().decode()),
+                 "pdserve_router_migrations_refused_total", reason="limit") == 1

@@ -1,0 +1,170 @@
+"""Fault transparency on a real 1P+1D cluster: a decode killed mid-stream costs the client nothing.
+
+The module's own `pdserve up` (1 prefill + 1 decode, vLLM workers, Redis, UCX) behind two
+routers: the cluster's own (streams move, the default) and one more with ``--migration-limit 0``
+(the negative control). Eight greedy streams through each are mid-way when the decode's vLLM is
+SIGKILLed. Through the first router every stream completes, equal token for token to the plain
+vLLM server's answer, continued on the prefill worker (the only engine left) from the ids it
+had; through the control, every stream ends with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.support.cluster import (
+    SERVED_NAME,
+    Cluster,
+    Plain,
+    registered_records,
+    registered_workers,
+    running_cluster,
+)
+from tests.support.metrics import scrape
+from tests.support.prompts import make_prompts
+from tests.support.router_process import RouterProcess
+
+pytestmark = pytest.mark.vllm
+
+STREAMS = 8
+MAX_TOKENS = 200
+MID = 3
+"""Content events every stream has received before the kill."""
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("migration"),
+                         instrument=True) as cluster:
+        yield cluster
+
+
+def vllm_group(url: str) -> int:
+    """Process group of the vLLM server listening at ``url`` (its API server and engine)."""
+    port = int(url.rsplit(":", 1)[1])
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return os.getpgid(conn.pid)
+    raise AssertionError(f"nothing listens at {url}")
+
+
+@dataclass
+class Streamed:
+    """What one client saw."""
+
+    text: str = ""
+    events: int = 0
+    ids: set[str] = field(default_factory=set)
+    error: str | None = None
+    finish: str | None = None
+    done: bool = False
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: str, out: Streamed) -> None:
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                out.done = True
+                return
+            event = json.loads(line[6:])
+            if "error" in event:
+                out.error = event["error"]["message"]
+                continue
+            out.ids.add(event["id"])
+            for choice in event.get("choices") or ():
+                out.text += choice.get("text") or ""
+                out.finish = choice.get("finish_reason") or out.finish
+                if choice.get("text"):
+                    out.events += 1
+
+
+async def _kill_mid_stream(urls: list[str], prompts: list[str], group: int
+                           ) -> tuple[list[list[Streamed]], bool]:
+    """Streams of every prompt through each router; SIGKILL ``group`` once all are mid-way.
+    Returns what each client saw, per router, and whether any stream had ended first."""
+    seen = [[Streamed() for _ in prompts] for _ in urls]
+    async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
+        tasks = [asyncio.create_task(_stream(client, url, p, out))
+                 for url, outs in zip(urls, seen, strict=True)
+                 for p, out in zip(prompts, outs, strict=True)]
+        every = [out for outs in seen for out in outs]
+        deadline = time.monotonic() + 180
+        while not all(out.events >= MID for out in every):
+            assert time.monotonic() < deadline, [(o.events, o.error) for o in every]
+            assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+            await asyncio.sleep(0.005)
+        ended_first = any(out.finish or out.done for out in every)
+        os.killpg(group, signal.SIGKILL)
+        await asyncio.gather(*tasks)
+    return seen, ended_first
+
+
+def _reference(plain: Plain, prompt: str) -> str:
+    resp = httpx.post(plain.url + "/v1/completions", timeout=300, json={
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True})
+    resp.raise_for_status()
+    return str(resp.json()["choices"][0]["text"])
+
+
+def _moved_metrics(url: str) -> tuple[float, float]:
+    samples = scrape(url)
+    moved = sum(v for (name, _), v in samples.items()
+                if name == "pdserve_router_migrations_total")
+    refused = sum(v for (name, _), v in samples.items()
+                  if name == "pdserve_router_migrations_refused_total")
+    return moved, refused
+
+
+def test_killing_the_decode_mid_stream_costs_the_client_nothing(
+        pd: Cluster, plain: Plain, tiny_model_dir: Path) -> None:
+    workers = registered_workers(pd)
+    prompts = make_prompts(tiny_model_dir, [120 + 20 * i for i in range(STREAMS)], seed=5,
+                           tag="migration")
+    reference = [_reference(plain, p) for p in prompts]
+    control = RouterProcess(redis_url=pd.redis_url, migration_limit=0,
+                            cluster_secret_file=str(pd.keyring_file)).start(timeout_s=60)
+    try:
+        seen, ended_first = asyncio.run(_kill_mid_stream(
+            [pd.url, control.url], prompts, vllm_group(workers["decode"])))
+        control_moves = _moved_metrics(control.url)
+    finally:
+        control.stop()
+    assert not ended_first  # every stream was mid-way at the kill
+    moved, controlled = seen
+    for out, ref in zip(moved, reference, strict=True):
+        assert out.error is None and out.done and out.finish == "length", out
+        assert out.text == ref  # greedy: the same tokens as a plain engine, none twice
+        assert len(out.ids) == 1  # one stream id across the move
+    # Negative control: the same kill, with moves off, fails every stream it hit.
+    assert all(out.error is not None and out.finish is None for out in controlled), controlled
+    assert all(out.text and ref.startswith(out.text)
+               for out, ref in zip(controlled, reference, strict=True))
+    assert _moved_metrics(pd.url) == (STREAMS, 0)
+    assert control_moves == (0, STREAMS)
+    # each move is in the request's timeline: from the decode, why, after how many tokens
+    moves = [json.loads(line).get("moves") for line in
+             pd.router_timeline.read_text().splitlines()]
+    moves = [m for m in moves if m]
+    assert len(moves) == STREAMS, moves
+    for (move,) in moves:
+        assert move["reason"] in ("protocol", "error_event", "truncated"), move
+        assert move["sent_tokens"] >= MID and move["to"] != move["from"]
+    prefill_id = next(r.worker_id for r in registered_records(pd) if r.role == "prefill")
+    assert {move["to"] for (move,) in moves} == {prefill_id}  # the one engine left
