@@ -21,7 +21,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any
 
 import httpx
@@ -31,7 +31,7 @@ from kvtransfer.signing import Keyring, KeyringFile, current, strip_signature
 from router.api.first_token import FirstToken, first_events, resumable
 from router.api.journal import StreamJournal
 from router.api.relay import FirstOutput, RelayResponse, relay_body
-from router.api.resume import ResumableStream, Source
+from router.api.resume import PROBE_CHECK_S, ResumableStream, Source
 from router.api.rewrite import decode_body, encode, prefill_body
 from router.api.schemas import Endpoint
 from router.api.timeline import PhaseClock
@@ -54,6 +54,9 @@ from router.state.registry import WorkerRecord
 from router.state.worker_load import WorkerLoad
 
 logger = logging.getLogger(__name__)
+
+FALLBACK_ROLES = ("decode", "aggregated", "prefill")
+"""Pools a request may finish in when its own has nobody left (see ``choose_fallback``)."""
 
 _FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate")
 
@@ -124,6 +127,18 @@ class PDProxy:
         tried.add(worker.worker_id)
         return worker
 
+    def choose_fallback(self, role: str, route: RouteRequest, tried: set[str]
+                        ) -> tuple[WorkerRecord | None, str]:
+        """When ``role``'s pool has no worker left to try: one from another pool whose engines
+        can serve the request whole (decode, aggregated, then prefill: every vLLM engine can),
+        and that pool's name (it books the worker)."""
+        for other in FALLBACK_ROLES:
+            if other != role:
+                worker = self.choose(other, route, tried)
+                if worker is not None:
+                    return worker, other
+        return None, role
+
     async def _choose_or_wait(self, role: str, route: RouteRequest,
                               tried: set[str]) -> WorkerRecord | None:
         """``choose``; when the pool is empty (a membership blip: an evicted worker, a restart)
@@ -178,6 +193,28 @@ class PDProxy:
         if err.kind == "connect":  # nobody listens: out of the rings until it answers again
             self.cluster.evict(worker.worker_id)
         logger.warning("%s", err.message)
+
+    async def watched(self, worker: WorkerRecord, role: str,
+                      call: Coroutine[Any, Any, httpx.Response]) -> httpx.Response:
+        """``call``'s answer, unless ``worker`` stops answering the router's load probes while
+        it waits (a stopped or wedged engine; a busy one still answers): then the call is
+        abandoned (its connection closed: vLLM aborts the request once it runs again) and a
+        ``stall`` error raised, so the request goes elsewhere. ``stall_timeout_s`` 0: off."""
+        if self.settings.stall_timeout_s <= 0:
+            return await call
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=PROBE_CHECK_S)
+                if done:
+                    return task.result()
+                if self.unresponsive(worker.worker_id):
+                    raise UpstreamError(f"{role} worker {worker.worker_id} stopped answering "
+                                        "while the request waited on it", role=role,
+                                        kind="stall", status=504, code="upstream_timeout")
+        finally:
+            if not task.done():
+                task.cancel()
 
     def _headers(self, route: RouteRequest, incoming: dict[str, str]) -> dict[str, str]:
         headers = {"content-type": "application/json", "x-request-id": route.request_id}
@@ -236,14 +273,18 @@ class PDProxy:
             ok = False
             out["kv_transfer_params"] = self.signed(ask, worker)
             try:
-                resp = await self.client.post(worker.http_url + endpoint.path,
-                                              content=encode(out),
-                                              headers=headers, timeout=self._prefill_timeout)
+                resp = await self.watched(worker, "prefill", self.client.post(
+                    worker.http_url + endpoint.path, content=encode(out), headers=headers,
+                    timeout=self._prefill_timeout))
                 ok = resp.status_code < 500
             except httpx.HTTPError as exc:
                 last = upstream_error("prefill", worker, exc)
                 self._failed(worker, last)
                 allow_same_worker_retry(exc, worker, tried, retried)
+                continue
+            except UpstreamError as err:  # it stopped answering: the next one
+                last = err
+                self._failed(worker, last)
                 continue
             finally:
                 self.end("prefill", route, worker, ok)
@@ -310,32 +351,41 @@ class PDProxy:
                 if spent:
                     self.metrics.kv_params_withdrawn.inc()
             last_exc = None
+            pool = role
             if attempt == 0 and first_choice is not None:
                 worker: WorkerRecord | None = first_choice
                 tried.add(first_choice.worker_id)
             else:
                 worker = await self._choose_or_wait(role, route, tried)
+                if worker is None and tried:  # its pool has nobody left: any engine, whole
+                    worker, pool = self.choose_fallback(role, route, tried)
             if worker is None:
                 break
             clock.mark("decode_chosen")
             if attempt:
                 self.metrics.upstream_retries.labels(role=role).inc()
-            logger.debug("%s on %s (attempt %d)", role, worker.worker_id, attempt + 1)
-            self.begin(role, route, worker)
-            content = plain if kv_params is None or spent else \
+            logger.debug("%s on %s (attempt %d)", pool, worker.worker_id, attempt + 1)
+            self.begin(pool, route, worker)
+            content = plain if kv_params is None or spent or pool != "decode" else \
                 encode(decode_body(body, self.signed(kv_params, worker)))
             request = self.client.build_request("POST", worker.http_url + endpoint.path,
                                                 content=content, headers=headers,
                                                 timeout=self._decode_timeout)
             handed_over = ok = False
             try:
-                resp = await self.client.send(request, stream=True)
+                try:
+                    resp = await self.watched(worker, pool,
+                                              self.client.send(request, stream=True))
+                except UpstreamError as err:  # it stopped answering: the next one
+                    last, last_exc = err, None
+                    self._failed(worker, last)
+                    continue
                 try:
                     if resp.status_code >= 500:
                         detail = (await resp.aread())[:500].decode(errors="replace")
                         last = UpstreamError(
-                            f"{role} worker {worker.worker_id} answered {resp.status_code}: "
-                            f"{detail}", role=role, kind="status")
+                            f"{pool} worker {worker.worker_id} answered {resp.status_code}: "
+                            f"{detail}", role=pool, kind="status")
                         self._failed(worker, last)
                         continue
                     if resp.status_code >= 400 or not stream:
@@ -350,8 +400,8 @@ class PDProxy:
                     if movable:  # it waits for the first chunk itself, and can move on
                         handed_over = True
                         resumed = ResumableStream(self, endpoint, body, route, incoming, clock,
-                                                  StreamJournal(endpoint, body), role=role)
-                        resumed.adopt(Source(worker, role, resp, resp.aiter_raw()))
+                                                  StreamJournal(endpoint, body), role=pool)
+                        resumed.adopt(Source(worker, pool, resp, resp.aiter_raw()))
                         return resumed.response()
                     chunks = resp.aiter_raw()
                     first = b""
@@ -362,18 +412,18 @@ class PDProxy:
                     clock.mark("decode_first_byte")
                     handed_over = True
                     self.tracker.mark_ok(worker.worker_id)
-                    return self._relay(endpoint, route, worker, resp, chunks, first, clock, role)
+                    return self._relay(endpoint, route, worker, resp, chunks, first, clock, pool)
                 finally:
                     if not handed_over:
                         await resp.aclose()
             except httpx.HTTPError as exc:
-                last, last_exc = upstream_error(role, worker, exc), exc
+                last, last_exc = upstream_error(pool, worker, exc), exc
                 self._failed(worker, last)
                 allow_same_worker_retry(exc, worker, tried, retried)
                 continue
             finally:
                 if not handed_over:
-                    self.end(role, route, worker, ok=ok)
+                    self.end(pool, route, worker, ok=ok)
         if last is None:
             raise no_workers(role, route.model)
         raise last

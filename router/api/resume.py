@@ -56,7 +56,6 @@ PROBE_CHECK_S = 0.25
 """How often a source waiting for its first output checks its worker's probes."""
 READ_AHEAD = 64
 """Chunks read from a worker ahead of the client (the client's pace then holds the worker)."""
-_FALLBACK_ROLES = ("decode", "aggregated", "prefill")
 _END = object()
 
 
@@ -291,21 +290,25 @@ class ResumableStream:
             headers=proxy._headers(self.route, self.incoming), timeout=proxy._decode_timeout)
         proxy.begin(role, self.route, worker)
         try:
-            resp = await proxy.client.send(request, stream=True)
+            resp = await proxy.watched(worker, role, proxy.client.send(request, stream=True))
         except httpx.HTTPError as exc:
             proxy.end(role, self.route, worker, ok=False)
             err = upstream_error(role, worker, exc)
             proxy._failed(worker, err)
             allow_same_worker_retry(exc, worker, tried, retried)
             return err
+        except UpstreamError as stalled:  # it stopped answering its probes
+            proxy.end(role, self.route, worker, ok=False)
+            proxy._failed(worker, stalled)
+            return stalled
         if resp.status_code >= 400:
             detail = (await resp.aread())[:500].decode(errors="replace")
             await resp.aclose()
             proxy.end(role, self.route, worker, ok=False)
-            err = UpstreamError(f"{role} worker {worker.worker_id} answered "
-                                f"{resp.status_code}: {detail}", role=role, kind="status")
-            proxy._failed(worker, err)
-            return err
+            refused = UpstreamError(f"{role} worker {worker.worker_id} answered "
+                                    f"{resp.status_code}: {detail}", role=role, kind="status")
+            proxy._failed(worker, refused)
+            return refused
         return Source(worker, role, resp, resp.aiter_raw(), native)
 
     async def _choose(self, tried: set[str]) -> tuple[WorkerRecord | None, str]:
@@ -314,13 +317,14 @@ class ResumableStream:
         if self.first_choice is not None and self.first_choice.worker_id not in tried:
             tried.add(self.first_choice.worker_id)
             return self.first_choice, self.role
-        roles = (self.role, *(r for r in _FALLBACK_ROLES if r != self.role))
         deadline = time.monotonic() + self.proxy.settings.no_worker_wait_s
         while True:
-            for role in roles:
-                worker = self.proxy.choose(role, self.route, tried)
-                if worker is not None:
-                    return worker, role
+            worker = self.proxy.choose(self.role, self.route, tried)
+            if worker is not None:
+                return worker, self.role
+            worker, role = self.proxy.choose_fallback(self.role, self.route, tried)
+            if worker is not None:
+                return worker, role
             if time.monotonic() >= deadline:
                 return None, self.role
             await asyncio.sleep(0.1)

@@ -1,11 +1,17 @@
-"""Fault transparency on a real 1P+1D cluster: a decode killed mid-stream costs the client nothing.
+"""Fault transparency on a real 1P+1D cluster: a stopped or killed engine costs the client
+nothing (issue 23).
 
-The module's own `pdserve up` (1 prefill + 1 decode, vLLM workers, Redis, UCX) behind two
-routers: the cluster's own (streams move, the default) and one more with ``--migration-limit 0``
-(the negative control). Eight greedy streams through each are mid-way when the decode's vLLM is
-SIGKILLed. Through the first router every stream completes, equal token for token to the plain
-vLLM server's answer, continued on the prefill worker (the only engine left) from the ids it
-had; through the control, every stream ends with an error event.
+The module's own `pdserve up` (1 prefill + 1 decode, vLLM workers, Redis, UCX), each test with a
+control router beside the cluster's own, the feature turned off in it:
+
+- the prefill's vLLM is SIGSTOPped while requests wait on it: once it fails the router's load
+  probes they are served by the decode, equal to the plain server; through a router with
+  ``--stall-timeout-s 0`` a request stays stuck until SIGCONT; after SIGCONT nothing is left
+  running or leased on the prefill;
+- eight greedy streams through each router are mid-way when the decode's vLLM is SIGKILLed:
+  through the cluster's router every stream completes, equal token for token to the plain
+  server's answer, continued on the prefill worker (the only engine left) from the ids it had;
+  through a router with ``--migration-limit 0``, every stream ends with an error event.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import httpx
 import psutil
 import pytest
 
+from tests.e2e.conftest import LEASE_S
 from tests.support.cluster import (
     SERVED_NAME,
     Cluster,
@@ -31,14 +38,15 @@ from tests.support.cluster import (
     registered_workers,
     running_cluster,
 )
-from tests.support.metrics import scrape
+from tests.support.metrics import scrape, value
 from tests.support.prompts import make_prompts
 from tests.support.router_process import RouterProcess
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.vllm
 
 STREAMS = 8
-MAX_TOKENS = 200
+MAX_TOKENS = 320
 MID = 3
 """Content events every stream has received before the kill."""
 
@@ -46,7 +54,7 @@ MID = 3
 @pytest.fixture(scope="module")
 def pd(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("migration"),
-                         instrument=True) as cluster:
+                         instrument=True, lease_s=LEASE_S) as cluster:
         yield cluster
 
 
@@ -71,8 +79,9 @@ class Streamed:
     done: bool = False
 
 
-async def _stream(client: httpx.AsyncClient, url: str, prompt: str, out: Streamed) -> None:
-    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+async def _stream(client: httpx.AsyncClient, url: str, prompt: str, out: Streamed,
+                  max_tokens: int = MAX_TOKENS) -> None:
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
         assert resp.status_code == 200, await resp.aread()
@@ -107,7 +116,9 @@ async def _kill_mid_stream(urls: list[str], prompts: list[str], group: int
         deadline = time.monotonic() + 180
         while not all(out.events >= MID for out in every):
             assert time.monotonic() < deadline, [(o.events, o.error) for o in every]
-            assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+            assert not any(t.done() for t in tasks), [
+                (url, o.error, o.events, o.done) for url, outs in zip(urls, seen, strict=True)
+                for o in outs if o.done or o.error]
             await asyncio.sleep(0.005)
         ended_first = any(out.finish or out.done for out in every)
         os.killpg(group, signal.SIGKILL)
@@ -115,9 +126,9 @@ async def _kill_mid_stream(urls: list[str], prompts: list[str], group: int
     return seen, ended_first
 
 
-def _reference(plain: Plain, prompt: str) -> str:
+def _reference(plain: Plain, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
     resp = httpx.post(plain.url + "/v1/completions", timeout=300, json={
-        "model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True})
     resp.raise_for_status()
     return str(resp.json()["choices"][0]["text"])
@@ -132,6 +143,54 @@ def _moved_metrics(url: str) -> tuple[float, float]:
     return moved, refused
 
 
+async def _completed(url: str, prompts: list[str], max_tokens: int) -> list[Streamed]:
+    seen = [Streamed() for _ in prompts]
+    async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
+        await asyncio.gather(*(_stream(client, url, p, out, max_tokens)
+                               for p, out in zip(prompts, seen, strict=True)))
+    return seen
+
+
+def test_requests_waiting_on_a_stopped_prefill_are_served_elsewhere(
+        pd: Cluster, plain: Plain, tiny_model_dir: Path) -> None:
+    workers = registered_workers(pd)
+    prompts = make_prompts(tiny_model_dir, [150, 200, 250, 300], seed=6, tag="sigstop")
+    reference = [_reference(plain, p, 24) for p in prompts]
+    control = RouterProcess(redis_url=pd.redis_url, stall_timeout_s=0,
+                            cluster_secret_file=str(pd.keyring_file)).start(timeout_s=60)
+    group = vllm_group(workers["prefill"])
+    stuck = Streamed()
+
+    async def run() -> list[Streamed]:
+        async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
+            waiting = asyncio.create_task(_stream(client, control.url, prompts[0], stuck, 24))
+            served = await _completed(pd.url, prompts, 24)
+            assert not waiting.done() and not stuck.text  # control: still stuck on it
+            os.killpg(group, signal.SIGCONT)
+            await waiting  # it goes on once the worker runs again
+        return served
+
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        served = asyncio.run(run())
+    finally:
+        os.killpg(group, signal.SIGCONT)
+        control.stop()
+    for out, ref in zip(served, reference, strict=True):
+        assert out.error is None and out.done and out.text == ref, out
+    assert stuck.done and stuck.text == reference[0]
+    samples = scrape(pd.url)
+    assert value(samples, "pdserve_router_upstream_errors_total", role="prefill",
+                 kind="stall") >= 1
+    assert value(samples, "pdserve_router_paths_total", path="decode_only",
+                 reason="prefill_failed") == len(prompts)
+    # the requests it was left holding are aborted (or their leases expire): nothing stays
+    eventually(lambda: scrape(workers["prefill"]),
+               lambda s: value(s, "vllm:num_requests_running") == 0 and
+               value(s, "vllm:num_requests_waiting") == 0 and
+               value(s, "vllm:kv_cache_usage_perc") == 0.0, timeout_s=LEASE_S + 30)
+
+
 def test_killing_the_decode_mid_stream_costs_the_client_nothing(
         pd: Cluster, plain: Plain, tiny_model_dir: Path) -> None:
     workers = registered_workers(pd)
@@ -141,6 +200,8 @@ def test_killing_the_decode_mid_stream_costs_the_client_nothing(
     control = RouterProcess(redis_url=pd.redis_url, migration_limit=0,
                             cluster_secret_file=str(pd.keyring_file)).start(timeout_s=60)
     try:
+        # warm: the new router loads its tokenizer on its first request, not while racing
+        asyncio.run(_completed(control.url, prompts[:1], 2))
         seen, ended_first = asyncio.run(_kill_mid_stream(
             [pd.url, control.url], prompts, vllm_group(workers["decode"])))
         control_moves = _moved_metrics(control.url)

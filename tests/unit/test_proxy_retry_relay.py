@@ -121,9 +121,10 @@ class ScriptedStream(httpx.AsyncByteStream):
         self.closed = True
 
 
-Behaviour = type[httpx.TransportError] | int | dict[str, Any] | Script
+HANG = "hang"
+Behaviour = type[httpx.TransportError] | int | dict[str, Any] | Script | str
 """An httpx error class (raised at the call), a status code (an error body), a JSON answer,
-or an SSE stream."""
+an SSE stream, or ``HANG`` (no answer at all)."""
 
 
 @dataclass
@@ -135,11 +136,13 @@ class Workers:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     streams: list[ScriptedStream] = field(default_factory=list)
 
-    def handle(self, request: httpx.Request) -> httpx.Response:
+    async def handle(self, request: httpx.Request) -> httpx.Response:
         worker = request.url.host
         self.calls.append(worker)
         self.bodies.append(json.loads(request.content))
         step = self.scripts[worker].pop(0)
+        if step == HANG:  # a stopped worker: the connection is accepted, nothing comes back
+            await asyncio.Event().wait()
         if isinstance(step, type):
             raise step(f"{worker}: scripted failure", request=request)
         if isinstance(step, int):
@@ -316,7 +319,19 @@ async def test_decode_stale_connection_is_retried_on_the_same_worker(
 
 async def test_decode_connect_failure_is_not_retried_on_the_same_worker(
         rig_of: Callable[..., Rig]) -> None:
-    rig = rig_of(p1=[], d1=[httpx.ConnectError, Script(EVENTS)])
+    """The lone decode refused the connection: not asked again; with its pool empty, the
+    prefill worker (a complete engine) serves the request whole, without the params."""
+    rig = rig_of(p1=[Script(EVENTS)], d1=[httpx.ConnectError, Script(EVENTS)])
+    body = await play(await decode(rig, stream=True))
+    assert body == b"".join(EVENTS)
+    assert rig.workers.calls == ["d1", "p1"]
+    assert "kv_transfer_params" not in rig.workers.bodies[1]
+    assert rig.in_flight() == {}
+
+
+async def test_with_no_engine_left_the_decode_failure_is_the_answer(
+        rig_of: Callable[..., Rig]) -> None:
+    rig = rig_of(d1=[httpx.ConnectError, Script(EVENTS)])
     with pytest.raises(UpstreamError) as raised:
         await decode(rig, stream=True)
     assert rig.workers.calls == ["d1"] and raised.value.kind == "connect"
@@ -582,3 +597,32 @@ async def test_moves_stop_at_the_limit(rig_of: Callable[..., Rig]) -> None:
     assert moves(rig) == 1 and rig.in_flight() == {}
     assert total(parse_samples(rig.metrics.render().decode()),
                  "pdserve_router_migrations_refused_total", reason="limit") == 1
+
+
+async def test_a_prefill_waiting_on_a_stopped_worker_goes_to_the_next(
+        rig_of: Callable[..., Rig]) -> None:
+    """Issue 23 item 3: p1 accepted the request and stopped (SIGSTOP); once it fails its load
+    probes the prefill is asked of p2. Control: p1 answering its probes is waited for."""
+    rig = rig_of(unresponsive=lambda worker_id: worker_id == "p1",
+                 p1=[HANG], p2=[{"kv_transfer_params": kv_of("p2")}], d1=[])
+    params, worker, _ = await prefill(rig)
+    assert worker.worker_id == "p2" and params == kv_of("p2")
+    assert total(parse_samples(rig.metrics.render().decode()),
+                 "pdserve_router_upstream_errors_total", role="prefill", kind="stall") == 1
+    assert rig.in_flight() == {}
+    control = rig_of(p1=[HANG], p2=[{"kv_transfer_params": kv_of("p2")}], d1=[])
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(prefill(control), timeout=0.5)
+    assert control.workers.calls == ["p1"]
+
+
+async def test_a_whole_answer_waiting_on_a_stopped_decode_is_served_elsewhere(
+        rig_of: Callable[..., Rig]) -> None:
+    answer = {"choices": [{"text": "abc"}], "usage": {"prompt_tokens": 3,
+                                                      "completion_tokens": 3}}
+    rig = rig_of(unresponsive=lambda worker_id: worker_id == "d1", p1=[answer], d1=[HANG])
+    response = await decode(rig, stream=False)
+    assert json.loads(bytes(response.body)) == answer
+    assert rig.workers.calls == ["d1", "p1"]  # the only other engine, whole
+    assert "kv_transfer_params" not in rig.workers.bodies[1]
+    assert rig.in_flight() == {}
