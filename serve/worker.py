@@ -3,7 +3,8 @@
 The launcher owns one vLLM server process. Once vLLM answers ``/health`` and the connector
 has published its handshake, the worker is registered in Redis with a TTL heartbeat; SIGTERM
 or SIGINT deregisters it first, then stops vLLM. If vLLM dies, the record is removed and the
-launcher exits with vLLM's code.
+launcher exits with vLLM's code. SIGTERM first drains: out of routing (routers move the
+worker's streams to others), until the engine is idle or ``drain_timeout_s``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvtransfer.signing import (
     secret_from_env,
 )
 from router import settings as shared
+from router.errors import RegistryError
 from router.state.registry import WorkerRecord, WorkerRegistry
 from serve.cpu_layout import describe_affinity, worker_cpus
 from serve.process import child_setup
@@ -67,6 +69,9 @@ class WorkerSettings:
     kv_cache_gib: float = 1.0
     max_model_len: int | None = None
     heartbeat_ttl_s: float = 10.0
+    drain_timeout_s: float = 15.0
+    """On SIGTERM, how long the worker waits, out of routing (routers move its streams to
+    other workers), for its engine to run, queue and hold nothing before vLLM is stopped."""
     ready_timeout_s: float = 600.0
     corrupt_pulled_kv_file: str | None = None
     """Test-only negative control: while this file exists, decode overwrites pulled blocks."""
@@ -359,6 +364,24 @@ class WorkerLauncher:
                             max_model_len=max_len, started_at=time.time(),
                             kv_events_endpoint=self.settings.kv_events_endpoint)
 
+    async def _drain(self, registry: WorkerRegistry) -> None:
+        """Signalled: leave routing first (the registry's draining set: routers send nothing
+        new and move this worker's streams to others at their next event), then wait until the
+        engine runs, queues and holds nothing (its leases pulled or expired), up to
+        ``drain_timeout_s``."""
+        from router.autoscale.drain import DrainConfig, wait_idle
+
+        try:
+            await registry.mark_draining(self.worker_id)
+        except RegistryError as exc:  # Redis away: routers will see the connection end
+            logger.warning("cannot leave routing before stopping: %s", exc)
+            return
+        started = time.monotonic()
+        idle = await wait_idle(DrainConfig(worker_url=self.url, poll_s=0.25,
+                                           timeout_s=self.settings.drain_timeout_s))
+        logger.info("drained in %.1f s" if idle else "drain timed out after %.1f s",
+                    time.monotonic() - started)
+
     async def run(self) -> int:
         """Run until signalled or until vLLM exits; returns the exit code."""
         loop = asyncio.get_running_loop()
@@ -398,6 +421,8 @@ class WorkerLauncher:
                     await asyncio.wait_for(self._stopping.wait(), timeout=wait_s)
         finally:
             if registry is not None:
+                if self.record is not None and self._stopping.is_set() and proc.poll() is None:
+                    await self._drain(registry)
                 with contextlib.suppress(Exception):
                     await registry.deregister(self.worker_id)
                 await registry.close()

@@ -16,6 +16,10 @@ a busy one still answers). Closing the failed connection aborts the request on t
 aborts on disconnect; a stopped worker does so when it resumes). A source that failed before the
 client got anything, and before the prompt's ids were known, is sent again as it was.
 
+A stream whose worker is leaving (the registry's draining set, as a scale-down's drain or a
+SIGTERMed worker writes it, or a deregistration) moves at the next event it relays, so a drain
+waits for no stream to finish; the move counts as ``drain``, not as the worker failing.
+
 A failure before the source sent anything is a retry (``decode_retries`` of them); after, a
 *move* (``migration_limit`` of them, counted by ``pdserve_router_migrations_total`` and listed
 in the timeline and trace). A continuation never
@@ -76,6 +80,10 @@ class _Stalled(Exception):
     """The source sent output, then nothing for the stall bound."""
 
 
+class _Leaving(Exception):
+    """The source's worker is draining or deregistered: its streams move before it stops."""
+
+
 class ResumableStream:
     """One client stream across sources (see the module docstring)."""
 
@@ -104,6 +112,7 @@ class ResumableStream:
         self._first_output = FirstOutput()
         self._source_output = False
         self._relayed = False
+        self._moves = 0
 
     def adopt(self, source: Source) -> None:
         """Start from an answer already open (the client's own request, its status read)."""
@@ -137,7 +146,7 @@ class ResumableStream:
             yield self.head
         tried: set[str] = set()
         retried: set[str] = set()
-        retries = moves = 0
+        retries = 0
         spent = self.kv_params is None
         if self.source is not None:
             tried.add(self.source.worker.worker_id)
@@ -149,7 +158,7 @@ class ResumableStream:
                     self._saw(out)
                     yield out
                     return
-                if retries or moves:
+                if retries or self._moves:
                     proxy.metrics.upstream_retries.labels(role=self.role).inc()
                     if self.kv_params is not None and spent:
                         proxy.metrics.kv_params_withdrawn.inc()
@@ -196,11 +205,15 @@ class ResumableStream:
                 err = UpstreamError(f"{source.role} worker {source.worker.worker_id} sent "
                                     "nothing past the stall bound", role=source.role,
                                     kind="stall", status=504, code="upstream_timeout")
+            except _Leaving:
+                err = UpstreamError(f"{source.role} worker {source.worker.worker_id} is "
+                                    "leaving", role=source.role, kind="drain", status=503)
             except httpx.HTTPError as e:
                 exc = e
                 err = upstream_error(source.role, source.worker, e)
             spent = spent or may_have_reached(exc)
-            proxy._failed(source.worker, err)
+            if err.kind != "drain":  # a leaving worker did nothing wrong
+                proxy._failed(source.worker, err)
             await self._close(ok=False)
             if isinstance(exc, httpx.HTTPError) and not self._source_output:
                 allow_same_worker_retry(exc, source.worker, tried, retried)
@@ -213,10 +226,10 @@ class ResumableStream:
                     yield self._fail(err, "limit")
                     return
                 continue
-            if moves >= settings.migration_limit:
+            if self._moves >= settings.migration_limit:
                 yield self._fail(err, "limit")
                 return
-            moves += 1
+            self._moves += 1
             proxy.metrics.migrations.labels(reason=err.kind).inc()
             self.clock.moves.append({"from": source.worker.worker_id, "reason": err.kind,
                                      "at": time.time(), "sent_tokens": len(journal.committed)})
@@ -240,9 +253,12 @@ class ResumableStream:
                     async with asyncio.timeout(bound):
                         item = await queue.get()
                 except TimeoutError:
-                    if self._source_output or \
-                            self.proxy.unresponsive(source.worker.worker_id):
+                    worker_id = source.worker.worker_id
+                    if self._source_output or self.proxy.unresponsive(worker_id):
                         raise _Stalled() from None
+                    if self.proxy.cluster.leaving(worker_id) and self._may_move() and \
+                            self.journal.prompt_ids:
+                        raise _Leaving() from None
                     continue
                 if item is _END:
                     return
@@ -250,8 +266,15 @@ class ResumableStream:
                     raise item
                 assert isinstance(item, bytes)
                 yield item
+                if self.proxy.cluster.leaving(source.worker.worker_id) and self._may_move() \
+                        and self.journal.resumable and not self.journal.finished:
+                    raise _Leaving()
         finally:
             reader.cancel()
+
+    def _may_move(self) -> bool:
+        """Whether the stream may still move (a leaving worker otherwise finishes it)."""
+        return self._moves < self.proxy.settings.migration_limit
 
     @staticmethod
     async def _read(source: Source, queue: asyncio.Queue[object]) -> None:

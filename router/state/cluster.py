@@ -39,6 +39,9 @@ class ClusterSource(Protocol):
     def evict(self, worker_id: str) -> None:
         """Stop routing to ``worker_id`` until it is known to answer again."""
 
+    def leaving(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` asked to leave (draining or deregistered): its streams move."""
+
 
 Probe = Callable[[WorkerRecord], Awaitable[bool]]
 """Whether a worker answers now (its ``/health``)."""
@@ -69,6 +72,7 @@ class ClusterView:
         self._evicted: dict[str, WorkerRecord] = {}
         self._orphans: dict[str, tuple[WorkerRecord, float]] = {}
         self._redis_ok = False
+        self._leaving: frozenset[str] = frozenset()
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -102,6 +106,7 @@ class ClusterView:
             logger.info("registry reachable, %d workers", len(records))
         registered = {r.worker_id: r for r in records if r.worker_id not in draining}
         gone = draining | departed
+        self._leaving = frozenset(gone)
         for wid, rec in list(self._evicted.items()):
             now_rec = registered.get(wid)
             if wid in gone or now_rec is None or now_rec.started_at != rec.started_at:
@@ -192,6 +197,9 @@ class ClusterView:
     def workers(self, role: str | None = None, model: str | None = None) -> list[WorkerRecord]:
         return _select(self._records, role, model)
 
+    def leaving(self, worker_id: str) -> bool:
+        return worker_id in self._leaving
+
     def models(self) -> list[str]:
         return sorted({r.model for r in self._records})
 
@@ -237,6 +245,9 @@ class StaticCluster:
 
     def evict(self, worker_id: str) -> None:
         return None  # a fixed membership has nothing to re-check
+
+    def leaving(self, worker_id: str) -> bool:
+        return False  # nobody leaves a fixed membership
 
     def models(self) -> list[str]:
         return sorted({r.model for r in self.records})

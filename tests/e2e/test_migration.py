@@ -11,7 +11,9 @@ control router beside the cluster's own, the feature turned off in it:
 - eight greedy streams through each router are mid-way when the decode's vLLM is SIGKILLed:
   through the cluster's router every stream completes, equal token for token to the plain
   server's answer, continued on the prefill worker (the only engine left) from the ids it had;
-  through a router with ``--migration-limit 0``, every stream ends with an error event.
+  through a router with ``--migration-limit 0``, every stream ends with an error event;
+- the same with SIGTERM of the (restarted) decode's launcher: it drains, and its streams move
+  at once instead of holding its stop (with moves off they finish on it).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +34,7 @@ import pytest
 from tests.e2e.conftest import LEASE_S
 from tests.support.cluster import (
     SERVED_NAME,
+    START_TIMEOUT_S,
     Cluster,
     Plain,
     registered_records,
@@ -103,9 +106,9 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: str, out: Streame
                     out.events += 1
 
 
-async def _kill_mid_stream(urls: list[str], prompts: list[str], group: int
-                           ) -> tuple[list[list[Streamed]], bool]:
-    """Streams of every prompt through each router; SIGKILL ``group`` once all are mid-way.
+async def _signal_mid_stream(urls: list[str], prompts: list[str], fault: Callable[[], None]
+                             ) -> tuple[list[list[Streamed]], bool]:
+    """Streams of every prompt through each router; ``fault()`` once all are mid-way.
     Returns what each client saw, per router, and whether any stream had ended first."""
     seen = [[Streamed() for _ in prompts] for _ in urls]
     async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
@@ -121,7 +124,7 @@ async def _kill_mid_stream(urls: list[str], prompts: list[str], group: int
                 for o in outs if o.done or o.error]
             await asyncio.sleep(0.005)
         ended_first = any(out.finish or out.done for out in every)
-        os.killpg(group, signal.SIGKILL)
+        fault()
         await asyncio.gather(*tasks)
     return seen, ended_first
 
@@ -202,8 +205,9 @@ def test_killing_the_decode_mid_stream_costs_the_client_nothing(
     try:
         # warm: the new router loads its tokenizer on its first request, not while racing
         asyncio.run(_completed(control.url, prompts[:1], 2))
-        seen, ended_first = asyncio.run(_kill_mid_stream(
-            [pd.url, control.url], prompts, vllm_group(workers["decode"])))
+        group = vllm_group(workers["decode"])
+        seen, ended_first = asyncio.run(_signal_mid_stream(
+            [pd.url, control.url], prompts, lambda: os.killpg(group, signal.SIGKILL)))
         control_moves = _moved_metrics(control.url)
     finally:
         control.stop()
@@ -229,3 +233,54 @@ def test_killing_the_decode_mid_stream_costs_the_client_nothing(
         assert move["sent_tokens"] >= MID and move["to"] != move["from"]
     prefill_id = next(r.worker_id for r in registered_records(pd) if r.role == "prefill")
     assert {move["to"] for (move,) in moves} == {prefill_id}  # the one engine left
+
+
+def _serving_decode(cluster: Cluster) -> str | None:
+    """URL of the cluster's decode when it is registered and answers, else None."""
+    for record in registered_records(cluster):
+        if record.role == "decode":
+            try:
+                if httpx.get(record.http_url + "/health", timeout=2).status_code == 200:
+                    return record.http_url
+            except httpx.HTTPError:
+                return None
+    return None
+
+
+def test_a_sigtermed_decode_hands_over_its_streams(pd: Cluster, plain: Plain,
+                                                  tiny_model_dir: Path) -> None:
+    """SIGTERM of the decode's launcher under load: it leaves routing first, the router moves
+    its streams to the prefill worker at their next event, and the worker stops once idle.
+    Control: through a router with moves off, the streams finish on the draining decode."""
+    url = eventually(lambda: _serving_decode(pd), lambda u: u is not None,
+                     timeout_s=START_TIMEOUT_S)  # the decode killed above, restarted
+    assert url is not None
+    launcher = psutil.Process(next(
+        c.pid for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == int(url.rsplit(":", 1)[1])
+        and c.pid)).parent()
+    assert launcher is not None and "worker" in " ".join(launcher.cmdline())
+    prompts = make_prompts(tiny_model_dir, [110 + 20 * i for i in range(STREAMS)], seed=7,
+                           tag="sigterm")
+    reference = [_reference(plain, p) for p in prompts]
+    control = RouterProcess(redis_url=pd.redis_url, migration_limit=0,
+                            cluster_secret_file=str(pd.keyring_file)).start(timeout_s=60)
+    before = _drain_moves(pd.url)
+    try:
+        asyncio.run(_completed(control.url, prompts[:1], 2))  # warm its tokenizer
+        seen, ended_first = asyncio.run(_signal_mid_stream(
+            [pd.url, control.url], prompts, lambda: launcher.send_signal(signal.SIGTERM)))
+        control_moves = _moved_metrics(control.url)
+    finally:
+        control.stop()
+    assert not ended_first
+    for outs in seen:
+        for out, ref in zip(outs, reference, strict=True):
+            assert out.error is None and out.done and out.text == ref, out
+    assert _drain_moves(pd.url) - before == STREAMS  # handed over, not waited for
+    assert control_moves == (0, 0)  # control: finished where they were
+    launcher.wait(timeout=60)  # it stopped once idle (within its drain timeout)
+
+
+def _drain_moves(url: str) -> float:
+    return value(scrape(url), "pdserve_router_migrations_total", reason="drain")
