@@ -151,7 +151,8 @@ def test_arrivals_are_counted_when_they_arrive_not_when_answered(
         assert value(s, "pdserve_router_requests_received_total", endpoint="completions",
                      model_name="tiny") == 1
         assert value(s, "pdserve_router_requests_total", model_name="tiny") == 0
-        assert answer.result(timeout=60).status_code >= 500  # the stalled decode timed out
+        # the stalled decodes timed out; a prefill worker (a complete engine) served it whole
+        assert answer.result(timeout=60).status_code == 200
     s = scrape(url)
     assert value(s, "pdserve_router_requests_total", model_name="tiny") == 1
     assert value(s, "pdserve_router_requests_received_total") == 1

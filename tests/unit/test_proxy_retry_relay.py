@@ -637,31 +637,31 @@ async def test_a_whole_answer_waiting_on_a_stopped_decode_is_served_elsewhere(
     assert rig.in_flight() == {}
 
 
+@pytest.mark.parametrize(("limit", "served_by"), [(3, ["d1", "d2"]), (0, ["d1"])])
 async def test_a_stream_on_a_draining_worker_moves_at_its_next_event(
-        rig_of: Callable[..., Rig]) -> None:
+        rig_of: Callable[..., Rig], limit: int, served_by: list[str]) -> None:
     """Issue 23 item 4: d1 leaves routing (a drain, a SIGTERM) after the client got "b": the
     stream goes on on d2 at once instead of holding d1's drain until it ends. d1 did nothing
     wrong: it is not marked failed. Control: with moves off it finishes on d1."""
     on_d1 = [ids_event("b", [11], prompt=[1, 2, 3, 10]), ids_event("c", [12]),
              ids_event("d", [13], "length"), b"data: [DONE]\n\n"]
-    for limit, served_by in ((3, ["d1", "d2"]), (0, ["d1"])):
-        rig = rig_of({"migration_limit": limit}, p1=[], d1=[Script(on_d1)], d2=[Script(MOVED)])
-        request, clock = route()
-        first = FirstToken("cmpl-x", 0, MODEL, "a", 10, (1, 2, 3))
-        d1 = next(r for r in rig.cluster.records if r.worker_id == "d1")
-        response = rig.proxy.continue_stream(COMPLETIONS, BODY, first, KV, request, {}, clock,
-                                             first_choice=d1)
-        seen: list[int] = []
+    rig = rig_of({"migration_limit": limit}, p1=[], d1=[Script(on_d1)], d2=[Script(MOVED)])
+    request, clock = route()
+    first = FirstToken("cmpl-x", 0, MODEL, "a", 10, (1, 2, 3))
+    d1 = next(r for r in rig.cluster.records if r.worker_id == "d1")
+    response = rig.proxy.continue_stream(COMPLETIONS, BODY, first, KV, request, {}, clock,
+                                         first_choice=d1)
+    seen: list[int] = []
 
-        def leave_after_b() -> None:
-            seen.append(1)
-            if len(seen) == 2:  # the head ("a"), then d1's first event ("b")
-                rig.cluster.leave("d1")
+    def leave_after_b() -> None:
+        seen.append(1)
+        if len(seen) == 2:  # the head ("a"), then d1's first event ("b")
+            rig.cluster.leave("d1")
 
-        body = await play(response, on_chunk=leave_after_b)
-        assert texts(body) == "abcd", limit
-        assert rig.workers.calls == served_by
-        assert total(parse_samples(rig.metrics.render().decode()),
-                     "pdserve_router_migrations_total", reason="drain") == (limit > 0)
-        assert rig.tracker.candidates([d1], {})[0].recently_failed is False
-        assert rig.in_flight() == {}
+    body = await play(response, on_chunk=leave_after_b)
+    assert texts(body) == "abcd"
+    assert rig.workers.calls == served_by
+    assert total(parse_samples(rig.metrics.render().decode()),
+                 "pdserve_router_migrations_total", reason="drain") == (limit > 0)
+    assert rig.tracker.candidates([d1], {})[0].recently_failed is False
+    assert rig.in_flight() == {}
