@@ -113,6 +113,7 @@ class ResumableStream:
         self._source_output = False
         self._relayed = False
         self._moves = 0
+        self._reader: asyncio.Task[None] | None = None
 
     def adopt(self, source: Source) -> None:
         """Start from an answer already open (the client's own request, its status read)."""
@@ -239,7 +240,7 @@ class ResumableStream:
         past the source's first output, a silence longer than the stall bound raises
         ``_Stalled``; before it, so does the worker no longer answering its probes."""
         queue: asyncio.Queue[object] = asyncio.Queue(READ_AHEAD)
-        reader = asyncio.create_task(self._read(source, queue))
+        reader = self._reader = asyncio.create_task(self._read(source, queue))
         floor = self.proxy.settings.stall_timeout_s
         try:
             while True:
@@ -284,6 +285,9 @@ class ResumableStream:
                     await queue.put(chunk)
         except httpx.HTTPError as exc:
             await queue.put(exc)
+            return
+        except Exception as exc:  # e.g. the connection closed under the read: a failed source
+            await queue.put(httpx.ReadError(f"reading the worker's stream failed: {exc!r}"))
             return
         await queue.put(_END)
 
@@ -374,6 +378,8 @@ class ResumableStream:
         if self._done:
             return
         self._done = True
+        if self._reader is not None:  # a client gone mid-stream may leave the body unclosed
+            self._reader.cancel()
         source, self.source = self.source, None
         clock, metrics = self.clock, self.proxy.metrics
         # Bookkeeping first: the await below may be interrupted by cancellation.
