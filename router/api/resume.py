@@ -218,7 +218,7 @@ class ResumableStream:
             await self._close(ok=False)
             if isinstance(exc, httpx.HTTPError) and not self._source_output:
                 allow_same_worker_retry(exc, source.worker, tried, retried)
-            if not (journal.resumable or not self._relayed):  # neither continue nor resend
+            if self._relayed and not journal.resumable:  # neither continue nor resend
                 yield self._fail(err, "not_resumable")
                 return
             if not self._source_output:  # nothing reached the client from it: a retry
