@@ -15,9 +15,15 @@ class ConnectorConfig:
     """Settings of one connector instance; every field has a laptop-friendly default."""
 
     transport: str = "ucx"
-    """KV wire: ``ucx`` (our UCX RMA engine with the same-host path) or ``nixl`` (NIXL READs
-    and notifications, see :mod:`kvtransfer.transport.nixl`); the lease protocol is the same
-    (PDSERVE_KV_TRANSPORT)."""
+    """KV wire: ``ucx`` (our UCX RMA engine with the same-host path), ``tcp`` (sealed:
+    authenticated connections and server-checked pulls, :mod:`kvtransfer.transport.tcp`; the
+    wire for networks others share) or ``nixl`` (NIXL READs and notifications, see
+    :mod:`kvtransfer.transport.nixl`); the lease protocol is the same (PDSERVE_KV_TRANSPORT)."""
+    tcp_host: str = "127.0.0.1"
+    """``tcp`` transport: the address its listener binds (the worker's ``--host``)."""
+    tcp_advertise_host: str | None = None
+    """``tcp`` transport: the host peers dial (the worker's ``--advertise-host``); None: the
+    bind address, or for a wildcard the host name's addresses, then loopback."""
     lease_s: float = 30.0
     """How long a prefill worker keeps a finished request's blocks for a decode pull."""
     pull_timeout_s: float = 20.0
@@ -71,6 +77,18 @@ class ConnectorConfig:
                 "pvm_chunk_kib": self.pvm_chunk_kib, "thp": self.thp,
                 "wakeup": self.ucx_wakeup, "spin_us": self.ucx_spin_us}
 
+    def tcp_options(self) -> dict[str, Any]:
+        """Keyword arguments of `kvtransfer.transport.tcp.TcpEngine`: where to listen, and the
+        cluster secrets that connections must prove (re-read on change, like signing's)."""
+        keys = None
+        if self.signing_keys_file:
+            from kvtransfer.signing import KeyringFile
+
+            keyring = KeyringFile(self.signing_keys_file)
+            keys = lambda: keyring.current().wire_keys  # noqa: E731
+        return {"bind_host": self.tcp_host, "advertise_host": self.tcp_advertise_host,
+                "keys": keys}
+
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None,
                           environ: Mapping[str, str] | None = None) -> ConnectorConfig:
@@ -98,7 +116,7 @@ class ConnectorConfig:
 
 
 THP_MODES = ("collapse", "advise", "off")
-TRANSPORTS = ("ucx", "nixl")
+TRANSPORTS = ("ucx", "tcp", "nixl")
 
 
 def _flag(value: str) -> bool:

@@ -89,6 +89,12 @@ class Keyring:
         return tuple(worker_api_key(s) for s in self.secrets)
 
     @property
+    def wire_keys(self) -> tuple[bytes, ...]:
+        """The sealed KV wire's hello keys, one derived from each secret (first one proves)."""
+        return tuple(hmac.new(s, b"pdserve-kv-wire", hashlib.sha256).digest()
+                     for s in self.secrets)
+
+    @property
     def key_ids(self) -> tuple[str, ...]:
         """Public ids of the secrets (safe to log)."""
         return tuple(_key_id(s) for s in self.secrets)

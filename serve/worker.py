@@ -65,7 +65,7 @@ class WorkerSettings:
     lease_s: float = shared.default("kv_lease_s")
     pull_timeout_s: float = shared.default("kv_pull_timeout_s")
     kv_transport: str = "ucx"
-    """KV wire of the connector: ``ucx`` or ``nixl`` (kvtransfer.transport.base)."""
+    """KV wire of the connector: ``ucx``, ``tcp`` or ``nixl`` (kvtransfer.transport.base)."""
     kv_cache_gib: float = 1.0
     max_model_len: int | None = None
     heartbeat_ttl_s: float = 10.0
@@ -159,10 +159,18 @@ def kv_transfer_config(engine_id: str, *, lease_s: float, pull_timeout_s: float,
                        corrupt_pulled_kv_file: str | None = None,
                        timeline_file: str | None = None,
                        signing_keys_file: str | None = None,
-                       transport: str = "ucx") -> dict:
-    """The ``--kv-transfer-config`` that loads our connector (both roles; recompute on failure)."""
+                       transport: str = "ucx", host: str = "127.0.0.1",
+                       advertise_host: str | None = None) -> dict:
+    """The ``--kv-transfer-config`` that loads our connector (both roles; recompute on failure).
+
+    ``host`` / ``advertise_host`` are the worker's: the sealed ``tcp`` wire listens where the
+    worker's HTTP server does and is dialled where the router reaches it."""
     extra: dict[str, object] = {"lease_s": lease_s, "pull_timeout_s": pull_timeout_s,
                                 "transport": transport}
+    if transport == "tcp":
+        extra["tcp_host"] = host
+        if advertise_host:
+            extra["tcp_advertise_host"] = advertise_host
     if signing_keys_file:
         extra["signing_keys_file"] = signing_keys_file
     if handshake_file:
@@ -322,7 +330,7 @@ class WorkerLauncher:
             self.engine_id, lease_s=s.lease_s, pull_timeout_s=s.pull_timeout_s,
             handshake_file=self.handshake_file, corrupt_pulled_kv_file=s.corrupt_pulled_kv_file,
             timeline_file=s.timeline_file, signing_keys_file=keyring,
-            transport=s.kv_transport)
+            transport=s.kv_transport, host=s.host, advertise_host=s.advertise_host)
         device = vllm_device()
         # first, so that the operator's own extra vLLM arguments override it
         extra = (*kv_cache_options(s.kv_cache_gib, device)[1], *s.extra_vllm_args)
@@ -446,9 +454,11 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         "set it when --host is 0.0.0.0, e.g. to the container or pod IP")
     parser.add_argument("--served-model-name", default=env("PDSERVE_WORKER_SERVED_MODEL_NAME"))
     shared.add_arguments(parser, "worker")
-    parser.add_argument("--kv-transport", choices=["ucx", "nixl"],
+    parser.add_argument("--kv-transport", choices=["ucx", "tcp", "nixl"],
                         default=env("PDSERVE_KV_TRANSPORT", "ucx"),
-                        help="KV wire: ucx (default; same-host reads, UCX RMA) or nixl (NIXL "
+                        help="KV wire: ucx (default; same-host reads, UCX RMA: keep its "
+                             "network to workers only), tcp (sealed: authenticated, "
+                             "server-checked pulls; for networks others share) or nixl (NIXL "
                              "READs, e.g. its InfiniBand/EFA UCX on GPU nodes); same leases")
     parser.add_argument("--kv-cache-gib", type=float,
                         default=float(env("PDSERVE_WORKER_KV_CACHE_GIB", "1")))

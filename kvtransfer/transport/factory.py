@@ -22,6 +22,10 @@ def open_transport(config: ConnectorConfig, *, label: str,
         from kvtransfer.transport.ucx import UcxEngine
 
         return UcxEngine(name=label, **config.ucx_options())
+    if config.transport == "tcp":
+        from kvtransfer.transport.tcp import TcpEngine
+
+        return TcpEngine(name=label, **config.tcp_options())
     if config.transport == "nixl":
         from kvtransfer.transport.nixl import NixlEngine
 

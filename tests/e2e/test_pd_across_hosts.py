@@ -1,11 +1,13 @@
-"""P/D with prefill and decode on different "hosts": the KV crosses a veth pair over UCX's tcp.
+"""P/D with prefill and decode on different "hosts": the KV crosses a veth pair, on the sealed
+tcp wire (`--kv-transport tcp`, what Compose and Kubernetes ship) and on UCX's tcp.
 
 `bench.netns.host_pair()` gives two network + pid namespaces joined by a veth pair. Host a runs
 Redis, the router and the prefill worker; host b runs the decode worker. Neither shared memory
 lanes (`UCX_TLS=tcp`, as between machines without RDMA), cma nor our process_vm_readv path
-(another pid namespace) can carry the KV, so every pull goes over the wire. A client inside
-host a sends the prompts (the test process cannot reach the namespaces' addresses); the outputs
-must equal plain vLLM's, token for token.
+(another pid namespace) can carry the KV, so every pull goes over the wire. On the sealed wire
+the decode must also prove the cluster secret to the prefill before it may ask for a block. A
+client inside host a sends the prompts (the test process cannot reach the namespaces'
+addresses); the outputs must equal plain vLLM's, token for token.
 """
 
 from __future__ import annotations
@@ -95,8 +97,9 @@ def hosts() -> Iterator[tuple[Host, Host]]:
         yield pair
 
 
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
 def test_pd_across_hosts_matches_plain(hosts: tuple[Host, Host], tiny_model_dir: Path,
-                                       plain: Plain, tmp_path: Path) -> None:
+                                       plain: Plain, tmp_path: Path, transport: str) -> None:
     a, b = hosts
     prompts = make_prompts(tiny_model_dir, LENGTHS, seed=7, tag="across-hosts")
     keyring = tmp_path / "keyring"
@@ -112,7 +115,7 @@ def test_pd_across_hosts_matches_plain(hosts: tuple[Host, Host], tiny_model_dir:
                 "--model", str(tiny_model_dir), "--served-model-name", SERVED_NAME,
                 "--redis-url", redis_url, "--host", "0.0.0.0", "--port", str(port),
                 "--advertise-host", host.ip, "--kv-lease-s", str(TRANSFER_TIMEOUT_S),
-                "--kv-pull-timeout-s", str(TRANSFER_TIMEOUT_S)]
+                "--kv-pull-timeout-s", str(TRANSFER_TIMEOUT_S), "--kv-transport", transport]
 
     logs = {name: tmp_path / f"{name}.log" for name in ("redis", "prefill", "decode", "router")}
     procs = []
@@ -164,5 +167,8 @@ def test_pd_across_hosts_matches_plain(hosts: tuple[Host, Host], tiny_model_dir:
             "leases_released": n, "leases_expired": 0}
     assert seen == want, _transfer_lines(logs)
     assert delta(decode, "pdserve_kv_pulled_bytes_total") > 0
+    connected = [line for line in logs["decode"].read_text(errors="replace").splitlines()
+                 if "connected to engine" in line]
+    assert connected and all(f" over {transport}" in line for line in connected), connected
     assert delta(decode, "vllm:prompt_tokens_by_source_total",
                  source="external_kv_transfer") >= prompt_tokens - n
