@@ -21,6 +21,10 @@ are medians over `--repeats` timed pulls after one warm-up pull whose bytes are 
 pull is `--small-blocks` scattered blocks per layer and K/V half (one op each), timed
 `--small-repeats` times: p50/p99 microseconds.
 
+On `default` and `tcp` the sealed tcp transport (`--kv-transport tcp`: authenticated
+connection, server-checked pulls; no same-host path) pulls the same list too (`--no-sealed`
+skips it); its server listens on the server side's address.
+
 Each figure is printed with the load average and the cores each process may run on
 (bench/placement.py); the JSON (`--json PATH`) holds, per wire, ours_gbps, nixl_gbps,
 memcpy_gbps, ratio_vs_nixl, ratio_vs_memcpy, message_bytes, the block geometry and the small-pull
@@ -72,6 +76,9 @@ WIRE_SETUP: dict[str, tuple[dict[str, Any], dict[str, str], dict[str, str], bool
     "tcp": ({}, {"UCX_TLS": "tcp"}, {"UCX_TLS": "tcp"}, True),
 }
 EXPECTED_PATH = {"same-host": "pvm", "default": "ucx", "tcp": "ucx"}
+SEALED_WIRES = ("default", "tcp")
+"""Wires the sealed tcp transport is measured on too (on `default` it runs over loopback; it
+has no same-host path, so `same-host` would measure the same)."""
 
 
 @dataclass(frozen=True)
@@ -299,6 +306,19 @@ def run_wire(wire: str, args: argparse.Namespace, layout: Layout, runs: list[Any
                    ours_loadavg=ours["loadavg"], ours_placement=ours["placement"],
                    ratio_vs_memcpy=round(rate / mem, 3))
         rec["small_pull"]["ours"] = _percentiles_us(ours["small_times"])
+        if wire in SEALED_WIRES and not args.no_sealed:
+            host_ip = hosts[0].ip if hosts else "127.0.0.1"
+            sealed = run_pair("sealed", {**spec, "bind_host": host_ip, "advertise_host": host_ip},
+                              {}, hosts, args.pin)
+            if not sealed["ok"]:
+                raise SystemExit(f"{wire}: the sealed tcp transport pulled wrong bytes")
+            srate = gbps(nbytes, sealed["times"])
+            logger.info("%-9s sealed %5.2f GB/s (%s; path %s, %d ops)  [%s]", wire, srate,
+                        _spread(nbytes, sealed["times"]), sealed["path"], sealed["ops"],
+                        _describe(sealed))
+            rec.update(sealed_gbps=round(srate, 3), sealed_loadavg=sealed["loadavg"],
+                       sealed_placement=sealed["placement"])
+            rec["small_pull"]["sealed"] = _percentiles_us(sealed["small_times"])
         if not args.no_nixl and importlib.util.find_spec("nixl") is not None:
             nixl = run_pair("nixl", spec, {**nixl_env, **_kv(args.nixl_env)}, hosts, args.pin)
             if not nixl["ok"]:
@@ -308,6 +328,8 @@ def run_wire(wire: str, args: argparse.Namespace, layout: Layout, runs: list[Any
                         _spread(nbytes, nixl["times"]), _describe(nixl))
             rec.update(nixl_gbps=round(nrate, 3), ratio_vs_nixl=round(rate / nrate, 3),
                        nixl_loadavg=nixl["loadavg"], nixl_placement=nixl["placement"])
+            if "sealed_gbps" in rec:
+                rec["sealed_ratio_vs_nixl"] = round(rec["sealed_gbps"] / nrate, 3)
             rec["small_pull"]["nixl"] = _percentiles_us(nixl["small_times"])
         else:
             logger.warning("NIXL not measured (pip install --no-deps nixl nixl-cu12)")
@@ -339,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="directory of a _ucxrma build to use (python -m kernels.native.build "
                              "--ucx nixl --out DIR); default: the package's")
     parser.add_argument("--no-nixl", action="store_true")
+    parser.add_argument("--no-sealed", action="store_true",
+                        help="skip the sealed tcp transport (measured on default and tcp)")
     parser.add_argument("--pin", action="store_true", help="server on core 0, client on core 1")
     parser.add_argument("--json", type=Path, help="write the per-wire records here")
     args = parser.parse_args(argv)
@@ -363,10 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     out = {wire: run_wire(wire, args, layout, runs, small_runs, mem) for wire in wires}
     logger.info("--")
     for wire, rec in out.items():
-        logger.info("%-9s ours %.2f GB/s | NIXL %s | memcpy %.2f GB/s | ours/NIXL %s | "
-                    "ours/memcpy %.2f", wire, rec["ours_gbps"],
+        logger.info("%-9s ours %.2f GB/s | sealed %s | NIXL %s | memcpy %.2f GB/s | ours/NIXL %s"
+                    " | sealed/NIXL %s | ours/memcpy %.2f", wire, rec["ours_gbps"],
+                    f"{rec['sealed_gbps']:.2f} GB/s" if "sealed_gbps" in rec else "-",
                     f"{rec['nixl_gbps']:.2f} GB/s" if rec["nixl_gbps"] else "-",
-                    rec["memcpy_gbps"], rec["ratio_vs_nixl"] or "-", rec["ratio_vs_memcpy"])
+                    rec["memcpy_gbps"], rec["ratio_vs_nixl"] or "-",
+                    rec.get("sealed_ratio_vs_nixl") or "-", rec["ratio_vs_memcpy"])
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0

@@ -9,8 +9,10 @@ chatter cannot corrupt it). Roles:
           NIXL's agent metadata and addresses — then wait for the client's "done".
   client  receive the server's message, pull `runs` once (warm-up, bytes checked), `repeats`
           timed times, then the small pull `small_repeats` times; send the result.
-Backends: "ours" (kvtransfer.transport.UcxEngine with `engine_kwargs`) and "nixl" (NIXL READ
-over its UCX backend). UCX_* settings arrive in the environment, set by the driver.
+Backends: "ours" (kvtransfer.transport.UcxEngine with `engine_kwargs`), "sealed" (our sealed
+tcp transport, kvtransfer.transport.tcp.TcpEngine, both sides proving one bench secret; the
+server listens on `bind_host` and advertises `advertise_host`) and "nixl" (NIXL READ over its
+UCX backend). UCX_* settings arrive in the environment, set by the driver.
 """
 
 from __future__ import annotations
@@ -98,35 +100,78 @@ def _ours_server(ch: Channel, spec: dict[str, Any]) -> None:
 
 
 def _ours_client(ch: Channel, spec: dict[str, Any]) -> None:
-    from kernels import native
     from kvtransfer.transport import UcxEngine
 
     address, locality, meta = ch.recv()
     engine = UcxEngine(name="bench-decode", **spec["engine_kwargs"])
+    _pull_and_report(ch, spec, engine, engine.connect(address, locality), meta)
+
+
+def _pull_and_report(ch: Channel, spec: dict[str, Any], engine: Any, peer: Any,
+                     meta: list[tuple[int, bytes]]) -> None:
+    """The client's measurement on a connected transport (ours or sealed): warm-up pull with
+    its bytes checked, timed pulls, the small pull; sends the result and closes ``engine``."""
+    from kernels import native
+
     dsts = [np.ones(spec["local_region_bytes"], np.uint8) for _ in range(spec["layers"])]
     for d in dsts:
         engine.register(d.ctypes.data, d.nbytes, keepalive=d)
-    peer = engine.connect(address, locality)
     rkeys = [peer.unpack_rkey(rk, base=addr, length=spec["region_bytes"]) for addr, rk in meta]
 
     def ops_of(runs: list[Run]) -> np.ndarray:
         return np.array([(dsts[layer].ctypes.data + lo, meta[layer][0] + ro, n, rkeys[layer])
                          for layer, lo, ro, n in runs], dtype=np.uint64)
 
+    def pull(ops: np.ndarray) -> Any:
+        transfer = peer.get(ops)
+        transfer.wait(120)
+        if transfer.poll() != "done":
+            raise RuntimeError(f"pull failed: {transfer.error}")
+        return transfer
+
     big, small = ops_of(spec["runs"]), ops_of(spec["small_runs"])
-    warm = peer.get(big)
-    warm.wait(120)
+    warm = pull(big)
     ok = checksum(dsts, spec["runs"]) == expected_checksum(spec["region_bytes"], spec["runs"])
-    times = _timed(lambda: peer.get(big).wait(120), spec["repeats"])
-    peer.get(small).wait(120)
+    times = _timed(lambda: pull(big), spec["repeats"])
+    pull(small)
     small_ok = (checksum(dsts, spec["small_runs"])
                 == expected_checksum(spec["region_bytes"], spec["small_runs"]))
-    small_times = _timed(lambda: peer.get(small).wait(120), spec["small_repeats"])
-    info = native.runtime_info()
+    small_times = _timed(lambda: pull(small), spec["small_repeats"])
     ch.send({"ok": ok and small_ok, "times": times, "small_times": small_times,
-             "ops": len(big), "path": warm.path, "path_reason": peer.path_reason,
-             "ucx": info})
+             "ops": len(big), "path": getattr(warm, "path", None) or peer.path,
+             "path_reason": peer.path_reason,
+             "ucx": native.runtime_info() if spec["backend"] == "ours" else {}})
     engine.close()
+
+
+# --------------------------------------------------------------------------- sealed tcp
+
+SEALED_KEY = b"bench-only-secret-not-for-a-cluster"
+
+
+def _sealed_server(ch: Channel, spec: dict[str, Any]) -> None:
+    from kvtransfer.transport.tcp import TcpEngine
+
+    engine = TcpEngine(name="bench-prefill", bind_host=spec["bind_host"],
+                       advertise_host=spec["advertise_host"], keys=lambda: [SEALED_KEY])
+    bufs, meta = [], []
+    for layer in range(spec["layers"]):
+        buf = np.empty(spec["region_bytes"], np.uint8)
+        fill(buf, layer)
+        reg = engine.register(buf.ctypes.data, buf.nbytes, keepalive=buf)
+        bufs.append(buf)
+        meta.append((reg.addr, reg.rkey))
+    ch.send((engine.address, engine.locality, meta))
+    ch.recv()  # the client is done
+    engine.close()
+
+
+def _sealed_client(ch: Channel, spec: dict[str, Any]) -> None:
+    from kvtransfer.transport.tcp import TcpEngine
+
+    address, _, meta = ch.recv()
+    engine = TcpEngine(name="bench-decode", keys=lambda: [SEALED_KEY])
+    _pull_and_report(ch, spec, engine, engine.connect(address), meta)
 
 
 # --------------------------------------------------------------------------- NIXL
@@ -194,6 +239,8 @@ def _nixl_client(ch: Channel, spec: dict[str, Any]) -> None:
 ROLES = {
     ("ours", "server"): _ours_server,
     ("ours", "client"): _ours_client,
+    ("sealed", "server"): _sealed_server,
+    ("sealed", "client"): _sealed_client,
     ("nixl", "server"): _nixl_server,
     ("nixl", "client"): _nixl_client,
 }

@@ -148,14 +148,20 @@ def views_for(ops: NDArray[np.uint64], regions: Sequence[tuple[int, memoryview]]
               ) -> list[memoryview]:
     """Slices of registered memory for (address, length) rows, each inside one region (the
     caller checked); ``regions`` are (base, view of the whole region)."""
+    if not len(ops):
+        return []
+    ordered = sorted(regions, key=lambda r: r[0])
+    bases = np.array([base for base, _ in ordered], dtype=np.uint64)
+    which = np.searchsorted(bases, ops[:, 0], side="right") - 1
+    if (which < 0).any():
+        raise ValueError("a range starts below every registered region")
+    offsets = (ops[:, 0] - bases[which]).tolist()
     out = []
-    for addr, n in ops.tolist():
-        for base, view in regions:
-            if base <= addr and addr + n <= base + len(view):
-                out.append(view[addr - base: addr - base + n])
-                break
-        else:
-            raise ValueError(f"range {addr:#x}+{n} is in no registered region")
+    for k, off, n in zip(which.tolist(), offsets, ops[:, 1].tolist(), strict=True):
+        view = ordered[k][1]
+        if off + n > len(view):
+            raise ValueError(f"range at offset {off}+{n} leaves its registered region")
+        out.append(view[off: off + n])
     return out
 
 

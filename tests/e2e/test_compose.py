@@ -301,6 +301,10 @@ def test_stream_goes_prefill_pull_decode(cluster: Cluster) -> None:
     eventually(lambda: cluster.metrics(prefill),
                lambda m: m.get("pdserve_kv_leases_released_total", 0)
                > before_p.get("pdserve_kv_leases_released_total", 0), timeout_s=30)
+    # ... over the sealed tcp wire, Compose's default (docs/security.md), not UCX
+    logs = cluster.compose("logs", "--no-color", "decode", check=False).stdout
+    connected = [line for line in logs.splitlines() if "connected to engine" in line]
+    assert connected and all(" over tcp" in line for line in connected), connected[-5:]
 
 
 REDIS_AUTH = 'REDISCLI_AUTH="$(cat /run/pdserve-secrets/redis/password)"'

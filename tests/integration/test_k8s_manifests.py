@@ -168,7 +168,8 @@ def test_workers_probe_health_drain_and_advertise_pod_ip(
             assert env["PDSERVE_KV_TRANSPORT"]["value"] == "nixl"
             assert env["PDSERVE_WORKER_KV_CACHE_GIB"]["value"] == "8"
         else:
-            assert "PDSERVE_KV_TRANSPORT" not in env  # the default: our UCX engine
+            # pods share the cluster network: the sealed tcp wire, not UCX's software RMA
+            assert env["PDSERVE_KV_TRANSPORT"]["value"] == "tcp"
             assert "nvidia.com/gpu" not in limits
             assert c["image"] == "pdserve:cpu"
             assert env["VLLM_CPU_KVCACHE_SPACE"]["value"] == "1"
