@@ -335,8 +335,10 @@ def run_wire(wire: str, args: argparse.Namespace, layout: Layout, runs: list[Any
             logger.warning("NIXL not measured (pip install --no-deps nixl nixl-cu12)")
             rec.update(nixl_gbps=None, ratio_vs_nixl=None)
     sp = rec["small_pull"]
-    logger.info("%-9s small pull (%d ops, %d KiB): ours p50 %.0f us p99 %.0f us%s", wire,
+    logger.info("%-9s small pull (%d ops, %d KiB): ours p50 %.0f us p99 %.0f us%s%s", wire,
                 sp["ops"], small_bytes >> 10, sp["ours"]["p50_us"], sp["ours"]["p99_us"],
+                f" | sealed p50 {sp['sealed']['p50_us']:.0f} us p99 "
+                f"{sp['sealed']['p99_us']:.0f} us" if "sealed" in sp else "",
                 f" | NIXL p50 {sp['nixl']['p50_us']:.0f} us p99 {sp['nixl']['p99_us']:.0f} us"
                 if "nixl" in sp else "")
     return rec

@@ -126,6 +126,9 @@ QUIET_ENV = {
 }
 """Children's environment of a quiet start (each variable only where the user set none)."""
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+"""Hosts for which `pdserve up` confines the workers' UCX to the loopback interface."""
+
 STABLE_S = 60.0
 """A child that ran this long before crashing starts its backoff again from the first step."""
 
@@ -189,6 +192,10 @@ class Cluster:
         env = dict(os.environ)
         if self.settings.quiet_workers:
             env.update({name: value for name, value in QUIET_ENV.items() if name not in env})
+        if self.settings.host in LOOPBACK_HOSTS and "UCX_NET_DEVICES" not in env:
+            # UCX over tcp serves RMA to whoever reaches its port (docs/security.md): a cluster
+            # on loopback keeps UCX's listeners there too, off every other interface
+            env["UCX_NET_DEVICES"] = "lo"
         if env.get("PDSERVE_CLUSTER_SECRET") or env.get("PDSERVE_CLUSTER_SECRET_FILE"):
             return env
         self._secret_dir = tempfile.TemporaryDirectory(prefix="pdserve-cluster-")

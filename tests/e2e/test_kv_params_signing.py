@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.e2e.test_pd_equivalence import complete
-from tests.support.cluster import SERVED_NAME, Cluster, Plain
+from tests.support.cluster import SERVED_NAME, Cluster, Plain, registered_records
 from tests.support.metrics import scrape, value
 from tests.support.prompts import make_prompts
 
@@ -162,3 +162,53 @@ def test_a_worker_port_serves_only_the_router(cluster: Cluster, workers: dict[st
                       timeout=120).status_code == 200
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200
+
+
+def _listening(pids: set[int], exclude_ports: frozenset[int] = frozenset()) -> set[str]:
+    """Addresses the processes ``pids`` accept TCP connections on (ports in
+    ``exclude_ports`` left out)."""
+    import psutil
+
+    return {conn.laddr.ip for conn in psutil.net_connections("tcp")
+            if conn.status == psutil.CONN_LISTEN and conn.pid in pids
+            and conn.laddr.port not in exclude_ports}
+
+
+def _non_loopback_ip() -> str | None:
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for addr in addrs:
+            if addr.family.name == "AF_INET" and not addr.address.startswith("127."):
+                return str(addr.address)
+    return None
+
+
+def test_a_loopback_cluster_keeps_its_ucx_off_every_other_interface(cluster: Cluster) -> None:
+    """UCX over tcp serves RMA to whoever reaches its port (security review finding 1), so
+    `pdserve up` on loopback confines the workers' UCX (UCX_NET_DEVICES=lo): no process of the
+    cluster listens beyond 127.0.0.1. Control: a UCX engine started without that setting
+    listens on the machine's other interface."""
+    import psutil
+
+    from kvtransfer.transport.ucx import UcxEngine
+
+    tree = {p.pid for p in psutil.Process(cluster.proc.pid).children(recursive=True)}
+    # the KV events publisher binds every interface (vLLM binds only wildcard endpoints;
+    # review finding 9, open): its ports are the ones the registry advertises
+    events = frozenset(int(w.kv_events_endpoint.rsplit(":", 1)[1])
+                       for w in registered_records(cluster) if w.kv_events_endpoint)
+    listening = _listening(tree, events)
+    assert listening and listening <= {"127.0.0.1"}, (
+        listening, [(c.pid, c.laddr) for c in psutil.net_connections("tcp")
+                    if c.status == psutil.CONN_LISTEN and c.pid in tree])
+    other = _non_loopback_ip()
+    if other is None:
+        pytest.skip("no interface besides loopback: the control cannot run")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("UCX_NET_DEVICES", raising=False)
+        engine = UcxEngine(name="control", same_host=False)
+    try:
+        assert other in _listening({psutil.Process().pid})
+    finally:
+        engine.close()
