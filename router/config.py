@@ -115,6 +115,11 @@ class RouterSettings:
     request_timeout_s: float = default("request_timeout_s")
     """Deadline of a request until its answer starts (prefill, pull and the decode's first
     byte; a whole non-streamed answer): 504 past it (0 = only the per-call timeouts)."""
+    max_concurrent_per_key: int = default("max_concurrent_per_key")
+    """Requests one API key (every client, without keys) may have in flight; 429 beyond
+    (0 = unbounded; ``router.api.limits``)."""
+    answer_deadline_s: float = default("answer_deadline_s")
+    """Longest an answer may run, stream included: then 504 or a final error event (0 = off)."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """Accepted ``Authorization: Bearer`` keys (``--api-key``, repeatable; ``PDSERVE_API_KEY``,
     comma-separated); empty = no authentication. ``/health`` and ``/metrics`` stay open."""
@@ -160,6 +165,7 @@ class RouterSettings:
                      "migration_limit", "stall_timeout_s", "max_in_flight_per_worker",
                      "admission_queue_slo_factor", "max_body_bytes",
                      "max_prompt_tokens", "max_output_tokens", "request_timeout_s",
+                     "max_concurrent_per_key", "answer_deadline_s",
                      "load_poll_interval_s", "disagg_min_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

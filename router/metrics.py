@@ -139,6 +139,11 @@ class RouterMetrics:
             "pdserve_router_rejected_requests_total",
             "Requests refused with 429 by admission control, by the pool that was full.",
             ["pool"], registry=r)
+        self.limited = Counter(
+            "pdserve_router_limited_requests_total",
+            "Requests stopped by a per-key limit: concurrency (429 before routing) or "
+            "deadline (the answer passed --answer-deadline-s).",
+            ["reason"], registry=r)
         self.tokenizer_fallbacks = Counter(
             "pdserve_router_tokenizer_fallbacks_total",
             "Requests placed by their text because the router could not tokenize them (no "

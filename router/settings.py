@@ -126,6 +126,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "504 when the answer has not started within this (prefill, pull, first decode "
             "byte; 0 = only the per-call timeouts)",
             deprecated_envs=("PDSERVE_ROUTER_REQUEST_TIMEOUT_S",), metavar="S"),
+    Setting("max_concurrent_per_key", 0, int,
+            "429 when an API key (every client, without keys) already has this many requests "
+            "in flight (0 = unbounded)", metavar="N"),
+    Setting("answer_deadline_s", 0.0, float,
+            "stop any answer still running after this (504, or an error event ending the "
+            "stream; 0 = no deadline)", metavar="S"),
     Setting("max_body_bytes", 8 * 1024 * 1024, int, "413 above this request body size",
             deprecated_envs=("PDSERVE_ROUTER_MAX_BODY_BYTES",), metavar="N"),
     Setting("max_prompt_tokens", 0, int,
@@ -150,7 +156,7 @@ ROUTER_FORWARDED = ("policy", "decode_policy", "ttft_slo_s", "tpot_slo_s",
                     "prefill_s_per_token",
                     "max_in_flight_per_worker", "admission_queue_slo_factor",
                     "request_timeout_s", "max_body_bytes", "max_prompt_tokens",
-                    "max_output_tokens")
+                    "max_output_tokens", "max_concurrent_per_key", "answer_deadline_s")
 """Router settings ``pdserve up`` takes and passes on to its router."""
 
 COMMANDS: dict[str, tuple[str, ...]] = {

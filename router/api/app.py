@@ -19,6 +19,7 @@ from router.api import first_token
 from router.api.auth import ApiKeyMiddleware, ApiKeys
 from router.api.context import SCOPE_KEY, RequestIdMiddleware, new_request_id
 from router.api.errors import error_response, install_error_handlers
+from router.api.limits import LimitsMiddleware
 from router.api.proxy import PDProxy
 from router.api.relay import RelayResponse, relay_body
 from router.api.schemas import (
@@ -538,6 +539,12 @@ def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None
                   openapi_url=None)
     app.state.router = service
     install_error_handlers(app)
+    if settings.max_concurrent_per_key > 0 or settings.answer_deadline_s > 0:
+        # inside the key check: only authenticated requests count against a key
+        app.add_middleware(LimitsMiddleware, max_concurrent=settings.max_concurrent_per_key,
+                           deadline_s=settings.answer_deadline_s,
+                           on_refused=lambda reason: service.metrics.limited.labels(
+                               reason=reason).inc())
     if settings.api_keys:
         admin = ApiKeys(settings.admin_api_keys) if settings.admin_api_keys else None
         app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(settings.api_keys), admin=admin)

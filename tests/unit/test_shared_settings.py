@@ -166,6 +166,8 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "max_in_flight_per_worker": ("7", 7),
     "admission_queue_slo_factor": ("3.5", 3.5),
     "request_timeout_s": ("9", 9.0),
+    "max_concurrent_per_key": ("4", 4),
+    "answer_deadline_s": ("600", 600.0),
     "max_body_bytes": ("4096", 4096),
     "max_prompt_tokens": ("300", 300),
     "max_output_tokens": ("40", 40),

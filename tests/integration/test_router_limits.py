@@ -1,0 +1,118 @@
+"""Per-key limits (security review finding 13): concurrency per API key and the answer deadline.
+
+Real router under uvicorn, real Redis, fake workers whose streams can stall mid-answer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from router.api.limits import KeyLimits
+from tests.fakes.fake_worker import FakeWorker
+from tests.support.router import calls, wait_metrics
+from tests.support.waiting import eventually
+
+BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 6}
+KEY_A, KEY_B = "sk-tenant-a-0000000000", "sk-tenant-b-0000000000"
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _stall(fakes: dict[str, FakeWorker], stall: bool) -> None:
+    for fake in fakes.values():
+        fake.mode = "stall_mid_stream" if stall else "ok"
+
+
+@contextmanager
+def _held_stream(client: httpx.Client, url: str, key: str) -> Iterator[httpx.Response]:
+    """A stream that has sent its first event and then hangs (its worker stalls), open for
+    the ``with`` block."""
+    with client.stream("POST", url + "/v1/completions", headers=_auth(key),
+                       json={**BODY, "stream": True}) as resp:
+        assert resp.status_code == 200
+        assert next(line for line in resp.iter_lines() if line.startswith("data: "))
+        yield resp
+
+
+def test_key_limits_count_per_client_and_release_on_leave() -> None:
+    limits = KeyLimits(2)
+    assert limits.try_enter("a") and limits.try_enter("a")
+    assert not limits.try_enter("a")  # third of a: refused, not counted
+    assert limits.in_flight("a") == 2
+    assert limits.try_enter("b")  # another client has its own budget
+    limits.leave("a")
+    assert limits.try_enter("a")
+    unbounded = KeyLimits(0)
+    assert all(unbounded.try_enter("a") for _ in range(100))
+
+
+def test_a_key_past_its_concurrency_gets_429_and_other_keys_do_not(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router(api_keys=(KEY_A, KEY_B), max_concurrent_per_key=1, stall_timeout_s=0)
+    _stall(fakes, True)
+    with httpx.Client(trust_env=False, timeout=30.0) as holder, \
+            _held_stream(holder, url, KEY_A):
+        _stall(fakes, False)
+        before = calls(fakes)
+        refused = client.post(url + "/v1/completions", headers=_auth(KEY_A), json=BODY)
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "concurrency_limit_exceeded"
+        assert calls(fakes) == before  # refused before any worker was asked
+        # control: the same request under another key is served at once
+        assert client.post(url + "/v1/completions", headers=_auth(KEY_B),
+                           json=BODY).status_code == 200
+    # the held stream's client went away: its slot is free again
+    eventually(lambda: client.post(url + "/v1/completions", headers=_auth(KEY_A),
+                                   json=BODY).status_code, lambda s: s == 200, timeout_s=10)
+    wait_metrics(client, url, ['pdserve_router_limited_requests_total{reason="concurrency"} 1.0'])
+
+
+def test_a_stream_past_the_answer_deadline_ends_with_an_error_event(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router(answer_deadline_s=1.5, stall_timeout_s=0, max_concurrent_per_key=1)
+    _stall(fakes, True)
+    with client.stream("POST", url + "/v1/completions", json={**BODY, "stream": True}) as resp:
+        assert resp.status_code == 200
+        events = [line[len("data: "):] for line in resp.iter_lines()
+                  if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "answer_deadline_exceeded"
+    assert any(json.loads(e).get("choices") for e in events[:-2])  # it had started
+    # an answer that never starts gets a 504
+    for fake in fakes.values():
+        fake.mode = "stall"
+    resp = client.post(url + "/v1/completions", json=BODY)
+    assert resp.status_code == 504
+    assert resp.json()["error"]["code"] == "answer_deadline_exceeded"
+    wait_metrics(client, url, ['pdserve_router_limited_requests_total{reason="deadline"} 2.0'])
+    # the stopped answers left nothing counted (limit 1) and the router serves on
+    _stall(fakes, False)
+    assert client.post(url + "/v1/completions", json=BODY).status_code == 200
+
+
+def test_without_limits_a_stalled_stream_is_not_cut(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str]) -> None:
+    """Negative control: the same stall with no deadline is still open after the deadline
+    above would have ended it, and a second request of the same client is served."""
+    url = start_router(stall_timeout_s=0)
+    _stall(fakes, True)
+    with httpx.Client(trust_env=False, timeout=httpx.Timeout(30.0, read=3.0)) as slow, \
+            slow.stream("POST", url + "/v1/completions", json={**BODY, "stream": True}) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        try:
+            rest = [line for line in lines if line]
+        except httpx.ReadTimeout:
+            rest = None  # still open, silent, 3 s in
+        assert rest is None, rest
+        _stall(fakes, False)
+        assert slow.post(url + "/v1/completions", json=BODY).status_code == 200
