@@ -88,6 +88,19 @@ class Keyring:
         sends the first, a worker accepts any (so no second secret is distributed)."""
         return tuple(worker_api_key(s) for s in self.secrets)
 
+    def mac(self, domain: bytes, data: bytes) -> str:
+        """HMAC-SHA256 (hex) of ``data`` under the signing secret, separated by ``domain`` from
+        every other use of the secret."""
+        return hmac.new(self.secrets[0], domain + b"\n" + data, hashlib.sha256).hexdigest()
+
+    def verify_mac(self, domain: bytes, data: bytes, mac: str) -> bool:
+        """Whether ``mac`` is `mac` of ``data`` under any secret (constant-time compares)."""
+        ok = False
+        for secret in self.secrets:
+            want = hmac.new(secret, domain + b"\n" + data, hashlib.sha256).hexdigest()
+            ok |= hmac.compare_digest(want, mac)
+        return ok
+
     @property
     def wire_keys(self) -> tuple[bytes, ...]:
         """The sealed KV wire's hello keys, one derived from each secret (first one proves)."""

@@ -33,6 +33,8 @@ from kvtransfer.signing import (
     ENV_API_KEYRING_FILE,
     ENV_SECRET,
     KeyringFile,
+    current,
+    keyring_source,
     secret_from_env,
 )
 from router import settings as shared
@@ -365,12 +367,16 @@ class WorkerLauncher:
         async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
             models = (await client.get(f"{self.url}/v1/models")).json()["data"]
         max_len = int(models[0].get("max_model_len") or self.settings.max_model_len or 0)
-        return WorkerRecord(worker_id=self.worker_id, role=self.settings.role,  # type: ignore[arg-type]
-                            model=self.served_name, model_path=self.settings.model,
-                            http_url=self.advertised_url, engine_id=self.engine_id,
-                            ucx_address=base64.b64encode(address).decode(),
-                            max_model_len=max_len, started_at=time.time(),
-                            kv_events_endpoint=self.settings.kv_events_endpoint)
+        record = WorkerRecord(worker_id=self.worker_id, role=self.settings.role,  # type: ignore[arg-type]
+                              model=self.served_name, model_path=self.settings.model,
+                              http_url=self.advertised_url, engine_id=self.engine_id,
+                              ucx_address=base64.b64encode(address).decode(),
+                              max_model_len=max_len, started_at=time.time(),
+                              kv_events_endpoint=self.settings.kv_events_endpoint)
+        # signed: routers with the cluster secret take no registration made without it
+        keyring = current(keyring_source(self.settings.cluster_secret,
+                                         self.settings.cluster_secret_file))
+        return record if keyring is None else record.signed(keyring)
 
     async def _drain(self, registry: WorkerRegistry) -> None:
         """Signalled: leave routing first (the registry's draining set: routers send nothing

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +14,8 @@ import httpx
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from kvtransfer.signing import keyring_source
+from kvtransfer.signing import Keyring, KeyringFile, keyring_source
+from kvtransfer.signing import current as current_keyring
 from router.api import first_token
 from router.api.auth import ApiKeyMiddleware, ApiKeys
 from router.api.context import SCOPE_KEY, RequestIdMiddleware, new_request_id
@@ -517,11 +518,23 @@ def _prompt_text(req: Any) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
+def _signed_by(source: KeyringFile | Keyring) -> Callable[[WorkerRecord], bool]:
+    """Trusts the registrations signed with the keyring ``source`` holds now."""
+    def trusted(record: WorkerRecord) -> bool:
+        keyring = current_keyring(source)
+        return keyring is not None and record.verified(keyring)
+    return trusted
+
+
 def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None) -> FastAPI:
     """Build the router app. Without ``cluster`` it reads membership from ``settings.redis_url``.
     The app starts and closes the cluster view in its lifespan."""
     if cluster is None:
-        registry = WorkerRegistry(settings.redis_url, prefix=settings.redis_prefix)
+        # with a keyring, only registrations signed with the cluster secret are members:
+        # Redis access alone cannot put a worker in front of the router's requests
+        source = keyring_source(settings.cluster_secret, settings.cluster_secret_file)
+        trust = None if source is None else _signed_by(source)
+        registry = WorkerRegistry(settings.redis_url, prefix=settings.redis_prefix, trust=trust)
         cluster = ClusterView(registry, refresh_interval_s=settings.refresh_interval_s)
     service = RouterService(settings, cluster)
 

@@ -12,15 +12,22 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, Literal
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from router.errors import RegistryError
 
+if TYPE_CHECKING:
+    from kvtransfer.signing import Keyring
+
 logger = logging.getLogger(__name__)
+
+RECORD_DOMAIN = b"pdserve-worker-record"
+"""Separates a registration's signature from every other use of the cluster secret."""
 
 TOMBSTONE_MS = 300_000
 """How long a deregistered worker's tombstone lives."""
@@ -51,6 +58,9 @@ class WorkerRecord:
     kv_events_endpoint: str = ""
     """ZMQ endpoint of the engine's KV cache events (``tcp://HOST:PORT``; ``pdserve worker
     --kv-events-port``), empty when it publishes none."""
+    signature: str = ""
+    """HMAC of every other field under the cluster secret (`signed`): routers with a keyring
+    ignore records without a valid one, so Redis access alone cannot register a worker."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -60,6 +70,18 @@ class WorkerRecord:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    def _signed_text(self) -> bytes:
+        return replace(self, signature="").to_json().encode()
+
+    def signed(self, keyring: Keyring) -> WorkerRecord:
+        """This record carrying the cluster's signature over all its other fields."""
+        return replace(self, signature=keyring.mac(RECORD_DOMAIN, self._signed_text()))
+
+    def verified(self, keyring: Keyring) -> bool:
+        """Whether a holder of the cluster secret wrote exactly this record."""
+        return bool(self.signature) and keyring.verify_mac(RECORD_DOMAIN, self._signed_text(),
+                                                           self.signature)
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> WorkerRecord:
@@ -86,9 +108,14 @@ def redacted_url(url: str) -> str:
 class WorkerRegistry:
     """Async client of the registry; every Redis failure is raised as :class:`RegistryError`."""
 
-    def __init__(self, redis_url: str, *, prefix: str = "pdserve", ttl_s: float = 10.0) -> None:
+    def __init__(self, redis_url: str, *, prefix: str = "pdserve", ttl_s: float = 10.0,
+                 trust: Callable[[WorkerRecord], bool] | None = None) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.trust = trust
+        """When set, `list` leaves out every record it refuses (a router with a keyring:
+        `WorkerRecord.verified`), logging each refused worker id once."""
+        self._refused: set[str] = set()
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.events_channel = f"{prefix}:events"
@@ -183,9 +210,17 @@ class WorkerRegistry:
             if raw is None:  # expired between SCAN and MGET
                 continue
             try:
-                records.append(WorkerRecord.from_json(raw))
+                record = WorkerRecord.from_json(raw)
             except (ValueError, KeyError, TypeError) as exc:
                 logger.warning("ignoring malformed registry entry %r: %s", key, exc)
+                continue
+            if self.trust is not None and not self.trust(record):
+                if record.worker_id not in self._refused:
+                    self._refused.add(record.worker_id)
+                    logger.warning("ignoring worker %s (%s): its registration is not signed "
+                                   "with the cluster secret", record.worker_id, record.http_url)
+                continue
+            records.append(record)
         return sorted(records, key=lambda r: r.worker_id)
 
     async def close(self) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvtransfer.signing import Keyring
 from router.state.registry import WorkerRecord, WorkerRegistry
 from serve.redis_server import start_redis
 from tests.support.cluster import SERVED_NAME, Cluster, Plain
@@ -94,7 +95,9 @@ def test_aggregated_mode_serves_the_openai_sdk(plain: Plain, tiny_model_dir: Pat
 
 def test_mixed_fleet_routes_each_request_to_a_complete_path(
         cluster: Cluster, plain: Plain, tiny_model_dir: Path) -> None:
-    record = _plain_record(plain, tiny_model_dir)
+    # signed with the cluster's secret: its router takes no registration made without it
+    record = _plain_record(plain, tiny_model_dir).signed(
+        Keyring.parse(cluster.keyring_file.read_text()))
     register(cluster.redis_url, [record], prefix="pdserve")
     try:
         eventually(lambda: httpx.get(f"{cluster.url}/health").json()["aggregated_workers"],

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvtransfer.protocol import Handshake
+from kvtransfer.signing import Keyring
 from router.state.registry import WorkerRecord
 from serve.redis_server import free_port
 
@@ -37,6 +38,9 @@ Mode = Literal[
     "stall",           # never answer (until the client gives up)
     "foreign_kv_params",  # prefill answers params naming another engine's UCX address
 ]
+
+FAKE_CLUSTER_SECRET = "fake-cluster-secret-0123456789abcdef"
+"""The secret fake workers sign their registrations with (routers started with it trust them)."""
 
 FAKE_UCX_ADDRESS = b"fake"
 """What every fake worker registers (and, unless told otherwise, hands out) as its UCX address."""
@@ -153,6 +157,8 @@ class FakeWorker:
     """vLLM load gauges its ``/metrics`` reports (running, waiting, kv_usage; 0 when unset)."""
     metrics_status: int = 200
     """HTTP status of ``/metrics`` (anything but 200 answers an empty error body)."""
+    cluster_secret: str | None = FAKE_CLUSTER_SECRET
+    """Signs its registration (`record`); None: unsigned."""
     _server: ServerThread | None = None
 
     def __post_init__(self) -> None:
@@ -168,11 +174,14 @@ class FakeWorker:
         return f"engine-{self.worker_id}"
 
     def record(self) -> WorkerRecord:
-        return WorkerRecord(worker_id=self.worker_id, role=self.role, model=self.model,
-                            model_path=self.model_path, http_url=self.url,
-                            engine_id=self.engine_id,
-                            ucx_address=base64.b64encode(FAKE_UCX_ADDRESS).decode(),
-                            max_model_len=self.max_model_len, started_at=1_700_000_000.0)
+        record = WorkerRecord(worker_id=self.worker_id, role=self.role, model=self.model,
+                              model_path=self.model_path, http_url=self.url,
+                              engine_id=self.engine_id,
+                              ucx_address=base64.b64encode(FAKE_UCX_ADDRESS).decode(),
+                              max_model_len=self.max_model_len, started_at=1_700_000_000.0)
+        if self.cluster_secret is None:
+            return record
+        return record.signed(Keyring.parse(self.cluster_secret))
 
     def start(self, port: int | None = None) -> FakeWorker:
         """Serve (on ``port``, e.g. the one it had before a restart; default a free one)."""

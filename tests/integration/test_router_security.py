@@ -8,12 +8,13 @@ from collections.abc import Callable
 import httpx
 
 from kvtransfer.signing import SIGNATURE_KEY, TARGET_KEY, Keyring, strip_signature
-from tests.fakes.fake_worker import FakeWorker
-from tests.support.router import calls
+from serve.redis_server import RedisServer
+from tests.fakes.fake_worker import FAKE_CLUSTER_SECRET, FakeWorker
+from tests.support.router import calls, deregister, register
 
 KEY = "sk-test-0123456789"
 ADMIN = "sk-admin-0123456789"
-SECRET = "cluster-secret-0123456789abcdef"
+SECRET = FAKE_CLUSTER_SECRET
 BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 4}
 
 
@@ -109,3 +110,34 @@ def test_a_prefill_answering_another_address_is_not_signed_for(
     assert "kv_transfer_params" not in sent.body
     assert 'pdserve_router_upstream_errors_total{kind="foreign_kv_params",role="prefill"} 1.0' \
         in client.get(url + "/metrics").text
+
+
+def test_a_registration_without_the_cluster_secret_gets_no_request(
+        fakes: dict[str, FakeWorker], redis_server: RedisServer,
+        start_router: Callable[..., str], client: httpx.Client) -> None:
+    """Security review finding 4: whoever can write Redis (the password) but lacks the
+    cluster secret registers a prefill, unsigned or signed with another secret; a router with
+    the secret never sends it a prompt nor lists it. Control: a router without a secret (an
+    insecure cluster) takes the same registration and routes to it."""
+    model_path = fakes["p0"].model_path
+    rogues = [FakeWorker("p-unsigned", "prefill", model_path=model_path,
+                         cluster_secret=None).start(),
+              FakeWorker("p-foreign", "prefill", model_path=model_path,
+                         cluster_secret="another-cluster-secret-0123456789").start()]
+    register(redis_server.url, [r.record() for r in rogues])
+    try:
+        url = start_router(cluster_secret=SECRET)
+        listed = {w["worker_id"] for w in client.get(url + "/workers").json()["data"]}
+        assert listed == set(fakes), listed
+        for _ in range(8):
+            assert client.post(url + "/v1/completions", json=BODY).status_code == 200
+        assert [len(r.requests) for r in rogues] == [0, 0]
+        assert sum(len(f.requests) for f in fakes.values() if f.role == "prefill") == 8
+        insecure = start_router()
+        for _ in range(8):
+            assert client.post(insecure + "/v1/completions", json=BODY).status_code == 200
+        assert all(len(r.requests) > 0 for r in rogues)  # round robin over four prefills
+    finally:
+        deregister(redis_server.url, [r.worker_id for r in rogues])
+        for rogue in rogues:
+            rogue.stop()
