@@ -52,10 +52,15 @@ class APIError(RouterError):
         self.headers = headers or {}
         """Extra response headers (``Retry-After`` of a 429)."""
 
+    @property
+    def public_message(self) -> str:
+        """What the client is told (``message`` may carry details only logs should)."""
+        return self.message
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "error": {
-                "message": self.message,
+                "message": self.public_message,
                 "type": self.type,
                 "param": self.param,
                 "code": self.code,
@@ -90,3 +95,9 @@ class UpstreamError(APIError):
         self.role = role
         self.kind = kind
         self.retryable = retryable
+
+    @property
+    def public_message(self) -> str:
+        """The role and the kind of failure only: worker ids (host names) and the worker's own
+        error text stay in the router's log (security review finding 21)."""
+        return f"a {self.role} worker failed ({self.kind.replace('_', ' ')})"

@@ -476,7 +476,7 @@ class PDProxy:
                 state["ok"] = False
                 err = upstream_error(role, worker, exc)
                 self._failed(worker, err)
-                event = {"error": {"message": f"decode failed mid-stream: {err.message}",
+                event = {"error": {"message": f"decode failed mid-stream: {err.public_message}",
                                    "type": "upstream_error", "param": None,
                                    "code": "upstream_stream_error"}}
                 sep = b"" if tail in (b"", b"\n\n") else b"\n\n"

@@ -362,7 +362,7 @@ class ResumableStream:
         if self._first_output.found or self.journal.committed:
             self.proxy.metrics.migrations_refused.labels(reason=why).inc()
         when = "decode failed mid-stream" if self._relayed else "decode failed"
-        event = {"error": {"message": f"{when}: {err.message}", "type": "upstream_error",
+        event = {"error": {"message": f"{when}: {err.public_message}", "type": "upstream_error",
                            "param": None, "code": "upstream_stream_error"}}
         return b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
 

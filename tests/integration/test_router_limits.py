@@ -6,8 +6,8 @@ Real router under uvicorn, real Redis, fake workers whose streams can stall mid-
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -29,17 +29,6 @@ def _stall(fakes: dict[str, FakeWorker], stall: bool) -> None:
         fake.mode = "stall_mid_stream" if stall else "ok"
 
 
-@contextmanager
-def _held_stream(client: httpx.Client, url: str, key: str) -> Iterator[httpx.Response]:
-    """A stream that has sent its first event and then hangs (its worker stalls), open for
-    the ``with`` block."""
-    with client.stream("POST", url + "/v1/completions", headers=_auth(key),
-                       json={**BODY, "stream": True}) as resp:
-        assert resp.status_code == 200
-        assert next(line for line in resp.iter_lines() if line.startswith("data: "))
-        yield resp
-
-
 def test_key_limits_count_per_client_and_release_on_leave() -> None:
     limits = KeyLimits(2)
     assert limits.try_enter("a") and limits.try_enter("a")
@@ -55,24 +44,31 @@ def test_key_limits_count_per_client_and_release_on_leave() -> None:
 def test_a_key_past_its_concurrency_gets_429_and_other_keys_do_not(
         fakes: dict[str, FakeWorker], start_router: Callable[..., str],
         client: httpx.Client) -> None:
-    url = start_router(api_keys=(KEY_A, KEY_B), max_concurrent_per_key=1, stall_timeout_s=0)
-    _stall(fakes, True)
-    with httpx.Client(trust_env=False, timeout=30.0) as holder, \
-            _held_stream(holder, url, KEY_A):
-        _stall(fakes, False)
-        before = calls(fakes)
+    # the held request waits on a prefill that never answers, until the prefill timeout
+    url = start_router(api_keys=(KEY_A, KEY_B), max_concurrent_per_key=1, prefill_timeout_s=15)
+    for fake in fakes.values():
+        fake.mode = "stall"
+    before = calls(fakes)
+    with httpx.Client(trust_env=False, timeout=60.0) as holder, \
+            ThreadPoolExecutor(1) as pool:
+        held = pool.submit(holder.post, url + "/v1/completions", headers=_auth(KEY_A), json=BODY)
+        eventually(lambda: calls(fakes), lambda now: now != before, timeout_s=10)
+        asked = calls(fakes)
         refused = client.post(url + "/v1/completions", headers=_auth(KEY_A), json=BODY)
         assert refused.status_code == 429, refused.text
         assert refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "concurrency_limit_exceeded"
-        assert calls(fakes) == before  # refused before any worker was asked
-        # control: the same request under another key is served at once
-        assert client.post(url + "/v1/completions", headers=_auth(KEY_B),
-                           json=BODY).status_code == 200
-    # the held stream's client went away: its slot is free again
-    eventually(lambda: client.post(url + "/v1/completions", headers=_auth(KEY_A),
-                                   json=BODY).status_code, lambda s: s == 200, timeout_s=10)
-    wait_metrics(client, url, ['pdserve_router_limited_requests_total{reason="concurrency"} 1.0'])
+        assert calls(fakes) == asked  # refused before any worker was asked
+        assert client.get(url + "/v1/models", headers=_auth(KEY_A)).status_code == 429
+        # control: another key is served at once (a request that needs no worker)
+        assert client.get(url + "/v1/models", headers=_auth(KEY_B)).status_code == 200
+        assert not held.done()
+        _stall(fakes, False)
+        held.result(timeout=60)  # the stalled prefill times out; a retry may then serve it
+    # the held request ended: its slot is free again
+    assert client.post(url + "/v1/completions", headers=_auth(KEY_A), json=BODY).status_code \
+        == 200
+    wait_metrics(client, url, ['pdserve_router_limited_requests_total{reason="concurrency"} 2.0'])
 
 
 def test_a_stream_past_the_answer_deadline_ends_with_an_error_event(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import httpx
+import pytest
 
 from kvtransfer.signing import SIGNATURE_KEY, TARGET_KEY, Keyring, strip_signature
 from serve.redis_server import RedisServer
@@ -141,3 +143,22 @@ def test_a_registration_without_the_cluster_secret_gets_no_request(
         deregister(redis_server.url, [r.worker_id for r in rogues])
         for rogue in rogues:
             rogue.stop()
+
+
+def test_a_failed_request_names_no_worker_and_quotes_no_worker_text(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str], client: httpx.Client,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Security review finding 21: when every worker fails, the client learns the role and
+    the kind of failure, not worker ids (pod host names) nor the worker's own error text;
+    the router's log keeps both (the control: the detail existed and was recorded)."""
+    for fake in fakes.values():
+        fake.mode = "error_500"
+    url = start_router()
+    with caplog.at_level(logging.WARNING):
+        resp = client.post(url + "/v1/completions", json=BODY)
+    assert resp.status_code >= 500, resp.text
+    message = resp.json()["error"]["message"]
+    assert "worker failed" in message, message
+    assert not any(wid in message for wid in fakes) and "injected failure" not in message
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "injected failure" in logged and any(wid in logged for wid in fakes)
