@@ -86,7 +86,12 @@ def _timed(once: Any, repeats: int) -> list[float]:
 def _ours_server(ch: Channel, spec: dict[str, Any]) -> None:
     from kvtransfer.transport import UcxEngine
 
-    engine = UcxEngine(name="bench-prefill", **spec["server_engine_kwargs"])
+    _serve_regions(ch, spec, UcxEngine(name="bench-prefill", **spec["server_engine_kwargs"]))
+
+
+def _serve_regions(ch: Channel, spec: dict[str, Any], engine: Any) -> None:
+    """The server's part on any transport: register `layers` patterned regions, send their
+    coordinates, wait for the client's "done", close ``engine``."""
     bufs, meta = [], []
     for layer in range(spec["layers"]):
         buf = np.empty(spec["region_bytes"], np.uint8)
@@ -152,18 +157,9 @@ SEALED_KEY = b"bench-only-secret-not-for-a-cluster"
 def _sealed_server(ch: Channel, spec: dict[str, Any]) -> None:
     from kvtransfer.transport.tcp import TcpEngine
 
-    engine = TcpEngine(name="bench-prefill", bind_host=spec["bind_host"],
-                       advertise_host=spec["advertise_host"], keys=lambda: [SEALED_KEY])
-    bufs, meta = [], []
-    for layer in range(spec["layers"]):
-        buf = np.empty(spec["region_bytes"], np.uint8)
-        fill(buf, layer)
-        reg = engine.register(buf.ctypes.data, buf.nbytes, keepalive=buf)
-        bufs.append(buf)
-        meta.append((reg.addr, reg.rkey))
-    ch.send((engine.address, engine.locality, meta))
-    ch.recv()  # the client is done
-    engine.close()
+    _serve_regions(ch, spec, TcpEngine(name="bench-prefill", bind_host=spec["bind_host"],
+                                       advertise_host=spec["advertise_host"],
+                                       keys=lambda: [SEALED_KEY]))
 
 
 def _sealed_client(ch: Channel, spec: dict[str, Any]) -> None:

@@ -60,22 +60,23 @@ class WireError(Exception):
     """The peer broke the protocol, failed the hello, or the connection ended."""
 
 
+def _mac(key: bytes | None, label: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of ``label`` and ``parts`` under ``key`` (zeros without a key)."""
+    if key is None:
+        return ZERO_MAC
+    return hmac.new(key, label + b"".join(parts), hashlib.sha256).digest()
+
+
 def client_mac(key: bytes | None, instance: bytes, server_nonce: bytes,
                client_nonce: bytes) -> bytes:
     """What the client sends to prove the secret (zeros without a key)."""
-    if key is None:
-        return ZERO_MAC
-    return hmac.new(key, b"pdkv-c" + instance + server_nonce + client_nonce,
-                    hashlib.sha256).digest()
+    return _mac(key, b"pdkv-c", instance, server_nonce, client_nonce)
 
 
 def server_mac(key: bytes | None, instance: bytes, server_nonce: bytes,
                client_nonce: bytes) -> bytes:
     """What the server answers to prove the same secret (zeros without a key)."""
-    if key is None:
-        return ZERO_MAC
-    return hmac.new(key, b"pdkv-s" + instance + client_nonce + server_nonce,
-                    hashlib.sha256).digest()
+    return _mac(key, b"pdkv-s", instance, client_nonce, server_nonce)
 
 
 def accepted_key(keys: Sequence[bytes], instance: bytes, server_nonce: bytes,
