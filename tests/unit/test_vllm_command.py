@@ -48,3 +48,38 @@ def test_every_flag_parses_with_vllms_own_serve_parser() -> None:
     assert config.kv_connector_extra_config == {
         "lease_s": 12.5, "pull_timeout_s": 3.0, "transport": "ucx",
         "handshake_file": "/tmp/hs.json", "signing_keys_file": "/tmp/keys"}
+
+
+def test_pdserve_vllm_args_come_after_ours_and_parse_as_vllm_flags() -> None:
+    """PDSERVE_VLLM_ARGS is split like a shell line and parsed by vLLM's parser after the
+    command line, so a flag given in both takes the environment's value."""
+    pytest.importorskip("vllm.entrypoints.cli.serve", reason="vLLM not installed")
+    from serve.vllm_cli import ENV_VLLM_ARGS, build_parser, env_args
+
+    extra = env_args({ENV_VLLM_ARGS: "--enforce-eager --max-num-seqs 4 "
+                                     "--distributed-executor-backend 'uni'"})
+    assert extra == ["--enforce-eager", "--max-num-seqs", "4",
+                     "--distributed-executor-backend", "uni"]
+    assert env_args({}) == [] and env_args({ENV_VLLM_ARGS: "  "}) == []
+    cmd = vllm_command(MODEL, "127.0.0.1", 8123, "served", None, None, ("--max-num-seqs", "8"))
+    parser, _ = build_parser()
+    args = parser.parse_args([*cmd[3:], *extra])
+    assert args.enforce_eager is True
+    assert args.max_num_seqs == 4
+    assert args.distributed_executor_backend == "uni"
+
+
+@pytest.mark.parametrize(("words", "in_process"), [
+    (["--distributed-executor-backend", "uni"], True),
+    (["--distributed-executor-backend=uni"], True),
+    (["--distributed-executor-backend", "mp"], False),
+    (["--distributed-executor-backend", "uni", "--distributed-executor-backend", "mp"], False),
+    (["--distributed-executor-backend=mp", "--distributed-executor-backend", "uni"], True),
+    (["--enforce-eager"], False),
+    (["--distributed-executor-backend"], False),
+])
+def test_the_in_process_worker_is_asked_by_the_last_backend_given(words: list[str],
+                                                                   in_process: bool) -> None:
+    from serve.vllm_cli import asks_in_process_worker
+
+    assert asks_in_process_worker(["serve", MODEL, *words]) is in_process

