@@ -69,6 +69,10 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gap-s", type=float, default=2.0,
                    help="mean random pause before each fault (uniform 0.5x..1.5x)")
     p.add_argument("--cpu-layout", choices=["auto", "float"], default="auto")
+    p.add_argument("--reference-url", default=None,
+                   help="a running plain vLLM server (same model, no connector) whose greedy "
+                        "outputs the completed requests must equal (default: start one after "
+                        "the run)")
     p.add_argument("--out", default="chaos-out", help="directory for summary.json")
 
 
@@ -142,22 +146,33 @@ async def stranded_workers(redis_url: str, timeout_s: float) -> dict[str, dict[s
             await asyncio.sleep(1.0)
 
 
-async def references(model: str, prompts: dict[int, str], max_tokens: int) -> dict[int, str]:
-    """Greedy outputs of a plain vLLM server (no connector) for ``prompts``."""
-    proc, url = start_plain_vllm(model, SERVED_NAME)
+async def references(model: str, prompts: dict[int, str], max_tokens: int,
+                     url: str | None = None) -> dict[int, str]:
+    """Greedy outputs of a plain vLLM server (no connector) for ``prompts``: the one at ``url``
+    (serving ``model`` under the name its ``/v1/models`` gives first), else one started here."""
+    proc = None
+    if url is None:
+        proc, url = start_plain_vllm(model, SERVED_NAME)
     try:
-        await wait_healthy(url, proc, 600.0)
-        out: dict[int, str] = {}
         async with httpx.AsyncClient(trust_env=False, timeout=120.0) as client:
+            if proc is not None:
+                await wait_healthy(url, proc, 600.0)
+                name = SERVED_NAME
+            else:
+                listed = await client.get(url + "/v1/models")
+                listed.raise_for_status()
+                name = listed.json()["data"][0]["id"]
+            out: dict[int, str] = {}
             for index, prompt in sorted(prompts.items()):
                 resp = await client.post(url + "/v1/completions", json={
-                    "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                    "model": name, "prompt": prompt, "max_tokens": max_tokens,
                     "temperature": 0, "ignore_eos": True})
                 resp.raise_for_status()
                 out[index] = resp.json()["choices"][0]["text"]
-        return out
+            return out
     finally:
-        await asyncio.to_thread(stop_process, proc)
+        if proc is not None:
+            await asyncio.to_thread(stop_process, proc)
 
 
 async def tally_router(url: str, tally: CounterTally, stop: asyncio.Event) -> None:
@@ -327,7 +342,7 @@ async def run_chaos(args: argparse.Namespace) -> int:
     model = cluster.model
     assert model is not None
     refs = await references(model, {o.prompt_index: prompts[o.prompt_index] for o in completed},
-                            args.max_tokens)
+                            args.max_tokens, args.reference_url)
     wrong = [o for o in completed if o.text != refs[o.prompt_index]]
     wrong_ids = {o.index for o in wrong}
     summary = summarize(faults, outcomes, wrong, stranded, dict(cluster.restarts),

@@ -18,18 +18,21 @@ import pytest
 
 from serve.chaos.faults import KINDS
 from serve.chaos.runner import stranded_workers
-from tests.support.cluster import SERVED_NAME, Cluster
+from tests.support.cluster import SERVED_NAME, Cluster, Plain
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def chaos(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any], str]:
+def chaos(tmp_path_factory: pytest.TempPathFactory, plain: Plain
+          ) -> tuple[int, dict[str, Any], str]:
     out = tmp_path_factory.mktemp("chaos")
     proc = subprocess.run(
         [sys.executable, "-m", "serve.cli", "chaos", "--faults", str(len(KINDS)),
          "--prefill", "1", "--decode", "1", "--rate", "1", "--lease-s", "6",
-         "--redis-outage-s", "4", "--gap-s", "1", "--seed", "7", "--out", str(out)],
+         "--redis-outage-s", "4", "--gap-s", "1", "--seed", "7", "--out", str(out),
+         # the session's plain server gives the reference outputs (no second one started)
+         "--reference-url", plain.url],
         capture_output=True, text=True, timeout=1500)
     summary_path = out / "summary.json"
     assert summary_path.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]

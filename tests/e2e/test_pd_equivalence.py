@@ -167,10 +167,17 @@ def test_decode_pulls_instead_of_recomputing(pd_cluster: Cluster, plain: Plain,
         prompt_tokens += ours["usage"]["prompt_tokens"]
     d1 = scrape(workers["decode"])
     n = len(fresh)
-    decisions = "pdserve_router_routing_decisions_total"
     r1 = scrape(cluster.url)
-    assert value(r1, decisions, role="prefill") - value(r0, decisions, role="prefill") == n
-    assert value(r1, decisions, role="decode") - value(r0, decisions, role="decode") == n
+
+    def routed(name: str, role: str) -> float:
+        return value(r1, name, role=role) - value(r0, name, role=role)
+
+    # One placement per request and role, plus one per retry: a pooled keep-alive connection
+    # the worker closed as the router reused it is retried, on the same worker (a CI run once
+    # counted 5 prefill placements for these 4 requests, every output still right).
+    for role in ("prefill", "decode"):
+        assert routed("pdserve_router_routing_decisions_total", role) == \
+            n + routed("pdserve_router_upstream_retries_total", role), role
 
     def delta(name: str, **labels: str) -> float:
         return value(d1, name, **labels) - value(d0, name, **labels)
