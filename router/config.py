@@ -61,7 +61,8 @@ class RouterSettings:
     an error event, as before)."""
     stall_timeout_s: float = 3.0
     """A stream whose worker sent output and then nothing for this long (or 25 times its
-    recent median gap, if longer) moves to another worker; 0 = only ``decode_timeout_s``."""
+    recent median gap, if longer) moves to another worker, and a request waiting on a worker
+    whose load probes went unanswered this long goes elsewhere; 0 = only the timeouts."""
     no_worker_wait_s: float = 5.0
     """An admitted request that finds its pool empty (membership changing: an evicted or
     restarting worker) waits this long for a worker before failing with 503."""

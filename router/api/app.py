@@ -82,6 +82,7 @@ class RouterService:
             self.loads = WorkerLoadPoller(
                 cluster, lambda: self.client, self.tracker.in_flight,
                 interval_s=settings.load_poll_interval_s,
+                silent_after_s=settings.stall_timeout_s,
                 on_failure=lambda role: self.metrics.load_scrape_failures.labels(role=role).inc())
         self.disagg = SelectiveDisaggregation(settings.disagg_min_prefill_tokens)
         context = PolicyContext(ttft_slo_s=settings.ttft_slo_s,

@@ -7,7 +7,9 @@ keeps the latest of those per worker; :meth:`router.state.load.LoadTracker.candi
 them into the snapshots the placement policies score.
 
 A worker whose scrape fails or is older than ``stale_after`` intervals reports nothing, and is
-scored on the router's own accounting alone.
+scored on the router's own accounting alone. A worker is *unresponsive* (requests waiting on it
+move elsewhere) once nothing listens on its port, or once its probes have gone unanswered for
+``silent_after_s``: one slow answer from a busy worker is not a stopped one.
 """
 
 from __future__ import annotations
@@ -61,6 +63,20 @@ def worker_load(samples: Samples, own_in_flight: int = 0, at_s: float = 0.0
                       scraped_at_s=at_s)
 
 
+@dataclass(frozen=True)
+class ProbeSilence:
+    """Since when a worker has left the router's load probes unanswered."""
+
+    since_s: float
+    """Monotonic time the first unanswered probe was sent."""
+    refused: bool
+    """The latest probe found nothing listening (the process is gone, not slow)."""
+
+    def unresponsive(self, now_s: float, silent_after_s: float) -> bool:
+        """Whether the worker counts as stopped: refused, or silent for ``silent_after_s``."""
+        return self.refused or now_s - self.since_s >= silent_after_s
+
+
 async def fetch_samples(client: httpx.AsyncClient, url: str, timeout_s: float) -> Samples:
     """Samples of ``url``/metrics; raises httpx.HTTPError or ValueError."""
     resp = await client.get(f"{url}/metrics", timeout=timeout_s)
@@ -82,7 +98,8 @@ class WorkerLoadPoller:
 
     def __init__(self, cluster: ClusterSource, client: Callable[[], httpx.AsyncClient | None],
                  own_in_flight: Callable[[str], int], *, interval_s: float = 1.0,
-                 stale_after: float = 3.0, on_failure: Callable[[str], None] | None = None,
+                 stale_after: float = 3.0, silent_after_s: float = 3.0,
+                 on_failure: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._cluster = cluster
         self._client = client
@@ -93,9 +110,11 @@ class WorkerLoadPoller:
         # short the interval: a busy worker is slow to answer, not unloaded
         self._timeout_s = max(interval_s, 1.0)
         self._max_age_s = stale_after * self._timeout_s
+        # never less than one probe's timeout: a single unanswered probe is not a stopped worker
+        self._silent_after_s = max(silent_after_s, self._timeout_s)
         self._clock = clock
         self._loads: dict[str, WorkerLoad] = {}
-        self._failing: set[str] = set()
+        self._failing: dict[str, ProbeSilence] = {}
         self._task: asyncio.Task[None] | None = None
 
     def loads(self) -> dict[str, WorkerLoad]:
@@ -105,26 +124,32 @@ class WorkerLoadPoller:
                 if now - load.scraped_at_s <= self._max_age_s}
 
     def unresponsive(self, worker_id: str) -> bool:
-        """Whether the worker's last load read failed (refused, timed out, or an error): a
-        stopped or wedged engine stops answering its ``/metrics`` too."""
-        return worker_id in self._failing
+        """Whether the worker stopped answering its load probes: nothing listens on its port,
+        or every probe for ``silent_after_s`` failed (a stopped or wedged engine stops
+        answering its ``/metrics`` too; a busy one answers late now and then)."""
+        silence = self._failing.get(worker_id)
+        return silence is not None and silence.unresponsive(self._clock(),
+                                                            self._silent_after_s)
 
     async def _poll_one(self, client: httpx.AsyncClient, worker: WorkerRecord) -> None:
         worker_id = worker.worker_id
+        sent_s = self._clock()
         try:
             samples = await fetch_samples(client, worker.http_url, timeout_s=self._timeout_s)
         except (httpx.HTTPError, ValueError) as exc:
             if self._on_failure is not None:
                 self._on_failure(worker.role)
-            if worker_id not in self._failing:  # log the transition, not every interval
-                self._failing.add(worker_id)
+            previous = self._failing.get(worker_id)
+            self._failing[worker_id] = ProbeSilence(
+                since_s=sent_s if previous is None else previous.since_s,
+                refused=isinstance(exc, httpx.ConnectError))
+            if previous is None:  # log the transition, not every interval
                 logger.warning("cannot read load of %s: %r", worker_id, exc)
             return
         load = worker_load(samples, self._own_in_flight(worker_id), self._clock())
         if load is not None:
             self._loads[worker_id] = load
-            if worker_id in self._failing:
-                self._failing.discard(worker_id)
+            if self._failing.pop(worker_id, None) is not None:
                 logger.info("load of %s readable again", worker_id)
 
     async def poll(self) -> None:
@@ -136,7 +161,8 @@ class WorkerLoadPoller:
         live = {w.worker_id for w in workers}
         for gone in set(self._loads) - live:
             del self._loads[gone]
-        self._failing &= live
+        for gone in set(self._failing) - live:
+            del self._failing[gone]
         await asyncio.gather(*(self._poll_one(client, w) for w in workers))
 
     async def _loop(self) -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+
+import httpx
 import pytest
 
 from router.samples import parse_samples
 from router.state.load import LoadTracker
 from router.state.registry import WorkerRecord
-from router.state.worker_load import WorkerLoad, worker_load
+from router.state.worker_load import WorkerLoad, WorkerLoadPoller, worker_load
 
 # vLLM's exposition of the three gauges (two engines, as a data-parallel worker labels them)
 VLLM_TEXT = """\
@@ -78,3 +82,63 @@ def test_reports_of_other_workers_are_not_mixed_in() -> None:
     loads = {"x": WorkerLoad(running=9, waiting=9, kv_usage=0.9)}
     (c,) = tracker.candidates([_record("w", "decode")], loads)
     assert (c.running, c.kv_usage) == (0, 0.0)
+
+
+class _Members:
+    """A fixed membership view (the poller reads only ``workers()``)."""
+
+    def __init__(self, records: list[WorkerRecord]) -> None:
+        self.records = records
+
+    def workers(self, role: str | None = None, model: str | None = None) -> list[WorkerRecord]:
+        return self.records
+
+
+async def _serve(delays: list[float]) -> tuple[asyncio.Server, int]:
+    """A /metrics server on a free port that waits ``delays[i]`` before its i-th answer
+    (the last delay repeats; ``inf`` never answers: a stopped process whose kernel still
+    accepts connections)."""
+    answered = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal answered
+        while await reader.readuntil(b"\r\n\r\n"):
+            delay = delays[min(answered, len(delays) - 1)]
+            answered += 1
+            await asyncio.sleep(3600 if delay == float("inf") else delay)
+            body = VLLM_TEXT.encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_one_late_answer_is_not_a_stopped_worker() -> None:
+    """Issue 23/26: a busy worker answering one probe late kept its requests (a lone timeout
+    moved them, and the retried decode's params were refused as a replay); a worker silent
+    for ``silent_after_s`` loses them, and one with nothing listening loses them at once."""
+    silent, silent_port = await _serve([float("inf")])
+    late, late_port = await _serve([1.5, 0.0])
+    with socket.socket() as probe:  # a port with nobody listening
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    records = [WorkerRecord(worker_id=wid, role="decode", model="m", model_path="/m",
+                            http_url=f"http://127.0.0.1:{port}", engine_id=wid, ucx_address="",
+                            max_model_len=128, started_at=0.0)
+               for wid, port in (("silent", silent_port), ("late", late_port),
+                                 ("gone", closed_port))]
+    async with httpx.AsyncClient(trust_env=False) as client:
+        poller = WorkerLoadPoller(_Members(records), lambda: client, lambda wid: 0,
+                                  interval_s=1.0, silent_after_s=2.5)
+        seen = []
+        for _ in range(3):
+            await poller.poll()
+            seen.append({wid: poller.unresponsive(wid) for wid in ("silent", "late", "gone")})
+    silent.close()
+    late.close()
+    assert seen == [{"silent": False, "late": False, "gone": True},   # one probe unanswered
+                    {"silent": False, "late": False, "gone": True},   # two: 2 s of silence
+                    {"silent": True, "late": False, "gone": True}]    # three: past 2.5 s
+    assert set(poller.loads()) == {"late"}  # it answered again: its load counts
