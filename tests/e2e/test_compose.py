@@ -12,13 +12,11 @@ network or volume of the project.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import shutil
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import compose as c
+from tests.support.autoscale_load import AUTOSCALER_ARGS, PROFILE, Trickle, sustained_load
 from tests.support.waiting import eventually
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(5400)]
@@ -380,40 +379,13 @@ def test_prometheus_scrapes_router_and_workers(cluster: Cluster) -> None:
                timeout_s=60, interval_s=1)
 
 
-# The autoscaler's view of one instance: a decode instance delivers ~10 output tokens/s within a
-# 1 s TPOT (9 sequences: 0.02 + 0.1 * 9 = 0.92 s steps), 7.8 at the target utilisation, so 3
-# concurrent 96-token streams (over 2.6 tokens/s each) need a second one, while one 8-token
-# request every 2 s or more (under 5.9 tokens/s, the safety utilisation of one) lets the pool
-# shrink back. Few streams: the new replica starts beside them on this machine's two cores.
-# Prefill capacity is ample and capped at one. No online fitting and no burst headroom: the
-# capacity and the load are what this test sets, whatever this shared machine's speed.
-AUTOSCALE_PROFILE = {"prefill": {"s_per_token": 1e-6, "overhead_s": 0.001},
-                     "decode": {"step_base_s": 0.02, "step_per_seq_s": 0.1, "max_seqs": 256}}
-LOAD_STREAMS = 3
-COOLDOWN_S = 10
-AUTOSCALE_ARGS = ["--interval-s", "2", "--cooldown-s", str(COOLDOWN_S), "--tpot-slo-s", "1.0",
-                  "--ttft-slo-s", "30", "--correction-alpha", "0", "--burst-quantile", "0",
-                  "--predictor", "last", "--max-prefill", "1", "--max-decode", "2",
+AUTOSCALE_ARGS = [*AUTOSCALER_ARGS, "--max-prefill", "1", "--max-decode", "2",
                   "--drain-timeout-s", "60", "--profile", "/profile.json"]
-
-
-def _request(cluster: Cluster, max_tokens: int) -> bool:
-    """One streamed completion through the router; True when it ended without an error."""
-    body = {"model": SERVED, "prompt": "copper lantern " * 20, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    try:
-        with httpx.stream("POST", f"{cluster.router_url}/v1/completions", json=body,
-                          timeout=120) as resp:
-            if resp.status_code != 200:
-                return False
-            return not any('"error"' in line for line in resp.iter_lines())
-    except httpx.HTTPError:
-        return False
 
 
 def _autoscaler_override(tmp: Path) -> Path:
     """Compose override: the autoscaler with AUTOSCALE_ARGS and the profile mounted."""
-    (tmp / "profile.json").write_text(json.dumps(AUTOSCALE_PROFILE))
+    (tmp / "profile.json").write_text(json.dumps(PROFILE))
     # no --redis-url: it would win over the PDSERVE_REDIS_URL (with the password) that the
     # image's entrypoint wrapper builds from the secrets volume
     command = ["pdserve", "autoscale", "--actuator", "compose", "--router-url",
@@ -438,66 +410,47 @@ def test_autoscaler_grows_decode_to_two_and_back(cluster: Cluster, tmp_path: Pat
     c.run([*auto, "up", "-d", "--no-deps", "--no-build", "autoscaler"], timeout_s=300,
           env=cluster.env)
     try:
-        stop, results = threading.Event(), []
-
-        def load() -> None:
-            while not stop.is_set():
-                results.append(_request(cluster, 96))
-
-        with concurrent.futures.ThreadPoolExecutor(LOAD_STREAMS) as pool:
-            for _ in range(LOAD_STREAMS):
-                pool.submit(load)
-            try:
-                # Alone this took 242 s (a clone's vLLM start included); beside two busy
-                # simulator processes (load average up to 31) the clone had not registered
-                # after 400 s. A bound, not a speed: the speed is in the marks printed below.
-                eventually(cluster.router_health, lambda h: h.get("decode_workers") == 2,
-                           timeout_s=600, interval_s=1)
-                marks["decode 2 serving"] = time.monotonic() - t0
-                decodes = cluster.containers("decode")
-                assert len(decodes) == 2 and first in decodes
-                # the clone got the secrets the compose file gives (volumes, env, entrypoint)
-                (clone,) = [d for d in decodes if d != first]
-                mounts = {m["Destination"] for m in json.loads(c.run(
-                    [c.docker_cli(), "inspect", clone], timeout_s=60).stdout)[0]["Mounts"]}
-                assert {"/run/pdserve-secrets/cluster", "/run/pdserve-secrets/redis"} <= mounts
-                before = {d: cluster.metrics(d).get("pdserve_kv_pulls_total", 0.0)
-                          for d in decodes}
-                # Both decode replicas serve while the load goes on.
-                eventually(lambda: {d: cluster.metrics(d).get("pdserve_kv_pulls_total", 0.0)
-                                    - before[d] for d in decodes},
-                           lambda served: all(v > 0 for v in served.values()), timeout_s=120,
-                           interval_s=1)
-                # Prometheus found the new replica by DNS service discovery.
-                eventually(lambda: _prom(cluster, 'up{job="pdserve-workers",role="decode"} == 1'),
-                           lambda r: len(r) == 2, timeout_s=60, interval_s=1)
-                marks["both served, both scraped"] = time.monotonic() - t0
-            finally:
-                stop.set()
+        with sustained_load(cluster.router_url, SERVED) as results:
+            # Alone this took 242 s (a clone's vLLM start included); beside two busy
+            # simulator processes (load average up to 31) the clone had not registered
+            # after 400 s. A bound, not a speed: the speed is in the marks printed below.
+            eventually(cluster.router_health, lambda h: h.get("decode_workers") == 2,
+                       timeout_s=600, interval_s=1)
+            marks["decode 2 serving"] = time.monotonic() - t0
+            decodes = cluster.containers("decode")
+            assert len(decodes) == 2 and first in decodes
+            # the clone got the secrets the compose file gives (volumes, env, entrypoint)
+            (clone,) = [d for d in decodes if d != first]
+            mounts = {m["Destination"] for m in json.loads(c.run(
+                [c.docker_cli(), "inspect", clone], timeout_s=60).stdout)[0]["Mounts"]}
+            assert {"/run/pdserve-secrets/cluster", "/run/pdserve-secrets/redis"} <= mounts
+            before = {d: cluster.metrics(d).get("pdserve_kv_pulls_total", 0.0)
+                      for d in decodes}
+            # Both decode replicas serve while the load goes on.
+            eventually(lambda: {d: cluster.metrics(d).get("pdserve_kv_pulls_total", 0.0)
+                                - before[d] for d in decodes},
+                       lambda served: all(v > 0 for v in served.values()), timeout_s=120,
+                       interval_s=1)
+            # Prometheus found the new replica by DNS service discovery.
+            eventually(lambda: _prom(cluster, 'up{job="pdserve-workers",role="decode"} == 1'),
+                       lambda r: len(r) == 2, timeout_s=60, interval_s=1)
+            marks["both served, both scraped"] = time.monotonic() - t0
 
         # Load gone: after the cooldown the autoscaler drains the new replica and removes it; a
         # trickle of requests flows through the drain and every one of them succeeds.
-        trickle: list[bool] = []
-
-        def one_trickle() -> list[str]:
-            trickle.append(_request(cluster, 8))
-            time.sleep(2)
-            return cluster.containers("decode")
-
-        # the highest-numbered replica went
-        eventually(one_trickle, lambda ids: ids == [first], timeout_s=300, interval_s=0)
+        trickle = Trickle(cluster.router_url, SERVED, lambda: cluster.containers("decode"))
+        trickle.until([first], timeout_s=300)  # the highest-numbered replica went
         marks["back to 1"] = time.monotonic() - t0
         # ... and the pool stays at one while the trickle goes on for two cooldowns: an interval
         # with no arrival in it neither shrank it early nor grows it back (it once did).
-        hold_until = time.monotonic() + 2 * COOLDOWN_S
-        while time.monotonic() < hold_until:
-            assert one_trickle() == [first]
+        trickle.hold([first])
         assert results and all(results), f"{results.count(False)} of {len(results)} failed"
-        assert trickle and all(trickle), f"{trickle.count(False)} of {len(trickle)} failed"
+        assert trickle.results and all(trickle.results), \
+            f"{trickle.results.count(False)} of {len(trickle.results)} failed"
 
         # No stranded KV: every request's prefill lease was released by a pull (none expired)
         # and the workers left hold no KV blocks.
-        n = len(results) + len(trickle)
+        n = len(results) + len(trickle.results)
         released, expired = "pdserve_kv_leases_released_total", "pdserve_kv_leases_expired_total"
         p1 = eventually(lambda: cluster.metrics(prefill),
                         lambda m: m.get(released, 0) - p0.get(released, 0) >= n, timeout_s=60)

@@ -82,7 +82,8 @@ def _client(host: Host, spec: dict[str, Any], env: dict[str, str], logs: list[Pa
 def _transfer_lines(logs: dict[str, Path]) -> str:
     """The workers' and router's log lines about pulls, leases and failures (for a failed
     assertion's message)."""
-    keep = ("pull", "lease", "release", "ERROR", "WARNING router", "connected to engine")
+    keep = ("pull", "lease", "release", "refused", "ERROR", "WARNING router",
+            "connected to engine")
     out = []
     for name in ("prefill", "decode", "router"):
         lines = logs[name].read_text(errors="replace").splitlines()

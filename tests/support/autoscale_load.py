@@ -1,0 +1,96 @@
+"""The load the autoscaler's end-to-end tests put on a cluster (tests/e2e/test_autoscale.py for
+``pdserve up --autoscale``, tests/e2e/test_compose.py for Compose's ``--profile autoscale``).
+
+The autoscaler sees one instance through :data:`PROFILE`: a decode instance delivers ~10 output
+tokens/s within a 1 s TPOT (9 sequences: 0.02 + 0.1 * 9 = 0.92 s steps), 7.8 at the target
+utilisation, so :data:`LOAD_STREAMS` concurrent 96-token streams (over 2.6 tokens/s each) need a
+second one, while one 8-token request every 2 s (under 5.9 tokens/s, the safety utilisation of
+one) lets the pool shrink back. Few streams: the new worker starts beside them on this
+machine's two cores. Prefill capacity is ample. No online fitting and no burst headroom
+(:data:`AUTOSCALER_ARGS`): the capacity and the load are what the tests set, whatever the
+machine's speed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Generic, TypeVar
+
+import httpx
+
+from tests.support.waiting import eventually
+
+PROFILE = {"prefill": {"s_per_token": 1e-6, "overhead_s": 0.001},
+           "decode": {"step_base_s": 0.02, "step_per_seq_s": 0.1, "max_seqs": 256}}
+LOAD_STREAMS = 3
+COOLDOWN_S = 10
+AUTOSCALER_ARGS = ["--interval-s=2", f"--cooldown-s={COOLDOWN_S}", "--tpot-slo-s=1.0",
+                   "--ttft-slo-s=30", "--correction-alpha=0", "--burst-quantile=0",
+                   "--predictor=last"]
+"""``pdserve autoscale`` flags that make it act on :data:`PROFILE` and the load alone."""
+
+T = TypeVar("T")
+
+
+def streamed_request(url: str, model: str, max_tokens: int) -> bool:
+    """One streamed completion through the router at ``url``; True when it ended without an
+    error (status or error event)."""
+    body = {"model": model, "prompt": "copper lantern " * 20, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+            if resp.status_code != 200:
+                return False
+            return not any('"error"' in line for line in resp.iter_lines())
+    except httpx.HTTPError:
+        return False
+
+
+@contextmanager
+def sustained_load(url: str, model: str) -> Iterator[list[bool]]:
+    """:data:`LOAD_STREAMS` streams of 96-token requests, back to back, until the block ends;
+    yields every request's outcome (appended as they end)."""
+    stop, results = threading.Event(), []
+
+    def stream() -> None:
+        while not stop.is_set():
+            results.append(streamed_request(url, model, 96))
+
+    with ThreadPoolExecutor(LOAD_STREAMS) as pool:
+        for _ in range(LOAD_STREAMS):
+            pool.submit(stream)
+        try:
+            yield results
+        finally:
+            stop.set()
+
+
+class Trickle(Generic[T]):
+    """One 8-token request every 2 s (within one decode worker's capacity), each followed by a
+    look at the pool (``pool()``: its size, or its members)."""
+
+    def __init__(self, url: str, model: str, pool: Callable[[], T]) -> None:
+        self.url, self.model, self.pool = url, model, pool
+        self.results: list[bool] = []
+        """Each request's outcome."""
+
+    def step(self) -> T:
+        """One request, a 2 s pause, then the pool."""
+        self.results.append(streamed_request(self.url, self.model, 8))
+        time.sleep(2)
+        return self.pool()
+
+    def until(self, want: T, timeout_s: float) -> None:
+        """Trickle until the pool is ``want``."""
+        eventually(self.step, lambda now: now == want, timeout_s=timeout_s, interval_s=0)
+
+    def hold(self, want: T) -> None:
+        """Trickle for two cooldowns, the pool ``want`` after every request: the trickle is
+        within one worker's capacity, so no interval grows it back or flaps."""
+        hold_until = time.monotonic() + 2 * COOLDOWN_S
+        while time.monotonic() < hold_until:
+            assert self.step() == want
