@@ -82,8 +82,12 @@ void xfer_finish(xfer_t *x, ucs_status_t st, const char *why)
 void xfer_fail_msg(xfer_t *x, ucs_status_t st, const char *msg)
 {
     if (x->state != XS_PENDING) return;
+    /* xfer_finish drops a request's own reference: hold one so the message is never written
+     * into freed memory, whatever kind of transfer fails here */
+    x->refs++;
     xfer_finish(x, st, "");
     snprintf(x->err, sizeof(x->err), "%s", msg);
+    xfer_unref(x);
 }
 
 void xfer_unref(xfer_t *x)
