@@ -41,6 +41,8 @@ SIGNATURE_KEY = "pdserve_sig"
 TARGET_KEY = "pdserve_target"
 """The engine id a signature is for (a worker refuses params signed for another engine)."""
 DEFAULT_MAX_AGE_S = 120.0
+REPLAYED = "replayed signature"
+"""Why :func:`verify_for_engine` refuses a signature it already accepted."""
 ENV_SECRET = "PDSERVE_CLUSTER_SECRET"
 ENV_SECRET_FILE = "PDSERVE_CLUSTER_SECRET_FILE"
 ENV_API_KEYRING_FILE = "PDSERVE_API_KEYRING_FILE"
@@ -182,7 +184,7 @@ def verify_for_engine(keyring: Keyring, params: Mapping[str, Any], now: float,
     if params.get(TARGET_KEY) != engine_id:
         return f"signed for engine {params.get(TARGET_KEY)!r}, not this one"
     if not seen.first_use(str(params[SIGNATURE_KEY]["m"]), now, 2 * max_age_s):
-        return "replayed signature"
+        return REPLAYED
     return None
 
 

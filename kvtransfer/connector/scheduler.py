@@ -29,7 +29,7 @@ from kvtransfer.protocol import (
     RemotePrefill,
     new_lease_token,
 )
-from kvtransfer.signing import KeyringFile, SeenSignatures, current, verify_for_engine
+from kvtransfer.signing import REPLAYED, KeyringFile, SeenSignatures, current, verify_for_engine
 from kvtransfer.stats import TransferStats
 
 if TYPE_CHECKING:
@@ -68,9 +68,16 @@ class SchedulerHalf:
                                 self.config.signature_max_age_s)
         if why is None:
             return True
-        self.stats.record_refused()
-        logger.warning("request %s: kv_transfer_params refused (%s); served without transfer",
-                       request.request_id, why)
+        if why == REPLAYED and getattr(request, "abort_immediately", False):
+            # vLLM's API server gave up on a request whose client left (or that it rejected)
+            # and submits its params again, pre-aborted, so the connector frees what it pinned.
+            # The first submission was admitted and owns the lease: not an attack, not counted.
+            logger.debug("request %s: vLLM's clean-up copy of an admitted request's params",
+                         request.request_id)
+        else:
+            self.stats.record_refused()
+            logger.warning("request %s: kv_transfer_params refused (%s); served without "
+                           "transfer", request.request_id, why)
         params[DO_REMOTE_PREFILL] = False
         params[DO_REMOTE_DECODE] = False
         return False

@@ -1,14 +1,16 @@
 """The decode scheduler half renews leases of requests still in its queue, and stops once the
-request is allocated (it pulls) or finished."""
+request is allocated (it pulls) or finished; what it does with params it may not use."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from kvtransfer.config import ConnectorConfig
 from kvtransfer.connector.scheduler import SchedulerHalf
+from kvtransfer.signing import Keyring
 
 
 def _request(rid: str, lease_s: float) -> Any:
@@ -53,3 +55,32 @@ def test_params_that_are_not_an_object_are_dropped_not_crashing_the_engine() -> 
     control = _request("ok", 1.0)  # a real dict is kept
     half.on_new_request(control)
     assert control.kv_transfer_params["do_remote_prefill"] is True
+
+
+def test_vllms_cleanup_copy_of_admitted_params_is_not_counted_as_refused(tmp_path: Path) -> None:
+    """When the router drops a non-streamed decode that vLLM already admitted, vLLM's API server
+    submits the same signed params again as a pre-aborted request (``abort_immediately``) so the
+    connector can free what it pinned. The copy is stripped (one use per signature) but is not
+    a refusal: counting it made ``pdserve_kv_refused_params_total`` rise on client hang-ups
+    (the across-hosts CI failure). Control: the same replay without the flag is counted."""
+    keys = tmp_path / "keyring"
+    keys.write_text("s3cret-0123456789abcdef\n")
+    half = SchedulerHalf("engine-d", ConnectorConfig(lease_s=30.0, signing_keys_file=str(keys)))
+    blob = Keyring.parse(keys.read_text()).sign(_request("x", 30.0).kv_transfer_params,
+                                                time.time(), target="engine-d")
+
+    def arrival(rid: str, **flags: bool) -> Any:
+        return SimpleNamespace(request_id=rid, kv_transfer_params=dict(blob), trace_headers=None,
+                               prompt_token_ids=list(range(20)), **flags)
+
+    admitted = arrival("cmpl-1")
+    half.on_new_request(admitted)
+    assert admitted.kv_transfer_params["do_remote_prefill"] is True  # first use: it pulls
+    cleanup = arrival("1", abort_immediately=True)
+    half.on_new_request(cleanup)
+    assert cleanup.kv_transfer_params["do_remote_prefill"] is False  # stripped all the same
+    assert half.stats.data["refused_params"] == 0
+    replay = arrival("cmpl-2")  # control: a replay from anyone else is refused and counted
+    half.on_new_request(replay)
+    assert replay.kv_transfer_params["do_remote_prefill"] is False
+    assert half.stats.data["refused_params"] == 1
