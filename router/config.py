@@ -26,6 +26,10 @@ class RouterSettings:
     """Interface uvicorn binds."""
     port: int = 8000
     """TCP port of the OpenAI API."""
+    listen_fd: int = -1
+    """An inherited listening socket to serve on instead of binding ``host:port`` (-1: bind).
+    ``pdserve up`` keeps the socket across router restarts, so connections that arrive while
+    the router restarts wait in its backlog instead of being refused."""
     redis_url: str = default("redis_url")
     """Redis holding the worker registry."""
     redis_prefix: str = "pdserve"
@@ -139,6 +143,8 @@ class RouterSettings:
 
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        if self.listen_fd < -1:
+            raise ConfigError(f"listen_fd must be a file descriptor or -1, got {self.listen_fd}")
         if self.policy not in PREFILL_POLICIES:
             raise ConfigError(
                 f"unknown policy {self.policy!r}; allowed: {', '.join(sorted(PREFILL_POLICIES))}"
@@ -197,6 +203,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", help="bind address (PDSERVE_ROUTER_HOST, default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (PDSERVE_ROUTER_PORT, default 8000)")
+    p.add_argument("--listen-fd", dest="listen_fd", type=int,
+                   help="serve on this inherited listening socket instead of binding "
+                   "--host/--port (PDSERVE_ROUTER_LISTEN_FD; pdserve up passes one it keeps "
+                   "across router restarts)")
     shared.add_arguments(p, "router")
     p.add_argument("--load-poll-interval-s", dest="load_poll_interval_s", type=float,
                    help="seconds between reads of each worker's /metrics for its load "
@@ -246,6 +256,7 @@ def _parser() -> argparse.ArgumentParser:
 _ENV_NAMES = {
     "host": "HOST",
     "port": "PORT",
+    "listen_fd": "LISTEN_FD",
     "redis_prefix": "REDIS_PREFIX",
     "refresh_interval_s": "REFRESH_INTERVAL_S",
     "connect_timeout_s": "CONNECT_TIMEOUT_S",

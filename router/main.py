@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
 from router.api.context import RequestContextFilter
@@ -45,10 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     from router.api.app import create_app
 
     app = create_app(settings)
-    logger.info("router listening on http://%s:%d (redis %s)", settings.host, settings.port,
-                redacted_url(settings.redis_url))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
-                log_level=settings.log_level.lower(), access_log=False)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                            log_level=settings.log_level.lower(), access_log=False)
+    if settings.listen_fd < 0:
+        logger.info("router listening on http://%s:%d (redis %s)", settings.host,
+                    settings.port, redacted_url(settings.redis_url))
+        uvicorn.Server(config).run()
+        return 0
+    # a socket someone else bound and keeps (pdserve up): its family comes from the fd
+    listener = socket.socket(fileno=settings.listen_fd)
+    logger.info("router serving on inherited socket %s (redis %s)",
+                listener.getsockname(), redacted_url(settings.redis_url))
+    uvicorn.Server(config).run(sockets=[listener])
     return 0
 
 

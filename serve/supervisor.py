@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from router.autoscale.actuators import DesiredReplicas
 from router.state.registry import WorkerRegistry
 from serve.cpu_layout import CpuPlan, cpu_list, plan_cpus
 from serve.errors import StartupError
+from serve.listener import listening_socket
 from serve.preflight import check_model, check_policies, check_port_free
 from serve.process import child_setup
 from serve.redis_server import RedisServer, ensure_redis, free_port, redacted_url
@@ -175,6 +177,8 @@ class Cluster:
         self._drains: set[asyncio.Task[None]] = set()
         self._pending: list[PendingRestart] = []
         self._router_cmd: list[str] = []
+        self._listener: socket.socket | None = None
+        """The router's listening socket, kept across router restarts (serve.listener)."""
         self._autoscaler_cmd: list[str] = []
         self.restarts: dict[str, int] = {}
         """Restarts so far by role (router, autoscaler, prefill, decode, aggregated)."""
@@ -218,6 +222,11 @@ class Cluster:
 
             self.model = str(build_tiny_model())
         try:
+            self._listener = listening_socket(s.host, s.port)
+        except OSError as exc:
+            raise StartupError(f"cannot bind the router to {s.host}:{s.port}: "
+                               f"{exc.strerror or exc}") from exc
+        try:
             self.redis, self.redis_url = ensure_redis(s.redis_url)
         except RuntimeError as exc:  # redis-server missing or not answering
             raise StartupError(str(exc)) from exc
@@ -230,14 +239,14 @@ class Cluster:
                     "".join(f"; engine {i}: cores {cpu_list(c)}"
                             for i, c in enumerate(self.cpu_plan.slots)))
         cmd = [sys.executable, "-m", "router.main", "--host", s.host, "--port", str(s.port),
+               "--listen-fd", str(self._listener.fileno()),
                "--redis-url", self.redis_url, "--policy", s.policy,
                *self._passed_on("router"), *(["--kv-events"] if s.kv_events else []),
                *s.router_args]
         if s.otlp_traces_endpoint:
             cmd += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
         self._router_cmd = cmd
-        self.router = subprocess.Popen(cmd, start_new_session=True, env=self.env,
-                                       preexec_fn=child_setup())
+        self.router = self._start_router()
         if s.autoscale:
             self._autoscaler_cmd = [
                 sys.executable, "-m", "serve.cli", "autoscale", "--redis-url", self.redis_url,
@@ -318,14 +327,19 @@ class Cluster:
                 await asyncio.sleep(0.5)
         raise StartupError(f"cluster not ready within {self.settings.ready_timeout_s:g} s")
 
+    def _start_router(self) -> subprocess.Popen[bytes]:
+        """The router process, serving on the socket this supervisor keeps."""
+        assert self._listener is not None
+        return subprocess.Popen(self._router_cmd, start_new_session=True, env=self.env,
+                                preexec_fn=child_setup(), pass_fds=(self._listener.fileno(),))
+
     def supervise(self) -> None:
         """Restart crashed children with backoff (``restart_delay_s``), logging why they
         exited. An autoscaled pool's crashed worker is only dropped: reconcile replaces it."""
         now = time.monotonic()
         if self.router is not None and self.router.poll() is not None:
             logger.error("router exited (%s); restarting it", exit_reason(self.router.returncode))
-            self.router = subprocess.Popen(self._router_cmd, start_new_session=True, env=self.env,
-                                           preexec_fn=child_setup())
+            self.router = self._start_router()
             self.restarts["router"] = self.restarts.get("router", 0) + 1
         if self.autoscaler is not None and self.autoscaler.poll() is not None:
             logger.error("autoscaler exited (%s); restarting it",
@@ -396,6 +410,9 @@ class Cluster:
         for proc in (self.autoscaler, self.router):
             if proc is not None:
                 stop_process(proc, timeout_s=10)
+        if self._listener is not None:  # no router left to take connections
+            self._listener.close()
+            self._listener = None
         for w in self.workers:
             if w.proc.poll() is None:
                 w.proc.send_signal(signal.SIGTERM)

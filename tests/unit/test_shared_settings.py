@@ -466,6 +466,7 @@ def test_up_child_command_lines_parse_in_the_children(monkeypatch: pytest.Monkey
     from router.config import load
     from serve import supervisor
     from serve.cli import _parser
+    from serve.redis_server import free_port
     from serve.worker import settings_from_args as worker_settings
 
     cmds: list[list[str]] = []
@@ -484,13 +485,18 @@ def test_up_child_command_lines_parse_in_the_children(monkeypatch: pytest.Monkey
     args = _parser().parse_args(["up", "--model", "m", "--autoscale", "--redis-url",
                                  "redis://r:1/0", "--policy", "least_loaded", "--kv-lease-s",
                                  "7", "--ttft-slo-s", "4", "--tpot-slo-s", "0.2",
-                                 "--request-timeout-s", "60"])
-    supervisor.Cluster(supervisor.settings_from_args(args)).start()
+                                 "--request-timeout-s", "60", "--port", str(free_port())])
+    cluster = supervisor.Cluster(supervisor.settings_from_args(args))
+    cluster.start()  # binds the router's socket for real (closed below)
+    assert cluster._listener is not None
+    listen_fd = cluster._listener.fileno()
+    cluster._listener.close()
     by_module = {cmd[2]: cmd[3:] for cmd in cmds}
     assert set(by_module) == {"serve.cli", "router.main"}
     router = load(by_module["router.main"], env={})
     assert (router.redis_url, router.policy, router.ttft_slo_s, router.request_timeout_s) == (
         "redis://r:1/0", "least_loaded", 4.0, 60.0)
+    assert router.listen_fd == listen_fd  # it serves on the supervisor's socket
     workers = [c[3:] for c in cmds if c[3:4] == ["worker"]]
     assert len(workers) == 2
     for argv in workers:
