@@ -48,16 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
                             log_level=settings.log_level.lower(), access_log=False)
-    if settings.listen_fd < 0:
-        logger.info("router listening on http://%s:%d (redis %s)", settings.host,
-                    settings.port, redacted_url(settings.redis_url))
-        uvicorn.Server(config).run()
-        return 0
-    # a socket someone else bound and keeps (pdserve up): its family comes from the fd
-    listener = socket.socket(fileno=settings.listen_fd)
-    logger.info("router serving on inherited socket %s (redis %s)",
-                listener.getsockname(), redacted_url(settings.redis_url))
-    uvicorn.Server(config).run(sockets=[listener])
+    # a socket someone else bound and keeps (pdserve up; its family comes from the fd), else
+    # uvicorn binds host:port itself
+    sockets = None if settings.listen_fd < 0 else [socket.socket(fileno=settings.listen_fd)]
+    where = sockets[0].getsockname() if sockets else f"http://{settings.host}:{settings.port}"
+    logger.info("router listening on %s (redis %s)", where, redacted_url(settings.redis_url))
+    uvicorn.Server(config).run(sockets=sockets)
     return 0
 
 

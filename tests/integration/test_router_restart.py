@@ -17,6 +17,7 @@ import pytest
 from serve.listener import listening_socket
 from serve.process import child_setup
 from serve.redis_server import RedisServer, free_port
+from serve.worker import stop_process
 from tests.support.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,19 +37,13 @@ def _version(url: str) -> int:
         return 0
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
 def test_a_client_connecting_between_two_routers_is_answered(redis_server: RedisServer) -> None:
     listener = listening_socket("127.0.0.1", free_port())
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     routers = [_router(redis_server.url, listener.getsockname()[1], listener.fileno())]
     try:
         eventually(lambda: _version(url), lambda status: status == 200, timeout_s=60)
-        _stop(routers[0])  # SIGTERM, as chaos' router_restart and a crash's exit
+        stop_process(routers[0])  # SIGTERM, as chaos' router_restart and a crash's exit
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(lambda: httpx.get(f"{url}/version", timeout=60,
                                                     trust_env=False).status_code)
@@ -59,7 +54,7 @@ def test_a_client_connecting_between_two_routers_is_answered(redis_server: Redis
             assert pending.result(timeout=60) == 200  # the next router answered it
     finally:
         for proc in routers:
-            _stop(proc)
+            stop_process(proc)
         listener.close()
 
 
@@ -73,6 +68,6 @@ def test_control_a_router_that_binds_its_own_port_refuses_during_a_restart(
     try:
         eventually(lambda: _version(url), lambda status: status == 200, timeout_s=60)
     finally:
-        _stop(router)
+        stop_process(router)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/version", timeout=5, trust_env=False)
