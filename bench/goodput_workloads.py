@@ -9,8 +9,9 @@ Each workload is a BurstGPT-shaped trace (``pdserve bench synth``) with its own 
                  (25 ms): decode batches dominate.
   mix            the README's original: 1,000-token prompts, 64-token answers, TTFT 1 s,
                  TPOT 50 ms.
-  switching      prefill_heavy and decode_heavy phases alternating every quarter of the trace
-                 (every ~60 s at the rates swept), under one SLO pair (TTFT 2 s, TPOT 25 ms).
+  switching      prefill_heavy and decode_heavy phases alternating every ``phase_s`` (15 s) of
+                 wall time at every rate, under one SLO pair (TTFT 2 s, TPOT 25 ms); each rate
+                 point lasts at least ``min_point_s`` (60 s: four phases).
   multi_turn     800-token prompts, 64-token answers, 80 % conversation turns (shared prefixes):
                  TTFT 1 s, TPOT 50 ms.
 """
@@ -42,13 +43,23 @@ class Workload:
     """Replay conversation turns with their earlier turns (shared prefixes)."""
     phases: tuple[str, ...] = ()
     """Workload names whose traces alternate (switching); empty: this one's own trace."""
+    phase_s: float = 15.0
+    """Wall seconds each phase of a switching trace lasts, whatever the replay rate."""
+    min_point_s: float = 0.0
+    """The shortest replay a rate point of this workload may have (switching: every phase
+    twice)."""
+
+    def point_s(self, wanted_s: float) -> float:
+        """How long a rate point of this workload lasts when ``wanted_s`` is asked for."""
+        return max(wanted_s, self.min_point_s)
 
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("prefill_heavy", 1500, 12, 2.0, 0.05, max_response_tokens=32),
     Workload("decode_heavy", 150, 160, 1.0, 0.025, max_prompt_tokens=400),
     Workload("mix", 1000, 64, 1.0, 0.05, max_prompt_tokens=2500, max_response_tokens=192),
-    Workload("switching", 0, 0, 2.0, 0.025, phases=("prefill_heavy", "decode_heavy")),
+    Workload("switching", 0, 0, 2.0, 0.025, phases=("prefill_heavy", "decode_heavy"),
+             min_point_s=60.0),
     Workload("multi_turn", 800, 64, 1.0, 0.05, max_prompt_tokens=2500,
              max_response_tokens=192, conversation_fraction=0.8, sessions=True),
 )}
@@ -81,8 +92,15 @@ def alternate(traces: Sequence[list[TraceRow]], phases: int, duration_s: float
     return sorted(rows, key=lambda r: r.timestamp_s)
 
 
-def build_trace(workload: Workload, out: Path, duration_s: float, seed: int) -> Path:
-    """Write ``workload``'s trace (``duration_s`` seconds at 1 req/s) to ``out``."""
+def phase_count(workload: Workload, span_s: float) -> int:
+    """Phases of a switching trace replayed over ``span_s`` wall seconds (at least 2)."""
+    return max(2, round(span_s / workload.phase_s))
+
+
+def build_trace(workload: Workload, out: Path, duration_s: float, seed: int,
+                phases: int = 4) -> Path:
+    """Write ``workload``'s trace (``duration_s`` seconds at 1 req/s, so about ``duration_s``
+    requests) to ``out``; a switching workload's in ``phases`` alternating phases."""
     if not workload.phases:
         _synth(workload, out, duration_s, seed)
         return out
@@ -91,5 +109,13 @@ def build_trace(workload: Workload, out: Path, duration_s: float, seed: int) -> 
         part = out.with_name(f"{out.stem}-{name}.csv")
         _synth(WORKLOADS[name], part, duration_s, seed + i)
         parts.append(list(read_trace(part)))
-    write_trace(alternate(parts, 4, duration_s), out)
+    write_trace(alternate(parts, phases, duration_s), out)
     return out
+
+
+def rate_point_trace(workload: Workload, out: Path, rate: float, span_s: float, seed: int
+                     ) -> Path:
+    """The trace one rate point replays: ``span_s`` wall seconds at ``rate`` req/s (so
+    ``rate * span_s`` requests; a switching one changing phase every ``phase_s``), written at
+    1 req/s for ``pdserve bench replay --rate`` to compress."""
+    return build_trace(workload, out, rate * span_s, seed, phase_count(workload, span_s))

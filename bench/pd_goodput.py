@@ -2,11 +2,16 @@
 
     python -m bench.pd_goodput [--workloads prefill_heavy,decode_heavy,mix,switching,multi_turn]
                                [--setups plain,aggregated,pd,selective,adaptive,vllm_pd]
-                               [--duration 40] [--rates 0.5,1,2,3,4,6] [--repeats 1] [--out DIR]
+                               [--point-s 30] [--rates 3,6,12,24] [--repeats 1] [--out DIR]
 
 For each workload of the family (``bench.goodput_workloads``: a BurstGPT-shaped trace from
-``pdserve bench synth`` and its own TTFT/TPOT SLOs) every setup is swept (``pdserve bench
-sweep``: the listed rates, then bisection to 5 %) on this machine, in turn:
+``pdserve bench synth`` and its own TTFT/TPOT SLOs) every setup is swept (the listed rates in
+ascending order until one fails, then bisection to 5 %, ``bench.sweep``) on this machine, in
+turn. Every rate point replays its own trace lasting ``--point-s`` wall seconds at that rate
+(``rate * point_s`` requests; ``pdserve bench replay --rate``), so a rate passes only if the
+setup sustains it: a fixed number of requests would shrink to a burst of a second or two at
+high rates, which queues absorb, and would overstate what a setup sustains. The traces of a
+rate are the same for every setup (same seed).
 
   plain       one plain vLLM server on all cores (``pdserve worker --role aggregated``, no
               router): a different deployment, the single-engine reference;
@@ -29,6 +34,7 @@ the load average.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -44,8 +50,9 @@ from typing import Any
 import httpx
 
 from bench import field_pd
-from bench.goodput_workloads import WORKLOADS, Workload, build_trace
+from bench.goodput_workloads import WORKLOADS, Workload, build_trace, rate_point_trace
 from bench.placement import children, placement_of
+from bench.sweep import sweep as bisect_rates
 
 SETUPS = ("plain", "aggregated", "pd", "selective", "adaptive", "vllm_pd")
 SERVED = "tiny-llama"
@@ -145,17 +152,42 @@ def warm_up(url: str, trace: Path, out: Path, args: argparse.Namespace) -> None:
                    check=True, stdout=subprocess.DEVNULL)
 
 
-def sweep(url: str, trace: Path, out: Path, workload: Workload, args: argparse.Namespace
-          ) -> dict[str, Any]:
-    """``pdserve bench sweep`` of ``trace`` against ``url`` under ``workload``'s SLOs."""
-    cmd = _pdserve("bench", "sweep", "--url", url, "--trace", str(trace), "--rates", args.rates,
-                   "--ttft-slo-s", str(workload.ttft_slo_s),
-                   "--tpot-slo-s", str(workload.tpot_slo_s),
-                   "--bisect-steps", str(args.bisect_steps), "--out", str(out),
-                   "--no-progress", "--no-plots",
-                   *(() if workload.sessions else ("--no-sessions",)))
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return dict(json.loads((out / "sweep.json").read_text()))
+def replay_point(url: str, workload: Workload, rate: float, out: Path,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """Replay ``workload`` at ``rate`` req/s for its point length against ``url``; the run's
+    summary (``slo_attainment`` and the latency percentiles)."""
+    span = workload.point_s(args.point_s)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = rate_point_trace(workload, out / "trace.csv", rate, span, args.seed)
+    subprocess.run(_pdserve("bench", "replay", "--url", url, "--trace", str(trace),
+                            "--rate", str(rate), "--ttft-slo-s", str(workload.ttft_slo_s),
+                            "--tpot-slo-s", str(workload.tpot_slo_s), "--out", str(out),
+                            "--no-progress", "--no-plots",
+                            *(() if workload.sessions else ("--no-sessions",))),
+                   check=True, stdout=subprocess.DEVNULL)
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    summary["load_avg_1m"] = os.getloadavg()[0]
+    return summary
+
+
+def sweep(url: str, out: Path, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    """The highest rate ``url`` sustains within ``workload``'s SLOs (``bench.sweep``: the
+    listed rates, then bisection) and every point tried."""
+    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+
+    async def run_at(rate: float) -> dict[str, Any]:
+        return await asyncio.to_thread(replay_point, url, workload, rate,
+                                       out / f"rate_{rate:.4g}", args)
+
+    res = asyncio.run(bisect_rates(run_at, rates, bisect_steps=args.bisect_steps))
+    keep = ("requests_completed", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90",
+            "load_avg_1m")
+    points = [{"rate": p["rate"], "slo_attainment": p["slo_attainment"], "passed": p["passed"],
+               **{k: p["summary"].get(k) for k in keep}} for p in res.points]
+    doc = {"max_rate_rps": res.max_rate, "points": points}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps(doc, indent=2))
+    return doc
 
 
 def _paths(url: str) -> dict[str, float]:
@@ -167,8 +199,8 @@ def _paths(url: str) -> dict[str, float]:
         r'pdserve_router_paths_total\{path="(\w+)",reason="(\w+)"\} (\S+)', text)}
 
 
-def run_one(setup: str, workload: Workload, trace: Path, out: Path, args: argparse.Namespace
-            ) -> dict[str, Any]:
+def run_one(setup: str, workload: Workload, warm_trace: Path, out: Path,
+            args: argparse.Namespace) -> dict[str, Any]:
     """Start, warm up, sweep and stop ``setup`` on ``workload``; its result record."""
     load0 = os.getloadavg()[0]
     running = start(setup, workload, args.min_prefill_tokens)
@@ -176,8 +208,8 @@ def run_one(setup: str, workload: Workload, trace: Path, out: Path, args: argpar
         layout = " ".join(f"{name}:{cores}" for name, cores in
                           placement_of(children(running.pid)).items())
         if args.warmup_requests:
-            warm_up(running.url, trace, out / "warmup", args)
-        doc = sweep(running.url, trace, out / "sweep", workload, args)
+            warm_up(running.url, warm_trace, out / "warmup", args)
+        doc = sweep(running.url, out / "sweep", workload, args)
         paths = _paths(running.url)
     finally:
         running.stop()
@@ -191,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--setups", default=",".join(SETUPS))
-    parser.add_argument("--duration", type=float, default=40.0,
-                        help="trace seconds at 1 req/s (= requests per sweep point)")
-    parser.add_argument("--rates", default="0.5,1,2,3,4,6", help="req/s tried in ascending order")
+    parser.add_argument("--point-s", type=float, default=30.0,
+                        help="wall seconds each rate point lasts (rate x this = its requests)")
+    parser.add_argument("--rates", default="3,6,12,24", help="req/s tried in ascending order")
     parser.add_argument("--bisect-steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1, help="sweeps of each setup")
     parser.add_argument("--min-prefill-tokens", type=int, default=512,
@@ -214,11 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         if wname not in WORKLOADS:
             raise SystemExit(f"unknown workload {wname!r}; allowed: {', '.join(WORKLOADS)}")
         workload = WORKLOADS[wname]
-        trace = build_trace(workload, out / f"{wname}.csv", args.duration, args.seed)
+        # the warm-up replays this trace's first --warmup-requests (both phases of switching)
+        warm = build_trace(workload, out / f"{wname}-warmup.csv",
+                           2.0 * max(args.warmup_requests, 20), args.seed + 1000, phases=2)
         results[wname] = {}
         for repeat in range(args.repeats):
             for setup in setups:
-                res = run_one(setup, workload, trace, out / wname / f"{setup}-{repeat}", args)
+                res = run_one(setup, workload, warm, out / wname / f"{setup}-{repeat}", args)
                 results[wname].setdefault(setup, []).append(res)
                 print(f"{wname:13s} {setup:10s} run {repeat + 1}: {res['max_rate_rps']} req/s "
                       f"(load {res['load_before']:.2f} -> {res['load_after']:.2f}; "
@@ -239,7 +273,8 @@ def print_table(results: dict[str, dict[str, list[dict[str, Any]]]],
     """Max rate per workload and setup, adaptive's ratio to the best static setup over the
     same engines (aggregated, pd, selective) and to vLLM's P/D stack."""
     setups = [s for s in SETUPS if any(s in r for r in results.values())]
-    print(f"\ntraces: {args.duration:.0f} requests each, seed {args.seed}; rates "
+    print(f"\nrate points: {args.point_s:.0f} s each (switching: "
+          f"{WORKLOADS['switching'].point_s(args.point_s):.0f} s), seed {args.seed}; rates "
           f"{args.rates} then bisection; min over {args.repeats} run(s)")
     print(f"{'workload':13s} {'SLO ttft/tpot':>14s} " + " ".join(f"{s:>10s}" for s in setups)
           + "   adaptive/best-static  adaptive/vllm_pd")

@@ -1,0 +1,46 @@
+"""The goodput benchmark's rate-point traces: each lasts its wall span at its rate, and a
+switching trace changes phase every ``phase_s`` wall seconds whatever the rate."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from bench.goodput_workloads import WORKLOADS, phase_count, rate_point_trace
+from bench.trace import read_trace
+
+
+@pytest.mark.parametrize("rate", [4.0, 16.0])
+def test_a_rate_point_has_rate_times_span_requests(tmp_path: Path, rate: float) -> None:
+    rows = list(read_trace(rate_point_trace(WORKLOADS["mix"], tmp_path / "t.csv", rate, 30.0,
+                                            seed=3)))
+    # BurstGPT-shaped arrivals at 1 req/s: the count is rate x span, give or take the bursts
+    assert 0.8 * rate * 30 <= len(rows) <= 1.2 * rate * 30
+
+
+def test_switching_changes_phase_every_phase_s_at_any_rate(tmp_path: Path) -> None:
+    switching = WORKLOADS["switching"]
+    span = switching.point_s(30.0)
+    assert span == 60.0  # every phase twice, though 30 s was asked for
+    phases = phase_count(switching, span)
+    assert phases == 4
+    for rate in (3.0, 12.0):
+        rows = list(read_trace(rate_point_trace(switching, tmp_path / f"s{rate}.csv", rate,
+                                                span, seed=5)))
+        # replayed at `rate`, trace time / rate is wall time: phase p covers
+        # [p * phase_s, (p + 1) * phase_s) wall seconds
+        by_phase: list[list[int]] = [[] for _ in range(phases)]
+        for r in rows:
+            wall = r.timestamp_s / rate
+            by_phase[min(int(wall // switching.phase_s), phases - 1)].append(r.request_tokens)
+        medians = [statistics.median(p) for p in by_phase]
+        # prefill_heavy phases (1,500-token prompts) and decode_heavy ones (150) alternate
+        assert medians[0] > 700 and medians[2] > 700, medians
+        assert medians[1] < 400 and medians[3] < 400, medians
+
+
+def test_phase_count_never_drops_below_two() -> None:
+    assert phase_count(WORKLOADS["switching"], 5.0) == 2
+    assert phase_count(WORKLOADS["switching"], 90.0) == 6
