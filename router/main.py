@@ -7,7 +7,7 @@ import socket
 import sys
 
 from router.api.context import RequestContextFilter
-from router.config import load
+from router.config import RouterSettings, load
 from router.errors import ConfigError
 from router.state.registry import redacted_url
 
@@ -40,7 +40,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve-router: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    serve(settings)
+    return 0
 
+
+def serve(settings: RouterSettings) -> None:
+    """Serve the router app for ``settings`` under uvicorn until it is told to stop: on the
+    inherited listening socket ``settings.listen_fd`` when there is one, else on host:port."""
     import uvicorn
 
     from router.api.app import create_app
@@ -54,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     where = sockets[0].getsockname() if sockets else f"http://{settings.host}:{settings.port}"
     logger.info("router listening on %s (redis %s)", where, redacted_url(settings.redis_url))
     uvicorn.Server(config).run(sockets=sockets)
-    return 0
 
 
 if __name__ == "__main__":

@@ -14,15 +14,26 @@ BACKLOG = 4096
 """Connections the kernel holds for the next router (capped by net.core.somaxconn)."""
 
 
-def listening_socket(host: str, port: int, backlog: int = BACKLOG) -> socket.socket:
-    """A TCP socket bound to ``host:port``, listening and inheritable by child processes;
-    raises OSError when the address is taken."""
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` as uvicorn binds it (``SO_REUSEADDR``, the address
+    family ``host`` resolves to); raises OSError when the address is taken or unresolvable."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def listening_socket(host: str, port: int, backlog: int = BACKLOG) -> socket.socket:
+    """:func:`bound_socket`, listening and inheritable by child processes; raises OSError
+    when the address is taken."""
+    sock = bound_socket(host, port)
+    try:
         sock.listen(backlog)
         sock.set_inheritable(True)
     except OSError:

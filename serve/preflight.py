@@ -9,27 +9,25 @@ from __future__ import annotations
 import errno
 import os
 import re
-import socket
 
 from serve.errors import StartupError
+from serve.listener import bound_socket
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 """``org/name``: a Hugging Face model id (vLLM downloads it or finds it in the HF cache)."""
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Bind ``host:port`` as uvicorn will (``SO_REUSEADDR``); refuse when something holds it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise StartupError(f"port {port} on {host} is already in use; pick another with "
-                                   "--port (or PDSERVE_PORT)") from exc
-            raise StartupError(f"cannot bind the router to {host}:{port}: "
-                               f"{exc.strerror or exc}") from exc
+    """Bind ``host:port`` as the router will (:func:`serve.listener.bound_socket`); refuse
+    when something holds it."""
+    try:
+        bound_socket(host, port).close()
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise StartupError(f"port {port} on {host} is already in use; pick another with "
+                               "--port (or PDSERVE_PORT)") from exc
+        raise StartupError(f"cannot bind the router to {host}:{port}: "
+                           f"{exc.strerror or exc}") from exc
 
 
 def check_model(model: str | None) -> None:

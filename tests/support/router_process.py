@@ -58,16 +58,12 @@ class RouterProcess:
 
 
 def main(argv: list[str]) -> int:
-    import uvicorn
-
-    from router.api.app import create_app
     from router.config import RouterSettings
-    from router.main import configure_logging
+    from router.main import configure_logging, serve
 
     settings = RouterSettings(**json.loads(argv[0]))
     configure_logging(settings.log_level)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None,
-                log_level=settings.log_level.lower(), access_log=False)
+    serve(settings)
     return 0
 
 
