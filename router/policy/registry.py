@@ -20,6 +20,11 @@ from router.policy.context import PolicyContext
 from router.policy.decode_choice import DecodeChoicePolicy
 from router.policy.dualmap import DualMapPolicy
 from router.policy.least_loaded import LeastLoadedPolicy
+from router.policy.peers.aibrix_prefix import AibrixPrefixPolicy
+from router.policy.peers.dynamo_kv import DynamoKvPolicy
+from router.policy.peers.llmd_default import LlmdDefaultPolicy
+from router.policy.peers.preble_e2 import PrebleE2Policy
+from router.policy.peers.sglang_cache_aware import SGLangCacheAwarePolicy
 from router.policy.prefix_only import PrefixOnlyPolicy
 from router.policy.round_robin import RoundRobinPolicy
 
@@ -32,6 +37,11 @@ PREFILL_POLICIES: Mapping[str, PolicyFactory] = {
     "consistent_hash": ConsistentHashPolicy.from_context,
     "bounded_load_hash": BoundedLoadHashPolicy.from_context,
     "prefix_only": PrefixOnlyPolicy.from_context,
+    "sglang_cache_aware": SGLangCacheAwarePolicy.from_context,
+    "llmd_default": LlmdDefaultPolicy.from_context,
+    "dynamo_kv": DynamoKvPolicy.from_context,
+    "aibrix_prefix": AibrixPrefixPolicy.from_context,
+    "preble_e2": PrebleE2Policy.from_context,
 }
 DECODE_POLICIES: Mapping[str, PolicyFactory] = {
     "least_loaded": LeastLoadedPolicy.from_context,
@@ -41,6 +51,9 @@ DECODE_POLICIES: Mapping[str, PolicyFactory] = {
 BASELINES = ("round_robin", "least_loaded", "consistent_hash", "bounded_load_hash",
              "prefix_only")
 """The prefill baselines DualMap is compared against, in report order."""
+PEERS = ("sglang_cache_aware", "llmd_default", "dynamo_kv", "aibrix_prefix", "preble_e2")
+"""The field's routers re-implemented as placement policies (:mod:`router.policy.peers`),
+in report order."""
 
 
 def _create(kind: str, table: Mapping[str, PolicyFactory], name: str,

@@ -75,8 +75,9 @@ def test_unknown_policy_is_refused_before_anything_starts(redis_port: int) -> No
     proc, seconds, left = _up("--policy", "bogus", "--port", str(free_port()),
                               "--redis-url", f"redis://127.0.0.1:{redis_port}/0")
     _assert_refused(proc, seconds, left,
-                    "unknown --policy 'bogus'; allowed: bounded_load_hash, consistent_hash, "
-                    "dualmap, least_loaded, prefix_only, round_robin")
+                    "unknown --policy 'bogus'; allowed: aibrix_prefix, bounded_load_hash, "
+                    "consistent_hash, dualmap, dynamo_kv, least_loaded, llmd_default, "
+                    "preble_e2, prefix_only, round_robin, sglang_cache_aware")
 
 
 def test_unknown_decode_policy_from_the_env_is_refused(redis_port: int) -> None:

@@ -17,7 +17,7 @@ from router.policy.dualmap import DualMapPolicy
 from router.policy.hashing import block_hashes, hash_int
 from router.policy.load_model import LoadModel
 from router.policy.rebalance import QueuedRequest, plan_rebalance, total_predicted_ttft
-from router.policy.registry import BASELINES, PREFILL_POLICIES, create_prefill_policy
+from router.policy.registry import BASELINES, PEERS, PREFILL_POLICIES, create_prefill_policy
 from router.policy.ring import DualRing, HashRing
 
 NODES = [f"w{i}" for i in range(20)]
@@ -260,6 +260,6 @@ def test_rebalance_hand_example() -> None:
 
 
 def test_registry_has_all_names() -> None:
-    assert set(PREFILL_POLICIES) == {"dualmap", *BASELINES}
+    assert set(PREFILL_POLICIES) == {"dualmap", *BASELINES, *PEERS}
     for name in PREFILL_POLICIES:
         assert create_prefill_policy(name).name == name

@@ -26,7 +26,7 @@ def test_env_then_cli_precedence() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"policy": "magic"}, "allowed: bounded_load_hash, consistent_hash, dualmap, least_loaded"),
+    ({"policy": "magic"}, "allowed: aibrix_prefix, bounded_load_hash, consistent_hash, dualmap"),
     ({"decode_policy": "magic"}, "allowed"),
     ({"port": 0}, "port"),
     ({"log_level": "LOUD"}, "allowed: DEBUG"),

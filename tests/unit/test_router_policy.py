@@ -121,7 +121,8 @@ def test_registry_names_and_unknown_name() -> None:
     assert create_decode_policy("least_loaded").name == "least_loaded"
     for name in PREFILL_POLICIES:
         assert isinstance(create_prefill_policy(name), PlacementPolicy)
-    with pytest.raises(ConfigError, match="allowed: bounded_load_hash, consistent_hash, dualmap"):
+    with pytest.raises(ConfigError,
+                       match="allowed: aibrix_prefix, bounded_load_hash, consistent_hash, dualmap"):
         create_prefill_policy("nope")
 
 
@@ -132,6 +133,7 @@ FORBIDDEN_MODULES = {"asyncio", "httpx", "redis", "fastapi", "starlette", "time"
 PURE_MODULES = {
     # files -> the packages of ours they may import
     "router/policy/*.py": ("router.policy", "router.errors"),
+    "router/policy/peers/*.py": ("router.policy", "router.errors"),
     "router/placement.py": ("router.policy",),
     "router/autoscale/planner.py": ("router.autoscale", "router.errors"),
     "router/autoscale/predictors.py": ("router.autoscale", "router.errors"),
