@@ -60,6 +60,10 @@ TPOT_MARGIN = 0.8
 """Plans aim for this fraction of the TPOT SLO: the tail model is approximate (a chunked
 iteration may carry several prefills). Chosen in ``pdserve sim paths`` on the mix workload,
 seed 0 (0.6-1.0 tried); the other workloads and seeds were not used to pick it."""
+MIN_SENSITIVE_REQUESTS = 2.0
+"""Stall-sensitive requests (decayed over ``share_window_s``) below which no engine is kept
+quiet: about one every 5 s with the default 10 s window. Chosen by reasoning (a reservation for
+a lone request costs a whole engine's prefill capacity for a window), not fitted to a trace."""
 LEARNING_RATE = 0.1
 """Weight of one observed request in the learned cost scales (an exponential average)."""
 MIN_LEARN_S = 0.005
@@ -68,7 +72,7 @@ SCALE_LIMITS = (0.1, 10.0)
 """The learned scales stay within these factors of the starting costs."""
 
 REASONS = ("whole_meets_slo", "whole_misses_ttft", "whole_misses_tpot", "whole_harms_admitted",
-           "best_effort", "forced", "no_pd_pair", "stall_sensitive")
+           "best_effort", "forced", "no_pd_pair", "stall_sensitive", "split")
 """Every ``reason`` a decision may carry (bounded metric labels)."""
 
 FORCED_PATHS = ("whole", "pd")
@@ -132,6 +136,8 @@ class AdaptivePaths:
         """Request id -> the engines it occupies (decode engine first)."""
         self._sensitive_tokens = 0.0
         """Output tokens of stall-sensitive requests, decayed like the prefill counts."""
+        self._sensitive_requests = 0.0
+        """Stall-sensitive requests, decayed like the prefill counts."""
         self._sensitive_at_s = 0.0
         self.reserved: tuple[str, ...] = ()
         """Engines kept quiet for stall-sensitive decodes (the split's decode side)."""
@@ -187,15 +193,21 @@ class AdaptivePaths:
     # -- the split --------------------------------------------------------------------------
 
     def quiet_decoders_needed(self, now_s: float) -> int:
-        """Quiet decoders the recent stall-sensitive decode demand needs: its tokens per second
-        over what one decoder streams within the planned TPOT (0 under 2 % of one decoder)."""
-        demand = (self._sensitive_tokens * self._decay(self._sensitive_at_s, now_s)
-                  / self.share_window_s)  # tokens/s
+        """Quiet decoders the recent stall-sensitive decodes need: none while they are rare
+        (:data:`MIN_SENSITIVE_REQUESTS`), else their tokens per second over what one decoder
+        streams within the planned TPOT, and at least one. A quiet decoder is isolation from
+        prefills, which a short answer needs however few tokens it asks for (counting tokens
+        alone kept none for 12-token answers behind 1,500-token prompts, and every decoder
+        kept prefilling: 1P+1D sustained twice adaptive's rate on the switching trace)."""
+        decay = self._decay(self._sensitive_at_s, now_s)
+        if self._sensitive_requests * decay < MIN_SENSITIVE_REQUESTS:
+            return 0
+        demand = self._sensitive_tokens * decay / self.share_window_s  # tokens/s
         batch = 1
         while batch < 256 and self.costs.step_s(batch + 1) <= self.tpot_slo_s:
             batch += 1
         capacity = batch / self.costs.step_s(batch)  # tokens/s of one quiet decoder
-        return 0 if demand < 0.02 * capacity else math.ceil(demand / capacity)
+        return max(1, math.ceil(demand / capacity))
 
     def _resize_split(self, engines: list[tuple[str, Candidate]], now_s: float) -> None:
         """Keep :meth:`quiet_decoders_needed` engines reserved (at most all but one of the
@@ -268,6 +280,13 @@ class AdaptivePaths:
             quiet = [p for p in pd if by_id[p.worker].reserved] or pd
             return PathDecision(best(quiet), "stall_sensitive", best_whole,  # type: ignore[arg-type]
                                 sensitive=True)
+        # while the split keeps quiet decoders, the fleet runs as P/D pools: every request
+        # takes a P/D plan onto a quiet decoder. A whole plan would decode on an engine that
+        # takes every prefill (stalled, and adding to its queue) while the quiet decoder has
+        # room.
+        split = [p for p in pd if by_id[p.worker].reserved]
+        if split:
+            return PathDecision(best(split), "split", best_whole)  # type: ignore[arg-type]
         # a whole plan that meets the SLOs: the least prefill work (a cached prefix), then the
         # least loaded; cache affinity is kept only while the SLOs hold
         meeting = min((p for p in whole if p.meets(*slo)),
@@ -318,8 +337,9 @@ class AdaptivePaths:
         prefill, the decoding engine decodes it, both caches now hold the prompt; a
         ``sensitive`` decode (``PathDecision.sensitive``) adds to the quiet decoders' demand."""
         if sensitive:
-            self._sensitive_tokens = (self._sensitive_tokens
-                                      * self._decay(self._sensitive_at_s, now_s) + output_tokens)
+            decay = self._decay(self._sensitive_at_s, now_s)
+            self._sensitive_tokens = self._sensitive_tokens * decay + output_tokens
+            self._sensitive_requests = self._sensitive_requests * decay + 1.0
             self._sensitive_at_s = now_s
         prefiller = plan.prefill_worker or plan.worker
         seconds = self.costs.prefill_s(plan.uncached_tokens)

@@ -250,3 +250,34 @@ def test_the_split_keeps_quiet_decoders_for_stall_sensitive_demand() -> None:
     # the demand decays: a minute later the engine is open again
     paths.loads(request, cands, 64.0)
     assert paths.reserved == ()
+
+
+def test_a_few_short_stall_sensitive_answers_keep_one_decoder_quiet() -> None:
+    """Isolation, not token demand: 12-token answers behind long prompts at ~1 req/s ask for
+    a few tokens a second, far under one decoder's capacity, yet need a decoder that
+    prefills nothing (counting tokens alone kept none)."""
+    paths = _paths(tpot=0.025)
+    cands = [("flex", Candidate(w)) for w in ("a", "b")]
+    request = _request(1500, "next")
+    one = estimate_whole(COSTS, 1500, 12, EngineLoad("b"))
+    paths.dispatched(_request(1500, "s0"), one, 12, now_s=0.0, sensitive=True)
+    # control: one such request is not a demand (under MIN_SENSITIVE_REQUESTS)
+    assert paths.quiet_decoders_needed(0.0) == 0
+    paths.loads(request, cands, 0.0)
+    assert paths.reserved == ()
+    for i in range(1, 4):  # one a second
+        paths.dispatched(_request(1500, f"s{i}"), one, 12, now_s=float(i), sensitive=True)
+    assert paths.quiet_decoders_needed(3.0) == 1
+    loads = paths.loads(request, cands, 3.0)
+    assert paths.reserved == ("a",)  # the quieter one (b took the prefills)
+    # while the split holds, a request that is not stall-sensitive is also served P/D onto
+    # the quiet decoder (the fleet runs as 1P+1D), not whole on the engine that prefills
+    decision = paths.decide(_request(150, "long answer"), 160, loads)
+    assert decision is not None and decision.reason == "split"
+    assert (decision.plan.path, decision.plan.prefill_worker, decision.plan.worker) == \
+        ("pd", "b", "a")
+    # control: once the demand has decayed (a minute later) the same request goes whole
+    loads = paths.loads(request, cands, 63.0)
+    assert paths.reserved == ()
+    later = paths.decide(_request(150, "long answer"), 160, loads)
+    assert later is not None and later.plan.path == "whole" and later.reason != "split"
