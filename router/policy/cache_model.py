@@ -20,13 +20,29 @@ scans from the front and stops at the first miss (robust; it costs one lookup pe
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 from router.policy.base import CacheChanged
 from router.policy.hashing import DEFAULT_BLOCK_TOKENS
 
 DEFAULT_CAPACITY_BLOCKS = 20_000
 
+
+
+def leading_present(hashes: Sequence[int], present: Container[int]) -> int:
+    """How many leading ``hashes`` are in ``present``, by binary search: right when what
+    ``present`` holds of a chain is always a prefix of it (chained hashes, evicted from the
+    end)."""
+    lo, hi = 0, len(hashes)  # hashes[:lo] present; hashes[hi] (if any) known absent
+    if hi and hashes[0] not in present:
+        return 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if hashes[mid - 1] in present:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 class PrefixCacheModel:
     """One instance's LRU set of block hashes."""
@@ -62,16 +78,7 @@ class PrefixCacheModel:
                     break
                 n += 1
             return n
-        lo, hi = 0, len(hashes)  # hashes[:lo] cached; hashes[hi] (if any) known absent
-        if hi and hashes[0] not in lru:
-            return 0
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in lru:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return leading_present(hashes, lru)
 
     def insert(self, hashes: Sequence[int]) -> list[int]:
         """Record ``hashes`` as cached (most recent); returns the evicted block hashes."""

@@ -52,7 +52,7 @@ from router.policy.base import (
 )
 from router.policy.cache_model import ClusterCacheModel
 from router.policy.context import PolicyContext, checked
-from router.policy.hashing import block_hashes
+from router.policy.hashing import request_hashes
 from router.policy.hot_prefix import PrefixKeyer
 from router.policy.load_model import LoadModel
 
@@ -155,9 +155,7 @@ class DualMapPolicy:
 
     def hashes(self, request: RouteRequest) -> Sequence[int]:
         """The request's block hashes (given, or computed from its token ids)."""
-        if request.block_hashes or not request.prompt_token_ids:
-            return request.block_hashes
-        return block_hashes(request.prompt_token_ids, self.config.block_tokens)
+        return request_hashes(request, self.config.block_tokens)
 
     def routing_key(self, request: RouteRequest) -> int:
         """The request's current prefix key."""

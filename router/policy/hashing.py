@@ -15,8 +15,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import xxhash
+
+if TYPE_CHECKING:
+    from router.policy.base import RouteRequest
 
 DEFAULT_BLOCK_TOKENS = 16
 _MASK64 = (1 << 64) - 1
@@ -55,3 +59,11 @@ def hash_ints(values: range, seed: int) -> list[int]:
 def hash_str(value: str, seed: int) -> int:
     """A seeded 64-bit hash of a string (virtual node names)."""
     return _xxh(value.encode(), seed)
+
+
+def request_hashes(request: RouteRequest, block_tokens: int) -> Sequence[int]:
+    """The request's chained block hashes: given (the simulator), or computed from its token
+    ids at ``block_tokens`` per block."""
+    if request.block_hashes or not request.prompt_token_ids:
+        return request.block_hashes
+    return block_hashes(request.prompt_token_ids, block_tokens)

@@ -25,7 +25,7 @@ from router.policy.base import (
 )
 from router.policy.cache_model import ClusterCacheModel
 from router.policy.context import PolicyContext, checked
-from router.policy.hashing import block_hashes
+from router.policy.hashing import request_hashes
 
 
 class PrefixOnlyPolicy:
@@ -48,9 +48,7 @@ class PrefixOnlyPolicy:
 
     def hashes(self, request: RouteRequest) -> Sequence[int]:
         """The request's block hashes (given, or computed from its token ids)."""
-        if request.block_hashes or not request.prompt_token_ids:
-            return request.block_hashes
-        return block_hashes(request.prompt_token_ids, self.block_tokens)
+        return request_hashes(request, self.block_tokens)
 
     def cached_prefix_tokens(self, request: RouteRequest, worker_id: str) -> int:
         """Tokens of the prompt the cache model expects ``worker_id`` to reuse."""

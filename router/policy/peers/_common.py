@@ -1,7 +1,7 @@
 """Helpers shared by the peer policies (an internal module).
 
-- the request's block hashes at our block size, or a coarser peer block size (chained hashes make
-  every ``k``-th hash the hash of a ``k``-times-larger block's prefix);
+- a coarser peer block size over our block hashes (chained hashes make every ``k``-th hash the
+  hash of a ``k``-times-larger block's prefix);
 - seeded, per-request pseudo-random draws that stand in for the peers' ``rand``/``shuffle``
   (a pure function of ``(seed, request_id, ...)``: no global generator, nothing to advance).
 """
@@ -11,16 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from router.policy.base import RouteRequest
-from router.policy.hashing import block_hashes, hash_str
+from router.policy.hashing import hash_str
 
 _TWO_64 = float(1 << 64)
-
-
-def request_hashes(request: RouteRequest, block_tokens: int) -> tuple[int, ...]:
-    """The request's chained block hashes: given, or computed from its token ids."""
-    if request.block_hashes or not request.prompt_token_ids:
-        return request.block_hashes
-    return block_hashes(request.prompt_token_ids, block_tokens)
 
 
 def coarsen(hashes: Sequence[int], factor: int) -> Sequence[int]:

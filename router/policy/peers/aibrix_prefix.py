@@ -51,7 +51,8 @@ from typing import Any
 from router.errors import ConfigError
 from router.policy.base import Candidate, Dispatched, PolicyEvent, RouteRequest, preferred
 from router.policy.context import PolicyContext, checked
-from router.policy.peers._common import blocks_per, coarsen, request_hashes, tie_rank
+from router.policy.hashing import request_hashes
+from router.policy.peers._common import blocks_per, coarsen, tie_rank
 
 _PARAMS = ("imbalance_abs_count", "std_dev_factor", "prefix_block_tokens", "block_number",
            "seed", "block_tokens")

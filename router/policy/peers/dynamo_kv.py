@@ -67,7 +67,8 @@ from router.policy.base import (
 )
 from router.policy.cache_model import ClusterCacheModel
 from router.policy.context import PolicyContext, checked
-from router.policy.peers._common import prompt_tokens, request_hashes, tie_rank, uniform
+from router.policy.hashing import request_hashes
+from router.policy.peers._common import prompt_tokens, tie_rank, uniform
 
 _PARAMS = ("overlap_score_credit", "overlap_score_credit_decay", "prefill_load_scale",
            "decode_active_request_weight", "router_temperature", "track_active_blocks",

@@ -79,13 +79,8 @@ from router.policy.base import (
 )
 from router.policy.cache_model import ClusterCacheModel
 from router.policy.context import PolicyContext, checked
-from router.policy.peers._common import (
-    blocks_per,
-    coarsen,
-    request_hashes,
-    tie_rank,
-    uniform,
-)
+from router.policy.hashing import request_hashes
+from router.policy.peers._common import blocks_per, coarsen, tie_rank, uniform
 
 _PARAMS = ("queue_weight", "kv_cache_weight", "prefix_weight", "token_load_weight",
            "token_load_threshold", "prefix_block_tokens", "max_prefix_tokens",

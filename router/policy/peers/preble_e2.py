@@ -80,8 +80,9 @@ from router.policy.base import (
     RouteRequest,
     preferred,
 )
+from router.policy.cache_model import leading_present
 from router.policy.context import PolicyContext, checked
-from router.policy.peers._common import request_hashes
+from router.policy.hashing import request_hashes
 
 _PARAMS = ("window_requests", "decode_tokens", "tpot_s", "rebalance", "rebalance_factor",
            "rebalance_after", "rebalance_chain_length", "per_token_s", "block_tokens")
@@ -146,15 +147,7 @@ class PrebleState:
 
     def match(self, hashes: Sequence[int]) -> int:
         """Leading blocks of ``hashes`` in the tree (nodes are never removed: prefix-closed)."""
-        lo, hi = 0, len(hashes)
-        where = self.where
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in where:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return leading_present(hashes, self.where)
 
     def gpus(self) -> list[str]:
         if self.members is not None:

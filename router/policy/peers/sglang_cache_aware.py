@@ -71,8 +71,10 @@ from router.policy.base import (
     RouteRequest,
     preferred,
 )
+from router.policy.cache_model import leading_present
 from router.policy.context import PolicyContext, checked
-from router.policy.peers._common import prompt_tokens, request_hashes
+from router.policy.hashing import request_hashes
+from router.policy.peers._common import prompt_tokens
 
 TIE_BREAKS = ("index", "processed")
 
@@ -100,25 +102,14 @@ class ApproximateTree:
         self.nodes: dict[int, _Node] = {}
         self._lru: dict[str, OrderedDict[int, None]] = {}
 
-    @staticmethod
-    def _leading(hashes: Sequence[int], present: Mapping[int, object]) -> int:
-        lo, hi = 0, len(hashes)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in present:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
     def match(self, hashes: Sequence[int]) -> int:
         """Blocks of ``hashes`` on the tree's deepest matched path (any tenant)."""
-        return self._leading(hashes, self.nodes)
+        return leading_present(hashes, self.nodes)
 
     def held(self, tenant: str, hashes: Sequence[int]) -> int:
         """Leading blocks of ``hashes`` that ``tenant`` holds."""
         lru = self._lru.get(tenant)
-        return 0 if lru is None else self._leading(hashes, lru)
+        return 0 if lru is None else leading_present(hashes, lru)
 
     def tenant(self, block_hash: int) -> str:
         """The node's tenant: its creator while it still holds it, else its first tenant."""
