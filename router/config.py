@@ -78,6 +78,10 @@ class RouterSettings:
     """How often every worker's ``/metrics`` is read for its own load (running and waiting
     requests, KV usage) to feed placement; 0 turns it off (router accounting only)."""
 
+    release_unspent_kv: bool = True
+    """Release the prefill's lease of params no decode received (the client left before the
+    decode started, no decode took it, it finished on another pool) through a decode at once,
+    instead of pinning the prompt's KV for ``kv_lease_s`` (``router.api.unspent``)."""
     first_token_from_prefill: bool = True
     """Stream the token the prefill sampled at once and let the decode continue from it
     (``router.api.first_token``); off = classic P/D (the decode samples it again)."""
@@ -215,6 +219,11 @@ def _parser() -> argparse.ArgumentParser:
                    action=argparse.BooleanOptionalAction,
                    help="stream the prefill's sampled token at once "
                    "(PDSERVE_ROUTER_FIRST_TOKEN_FROM_PREFILL, default on)")
+    p.add_argument("--release-unspent-kv", dest="release_unspent_kv",
+                   action=argparse.BooleanOptionalAction,
+                   help="free at once the prefill KV of requests that ended before a decode "
+                   "received it (PDSERVE_ROUTER_RELEASE_UNSPENT_KV, default on; off: it stays "
+                   "pinned until the lease expires)")
     p.add_argument("--migration-limit", dest="migration_limit", type=int,
                    help="moves of one stream to another worker when its worker fails "
                    "mid-stream (PDSERVE_ROUTER_MIGRATION_LIMIT, default 3; 0 = off)")
@@ -271,6 +280,7 @@ _ENV_NAMES = {
     "max_upstream_connections": "MAX_UPSTREAM_CONNECTIONS",
     "load_poll_interval_s": "LOAD_POLL_INTERVAL_S",
     "first_token_from_prefill": "FIRST_TOKEN_FROM_PREFILL",
+    "release_unspent_kv": "RELEASE_UNSPENT_KV",
     "disagg_min_prefill_tokens": "DISAGG_MIN_PREFILL_TOKENS",
     "timeline_file": "TIMELINE_FILE",
     "path_policy": "PATH_POLICY",

@@ -117,6 +117,12 @@ class RouterMetrics:
             "Decode retries sent without the prefill's kv_transfer_params because the failed "
             "attempt may have pulled and released them (the retry recomputes the prompt).",
             registry=r)
+        self.unspent_kv_releases = Counter(
+            "pdserve_router_unspent_kv_releases_total",
+            "Prefill leases of requests that ended before a decode received their params, "
+            "released through a decode (router.api.unspent), by outcome: released, refused, "
+            "no_decode, failed, dropped (the last four leave the lease to expire).",
+            ["outcome"], registry=r)
         self.migrations = Counter(
             "pdserve_router_migrations_total",
             "Client streams moved to another worker after the client got output (the new "

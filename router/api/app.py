@@ -136,6 +136,8 @@ class RouterService:
         if self.loads is not None:
             await self.loads.close()
         await self.cluster.close()
+        if self.proxy is not None:
+            await self.proxy.unspent.close()
         if self.client is not None:
             await self.client.aclose()
         self.tracer.close()

@@ -35,6 +35,7 @@ from router.api.resume import PROBE_CHECK_S, ResumableStream, Source
 from router.api.rewrite import decode_body, encode, prefill_body
 from router.api.schemas import Endpoint
 from router.api.timeline import PhaseClock
+from router.api.unspent import UnspentLeases
 from router.api.upstream import (
     allow_same_worker_retry,
     may_have_reached,
@@ -97,6 +98,12 @@ class PDProxy:
                                               connect=settings.connect_timeout_s)
         self._decode_timeout = httpx.Timeout(settings.decode_timeout_s,
                                              connect=settings.connect_timeout_s)
+        self.unspent = UnspentLeases(
+            lambda: self.client, lambda model: self._live("decode", model), self.signed,
+            self._release_headers,
+            lambda outcome: metrics.unspent_kv_releases.labels(outcome=outcome).inc(),
+            timeout_s=settings.connect_timeout_s + 5.0)
+        """Frees the prefill leases of params no decode received (``router.api.unspent``)."""
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -228,6 +235,19 @@ class PDProxy:
             headers["authorization"] = f"Bearer {keyring.worker_api_keys[0]}"
         return headers
 
+    def _release_headers(self, request_id: str) -> dict[str, str]:
+        headers = {"content-type": "application/json", "x-request-id": request_id}
+        keyring = current(self.keyring)
+        if keyring is not None:
+            headers["authorization"] = f"Bearer {keyring.worker_api_keys[0]}"
+        return headers
+
+    def release_unspent(self, route: RouteRequest, kv_params: dict[str, Any]) -> None:
+        """The request ends and no decode received ``kv_params``: free the prefill's lease now
+        (``release_unspent_kv``; off: it expires after ``kv_lease_s``)."""
+        if self.settings.release_unspent_kv:
+            self.unspent.release(route.model, route.request_id, kv_params)
+
     def signed(self, params: dict[str, Any], worker: WorkerRecord) -> dict[str, Any]:
         """``params`` signed for one call to ``worker`` (kvtransfer.signing: bound to its
         engine id, accepted once), or as they are without a keyring; a signature the params
@@ -345,88 +365,97 @@ class PDProxy:
         last: UpstreamError | None = None
         last_exc: Exception | None = None  # None after a failed attempt: the worker answered
         spent = False  # a decode may have pulled: every later attempt computes the prompt
-        for attempt in range(self.settings.decode_retries + 1):
-            if attempt and kv_params is not None:
-                spent = spent or may_have_reached(last_exc)
-                if spent:
-                    self.metrics.kv_params_withdrawn.inc()
-            last_exc = None
-            pool = role
-            if attempt == 0 and first_choice is not None:
-                worker: WorkerRecord | None = first_choice
-                tried.add(first_choice.worker_id)
-            else:
-                worker = await self._choose_or_wait(role, route, tried)
-                if worker is None and tried:  # its pool has nobody left: any engine, whole
-                    worker, pool = self.choose_fallback(role, route, tried)
-            if worker is None:
-                break
-            clock.mark("decode_chosen")
-            if attempt:
-                self.metrics.upstream_retries.labels(role=role).inc()
-            logger.debug("%s on %s (attempt %d)", pool, worker.worker_id, attempt + 1)
-            self.begin(pool, route, worker)
-            content = plain if kv_params is None or spent or pool != "decode" else \
-                encode(decode_body(body, self.signed(kv_params, worker)))
-            request = self.client.build_request("POST", worker.http_url + endpoint.path,
-                                                content=content, headers=headers,
-                                                timeout=self._decode_timeout)
-            handed_over = ok = False
-            try:
+        handed = kv_params is None  # a decode answered a request that carried them
+        try:
+            for attempt in range(self.settings.decode_retries + 1):
+                if attempt and kv_params is not None:
+                    spent = spent or may_have_reached(last_exc)
+                    if spent:
+                        self.metrics.kv_params_withdrawn.inc()
+                last_exc = None
+                pool = role
+                if attempt == 0 and first_choice is not None:
+                    worker: WorkerRecord | None = first_choice
+                    tried.add(first_choice.worker_id)
+                else:
+                    worker = await self._choose_or_wait(role, route, tried)
+                    if worker is None and tried:  # its pool has nobody left: any engine, whole
+                        worker, pool = self.choose_fallback(role, route, tried)
+                if worker is None:
+                    break
+                clock.mark("decode_chosen")
+                if attempt:
+                    self.metrics.upstream_retries.labels(role=role).inc()
+                logger.debug("%s on %s (attempt %d)", pool, worker.worker_id, attempt + 1)
+                self.begin(pool, route, worker)
+                content = plain if kv_params is None or spent or pool != "decode" else \
+                    encode(decode_body(body, self.signed(kv_params, worker)))
+                carries = content is not plain
+                request = self.client.build_request("POST", worker.http_url + endpoint.path,
+                                                    content=content, headers=headers,
+                                                    timeout=self._decode_timeout)
+                handed_over = ok = False
                 try:
-                    resp = await self.watched(worker, pool,
-                                              self.client.send(request, stream=True))
-                except UpstreamError as err:  # it stopped answering: the next one
-                    last, last_exc = err, None
-                    self._failed(worker, last)
-                    continue
-                try:
-                    if resp.status_code >= 500:
-                        detail = (await resp.aread())[:500].decode(errors="replace")
-                        last = UpstreamError(
-                            f"{pool} worker {worker.worker_id} answered {resp.status_code}: "
-                            f"{detail}", role=pool, kind="status")
+                    try:
+                        resp = await self.watched(worker, pool,
+                                                  self.client.send(request, stream=True))
+                    except UpstreamError as err:  # it stopped answering: the next one
+                        last, last_exc = err, None
                         self._failed(worker, last)
                         continue
-                    if resp.status_code >= 400 or not stream:
-                        data = await resp.aread()
+                    handed = handed or (carries and resp.status_code < 400)
+                    try:
+                        if resp.status_code >= 500:
+                            detail = (await resp.aread())[:500].decode(errors="replace")
+                            last = UpstreamError(
+                                f"{pool} worker {worker.worker_id} answered {resp.status_code}: "
+                                f"{detail}", role=pool, kind="status")
+                            self._failed(worker, last)
+                            continue
+                        if resp.status_code >= 400 or not stream:
+                            data = await resp.aread()
+                            clock.mark("decode_first_byte")
+                            ok = True
+                            if resp.status_code < 400:
+                                self.tracker.mark_ok(worker.worker_id)
+                                self._account(route.model, body_usage(data))
+                            return relay_body(data, resp.status_code,
+                                               resp.headers.get("content-type"))
+                        if movable:  # it waits for the first chunk itself, and can move on
+                            handed_over = True
+                            resumed = ResumableStream(self, endpoint, body, route, incoming, clock,
+                                                      StreamJournal(endpoint, body), role=pool)
+                            resumed.adopt(Source(worker, pool, resp, resp.aiter_raw()))
+                            return resumed.response()
+                        chunks = resp.aiter_raw()
+                        first = b""
+                        async for chunk in chunks:
+                            if chunk:
+                                first = chunk
+                                break
                         clock.mark("decode_first_byte")
-                        ok = True
-                        if resp.status_code < 400:
-                            self.tracker.mark_ok(worker.worker_id)
-                            self._account(route.model, body_usage(data))
-                        return relay_body(data, resp.status_code,
-                                           resp.headers.get("content-type"))
-                    if movable:  # it waits for the first chunk itself, and can move on
                         handed_over = True
-                        resumed = ResumableStream(self, endpoint, body, route, incoming, clock,
-                                                  StreamJournal(endpoint, body), role=pool)
-                        resumed.adopt(Source(worker, pool, resp, resp.aiter_raw()))
-                        return resumed.response()
-                    chunks = resp.aiter_raw()
-                    first = b""
-                    async for chunk in chunks:
-                        if chunk:
-                            first = chunk
-                            break
-                    clock.mark("decode_first_byte")
-                    handed_over = True
-                    self.tracker.mark_ok(worker.worker_id)
-                    return self._relay(endpoint, route, worker, resp, chunks, first, clock, pool)
+                        self.tracker.mark_ok(worker.worker_id)
+                        return self._relay(endpoint, route, worker, resp, chunks, first, clock,
+                                           pool)
+                    finally:
+                        if not handed_over:
+                            await resp.aclose()
+                except httpx.HTTPError as exc:
+                    last, last_exc = upstream_error(pool, worker, exc), exc
+                    self._failed(worker, last)
+                    allow_same_worker_retry(exc, worker, tried, retried)
+                    continue
                 finally:
                     if not handed_over:
-                        await resp.aclose()
-            except httpx.HTTPError as exc:
-                last, last_exc = upstream_error(pool, worker, exc), exc
-                self._failed(worker, last)
-                allow_same_worker_retry(exc, worker, tried, retried)
-                continue
-            finally:
-                if not handed_over:
-                    self.end(pool, route, worker, ok=ok)
-        if last is None:
-            raise no_workers(role, route.model)
-        raise last
+                        self.end(pool, route, worker, ok=ok)
+            if last is None:
+                raise no_workers(role, route.model)
+            raise last
+        finally:
+            if not handed:
+                assert kv_params is not None
+                self.release_unspent(route, kv_params)
 
     def continue_stream(
         self, endpoint: Endpoint, body: dict[str, Any], first: FirstToken,

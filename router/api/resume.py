@@ -104,6 +104,9 @@ class ResumableStream:
         """Events sent before any source (the prefill's first token)."""
         self.kv_params = kv_params
         """The prefill's params, sent with the first continuation while unspent."""
+        self._kv_handed = kv_params is None
+        """A decode answered a request carrying ``kv_params`` (it reads or frees them); else
+        the stream's end releases their lease (``router.api.unspent``)."""
         self.first_choice = first_choice
         self.source: Source | None = None
         self.status = 200
@@ -336,6 +339,7 @@ class ResumableStream:
                                     f"{resp.status_code}: {detail}", role=role, kind="status")
             proxy._failed(worker, refused)
             return refused
+        self._kv_handed = self._kv_handed or signed is not None
         return Source(worker, role, resp, resp.aiter_raw(), native)
 
     async def _choose(self, tried: set[str]) -> tuple[WorkerRecord | None, str]:
@@ -380,6 +384,9 @@ class ResumableStream:
         self._done = True
         if self._reader is not None:  # a client gone mid-stream may leave the body unclosed
             self._reader.cancel()
+        if not self._kv_handed:  # the client left first, or no decode took them
+            assert self.kv_params is not None
+            self.proxy.release_unspent(self.route, self.kv_params)
         source, self.source = self.source, None
         clock, metrics = self.clock, self.proxy.metrics
         # Bookkeeping first: the await below may be interrupted by cancellation.

@@ -1,11 +1,15 @@
 """Leases against the real UCX cluster: a renewed lease outlives its length and the decode's
 late pull succeeds; the same pull without renewal fails (the lease expired). A lease is
 one-shot and bound to its token: a peer on the control channel cannot release it twice, nor
-release or renew it without the token from the signed params."""
+release or renew it without the token from the signed params. A client that leaves before its
+decode starts does not pin the prefill's KV for the lease (the router releases it)."""
 
 from __future__ import annotations
 
+import json
+import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,8 @@ from tests.e2e.test_pd_equivalence import complete
 from tests.support.cluster import SERVED_NAME, Cluster, Plain
 from tests.support.metrics import scrape, value
 from tests.support.prompts import make_prompts
+from tests.support.router_process import RouterProcess
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.vllm
 
@@ -115,3 +121,65 @@ def test_a_lease_is_released_once_and_only_with_its_token(cluster: Cluster, plai
     p1 = scrape(workers["prefill"])
     assert value(p1, "pdserve_kv_leases_refused_total") - \
         value(p0, "pdserve_kv_leases_refused_total") == 3
+
+
+def _leave_during_prefill(router_url: str, prompt: str) -> None:
+    """Send a streamed request and hang up while the router waits on its prefill (the client
+    gone before its first event), without reading a byte."""
+    host, port = router_url.split("//", 1)[1].rsplit(":", 1)
+    body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": 16,
+                       "temperature": 0, "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        eventually(lambda: value(scrape(router_url), "pdserve_router_in_flight_requests",
+                                 role="prefill"), lambda n: n >= 1, timeout_s=30, interval_s=0.005)
+        sock.setblocking(False)
+        try:
+            early = sock.recv(1)
+        except BlockingIOError:
+            early = b""
+        assert not early, "the answer started before the client left: nothing was tested"
+
+
+def _lease_ends(prefill_url: str) -> tuple[float, float]:
+    samples = scrape(prefill_url)
+    return (value(samples, "pdserve_kv_leases_released_total"),
+            value(samples, "pdserve_kv_leases_expired_total"))
+
+
+def test_a_client_gone_before_its_first_token_does_not_pin_the_prefill_kv(
+        cluster: Cluster, workers: dict[str, str], tiny_model_dir: Path) -> None:
+    """Security review finding 14. A streamed client that leaves while its prefill runs never
+    gets a decode, so nobody would release the prefill's lease: its KV stayed pinned for the
+    whole lease. The router now releases it through a decode at once (vLLM frees the params of
+    a request its API server rejects), so the lease ends released, not expired.
+    Control: a router with ``release_unspent_kv`` off leaves the same lease to expire."""
+    ours, theirs = make_prompts(tiny_model_dir, [700, 700], seed=34, tag="gone")
+    busy = make_prompts(tiny_model_dir, [600, 600, 600], seed=35, tag="busy")
+    control = RouterProcess(redis_url=cluster.redis_url, release_unspent_kv=False,
+                            cluster_secret_file=str(cluster.keyring_file)).start(timeout_s=60)
+    metric = "pdserve_router_unspent_kv_releases_total"
+    try:
+        released0 = value(scrape(cluster.url), metric, outcome="released")
+        ends = []
+        for url, prompt in ((cluster.url, ours), (control.url, theirs)):
+            before = _lease_ends(workers["prefill"])
+            with ThreadPoolExecutor(len(busy)) as pool:  # the prefill queues: time to leave
+                for p in busy:  # plain requests: they lease nothing
+                    pool.submit(httpx.post, f"{workers['prefill']}/v1/completions", timeout=60,
+                                headers=cluster.worker_auth,
+                                json={"model": SERVED_NAME, "prompt": p, "max_tokens": 1})
+                _leave_during_prefill(url, prompt)
+            after = eventually(lambda: _lease_ends(workers["prefill"]),
+                               lambda n: sum(n) == sum(before) + 1,  # noqa: B023
+                               timeout_s=LEASE_S + 30)
+            ends.append((after[0] - before[0], after[1] - before[1]))
+        released = value(scrape(cluster.url), metric, outcome="released") - released0
+        control_released = value(scrape(control.url), metric, outcome="released")
+    finally:
+        control.stop()
+    assert ends[0] == (1, 0)  # released through the decode, before it could expire
+    assert ends[1] == (0, 1)  # control: pinned until the lease ran out
+    assert (released, control_released) == (1, 0)

@@ -153,6 +153,9 @@ class FakeWorker:
     requests: list[Recorded] = field(default_factory=list)
     sent: list[bytes] = field(default_factory=list)
     """The exact bytes of each streamed response body this worker produced."""
+    releases: list[dict[str, Any]] = field(default_factory=list)
+    """``kv_transfer_params`` of the requests it refused as vLLM does (streamed beam search)
+    before its engine: vLLM then frees the lease they name (``router.api.unspent``)."""
     gauges: dict[str, float] = field(default_factory=dict)
     """vLLM load gauges its ``/metrics`` reports (running, waiting, kv_usage; 0 when unset)."""
     metrics_status: int = 200
@@ -195,6 +198,7 @@ class FakeWorker:
     def reset(self) -> None:
         self.mode = "ok"
         self.requests.clear()
+        self.releases.clear()
         self.sent.clear()
         self.gauges.clear()
         self.metrics_status = 200
@@ -206,6 +210,12 @@ class FakeWorker:
 
         async def handle(request: Request) -> Response:
             body = json.loads(await request.body())
+            if body.get("stream") and body.get("use_beam_search"):
+                self.releases.append(body.get("kv_transfer_params") or {})
+                return JSONResponse({"error": {"message": "Streaming is not currently "
+                                               "supported with beam search",
+                                               "type": "BadRequestError", "param": None,
+                                               "code": 400}}, status_code=400)
             self.requests.append(Recorded(request.url.path, dict(request.headers), body))
             rid = request.headers.get("x-request-id", "none")
             chat = request.url.path.endswith("/chat/completions")

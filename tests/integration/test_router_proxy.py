@@ -216,6 +216,30 @@ def test_decode_failure_before_first_byte_is_retried(
         assert _events(resp.content) == [_without_ids(e) for e in _events(fakes["d1"].sent[0])]
 
 
+@pytest.mark.parametrize("release", [True, False])
+def test_params_no_decode_received_have_their_lease_released(
+        release: bool, fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    """Security review #14: d0 answered 500 to the decode with p0's params and d1 served the
+    request without them, so no decode will read or release p0's lease. The router releases
+    it through a decode (a request vLLM refuses before its engine, which frees the params).
+    Control: with ``release_unspent_kv`` off nothing is sent (the lease expires)."""
+    url = start_router(release_unspent_kv=release)
+    fakes["d0"].mode = "error_500"
+    resp = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
+    assert resp.status_code == 200, resp.text
+    if not release:
+        time.sleep(0.5)  # what a release would have taken
+        assert fakes["d0"].releases == fakes["d1"].releases == []
+        return
+    wait_metrics(client, url, [
+        'pdserve_router_unspent_kv_releases_total{outcome="released"} 1.0'])
+    (sent,) = fakes["d0"].releases + fakes["d1"].releases
+    params = fakes["p0"].kv_params(_upstream(fakes["p0"]))
+    assert {k: v for k, v in sent.items() if k in params} == params  # plus its signature
+    assert calls(fakes) == {"p0": 1, "p1": 0, "d0": 1, "d1": 1}  # nothing else ran
+
+
 def _events(raw: bytes) -> list[Any]:
     return [e if e == "[DONE]" else json.loads(e)
             for e in (part.removeprefix(b"data: ").decode() for part in raw.split(b"\n\n"))
