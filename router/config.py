@@ -78,6 +78,10 @@ class RouterSettings:
     """How often every worker's ``/metrics`` is read for its own load (running and waiting
     requests, KV usage) to feed placement; 0 turns it off (router accounting only)."""
 
+    role_fallback: bool = True
+    """When a P/D fleet's prefill or decode pool is empty, or every worker of it failed, the
+    other pool's engines serve whole requests and take moved streams (any vLLM engine can);
+    off: 503, and a stream whose pool has nobody left ends with an error event."""
     release_unspent_kv: bool = True
     """Release the prefill's lease of params no decode received (the client left before the
     decode started, no decode took it, it finished on another pool) through a decode at once,
@@ -219,6 +223,10 @@ def _parser() -> argparse.ArgumentParser:
                    action=argparse.BooleanOptionalAction,
                    help="stream the prefill's sampled token at once "
                    "(PDSERVE_ROUTER_FIRST_TOKEN_FROM_PREFILL, default on)")
+    p.add_argument("--role-fallback", dest="role_fallback",
+                   action=argparse.BooleanOptionalAction,
+                   help="serve whole requests on the other pool when the prefill or decode "
+                   "pool is empty or failed (PDSERVE_ROUTER_ROLE_FALLBACK, default on; off: 503)")
     p.add_argument("--release-unspent-kv", dest="release_unspent_kv",
                    action=argparse.BooleanOptionalAction,
                    help="free at once the prefill KV of requests that ended before a decode "
@@ -281,6 +289,7 @@ _ENV_NAMES = {
     "load_poll_interval_s": "LOAD_POLL_INTERVAL_S",
     "first_token_from_prefill": "FIRST_TOKEN_FROM_PREFILL",
     "release_unspent_kv": "RELEASE_UNSPENT_KV",
+    "role_fallback": "ROLE_FALLBACK",
     "disagg_min_prefill_tokens": "DISAGG_MIN_PREFILL_TOKENS",
     "timeline_file": "TIMELINE_FILE",
     "path_policy": "PATH_POLICY",

@@ -41,6 +41,7 @@ from router.api.timeline import PhaseClock
 from router.api.tokenization import TokenizerCache, approximate_ids
 from router.api.tracing import RequestTracer
 from router.api.untrusted import read_capped_body, refuse_worker_only_fields
+from router.api.upstream import no_workers
 from router.api.version import versions
 from router.config import RouterSettings
 from router.errors import APIError, InvalidRequestError
@@ -288,6 +289,8 @@ class RouterService:
         roles = {r.role for r in records}
         pd_ok = {"prefill", "decode"} <= roles
         whole = None if pd_ok else whole_request_role(roles)
+        if whole in ("prefill", "decode") and not self.settings.role_fallback:
+            raise no_workers("decode" if whole == "prefill" else "prefill", req.model)
         shape = whole_request_reason(req)  # n > 1 or a batch: one worker serves it whole
         adaptive = self._adaptive_on(roles) and shape is None
         if adaptive:  # the cost model plans whole or P/D among every engine
@@ -373,8 +376,8 @@ class RouterService:
                                               token_ids=continue_from_prefill,
                                               first_choice=prefill)
         except APIError as err:
-            if err.status < 500 or not (self.cluster.workers("decode", model)
-                                        or self.cluster.workers("flex", model)):
+            if err.status < 500 or not self.settings.role_fallback or not (
+                    self.cluster.workers("decode", model) or self.cluster.workers("flex", model)):
                 raise
             # Every prefill failed (or none is left): a decode worker is a complete vLLM and
             # computes the prompt itself; nothing was leased, so nothing can be stranded.

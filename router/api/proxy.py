@@ -138,7 +138,9 @@ class PDProxy:
                         ) -> tuple[WorkerRecord | None, str]:
         """When ``role``'s pool has no worker left to try: one from another pool whose engines
         can serve the request whole (decode, aggregated, then prefill: every vLLM engine can),
-        and that pool's name (it books the worker)."""
+        and that pool's name (it books the worker); none with ``role_fallback`` off."""
+        if not self.settings.role_fallback:
+            return None, role
         for other in FALLBACK_ROLES:
             if other != role:
                 worker = self.choose(other, route, tried)

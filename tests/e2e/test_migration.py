@@ -12,6 +12,8 @@ control router beside the cluster's own, the feature turned off in it:
   through the cluster's router every stream completes, equal token for token to the plain
   server's answer, continued on the prefill worker (the only engine left) from the ids it had;
   through a router with ``--migration-limit 0``, every stream ends with an error event;
+- the prefill's vLLM is SIGKILLed: requests sent after it are served whole by the decode,
+  equal to the plain server; through a router with ``--no-role-fallback`` they fail;
 - the same with SIGTERM of the (restarted) decode's launcher: it drains, and its streams move
   at once instead of holding its stop (with moves off they finish on it).
 """
@@ -235,10 +237,10 @@ def test_killing_the_decode_mid_stream_costs_the_client_nothing(
     assert {move["to"] for (move,) in moves} == {prefill_id}  # the one engine left
 
 
-def _serving_decode(cluster: Cluster) -> str | None:
-    """URL of the cluster's decode when it is registered and answers, else None."""
+def _serving(cluster: Cluster, role: str) -> str | None:
+    """URL of the cluster's ``role`` worker when it is registered and answers, else None."""
     for record in registered_records(cluster):
-        if record.role == "decode":
+        if record.role == role:
             try:
                 if httpx.get(record.http_url + "/health", timeout=2).status_code == 200:
                     return record.http_url
@@ -247,14 +249,57 @@ def _serving_decode(cluster: Cluster) -> str | None:
     return None
 
 
+def test_killing_the_only_prefill_leaves_requests_served_by_the_decode(
+        pd: Cluster, plain: Plain, tiny_model_dir: Path) -> None:
+    """kill -9 of the prefill's vLLM: the requests sent after it are served whole by the
+    decode (a complete vLLM), equal to the plain server's answers, whether the router still
+    had the dead prefill in its view (connect refused: ``prefill_failed``) or saw it leave
+    (``no_prefill_worker``). Control: a router with role fallback off fails them (5xx)."""
+    decode = eventually(lambda: _serving(pd, "decode"), lambda u: u is not None,
+                        timeout_s=START_TIMEOUT_S)  # the decode killed above, restarted
+    assert decode is not None
+    prefill = _serving(pd, "prefill")
+    assert prefill is not None
+    prompts = make_prompts(tiny_model_dir, [130, 160, 190, 220], seed=8, tag="kill-prefill")
+    reference = [_reference(plain, p, 24) for p in prompts]
+    control = RouterProcess(redis_url=pd.redis_url, role_fallback=False,
+                            cluster_secret_file=str(pd.keyring_file)).start(timeout_s=60)
+    before = _paths(pd.url)
+    try:
+        asyncio.run(_completed(control.url, prompts[:1], 2))  # control: P/D works before
+        os.killpg(vllm_group(prefill), signal.SIGKILL)
+        served = asyncio.run(_completed(pd.url, prompts, 24))
+        refused = [httpx.post(control.url + "/v1/completions", timeout=120, json={
+            "model": SERVED_NAME, "prompt": p, "max_tokens": 24, "temperature": 0})
+            for p in prompts[:2]]
+    finally:
+        control.stop()
+    for out, ref in zip(served, reference, strict=True):
+        assert out.error is None and out.done and out.text == ref, out
+    after = _paths(pd.url)
+    fallbacks = sum(after.get(("decode_only", why), 0.0) - before.get(("decode_only", why), 0.0)
+                    for why in ("prefill_failed", "no_prefill_worker"))
+    assert fallbacks == len(prompts), (before, after)
+    assert all(r.status_code >= 500 for r in refused), [(r.status_code, r.text) for r in refused]
+
+
+def _paths(url: str) -> dict[tuple[str, str], float]:
+    """``pdserve_router_paths_total`` by (path, reason)."""
+    return {(dict(labels)["path"], dict(labels)["reason"]): v
+            for (name, labels), v in scrape(url).items() if name == "pdserve_router_paths_total"}
+
+
 def test_a_sigtermed_decode_hands_over_its_streams(pd: Cluster, plain: Plain,
                                                   tiny_model_dir: Path) -> None:
     """SIGTERM of the decode's launcher under load: it leaves routing first, the router moves
     its streams to the prefill worker at their next event, and the worker stops once idle.
     Control: through a router with moves off, the streams finish on the draining decode."""
-    url = eventually(lambda: _serving_decode(pd), lambda u: u is not None,
-                     timeout_s=START_TIMEOUT_S)  # the decode killed above, restarted
+    url = eventually(lambda: _serving(pd, "decode"), lambda u: u is not None,
+                     timeout_s=START_TIMEOUT_S)
     assert url is not None
+    # the prefill killed above, restarted: the streams' only place to move to
+    assert eventually(lambda: _serving(pd, "prefill"), lambda u: u is not None,
+                      timeout_s=START_TIMEOUT_S)
     launcher = psutil.Process(next(
         c.pid for c in psutil.net_connections("tcp")
         if c.status == psutil.CONN_LISTEN and c.laddr.port == int(url.rsplit(":", 1)[1])

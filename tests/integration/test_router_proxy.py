@@ -417,6 +417,26 @@ def test_a_lone_pool_serves_whole_requests(
         deregister(redis_server.url, [lone.worker_id])
 
 
+def test_without_role_fallback_a_lone_pool_answers_503(
+        redis_server: RedisServer, start_router: Callable[..., str],
+        workers: dict[str, FakeWorker], client: httpx.Client) -> None:
+    """Control of role fallback: with ``role_fallback`` off, a decode left alone for its model
+    gets nothing and the client a 503 (the operator keeps prompts off its decodes)."""
+    model = "solo-nofallback"
+    lone = FakeWorker("solo-nofallback", "decode", model=model).start()
+    try:
+        register(redis_server.url, [lone.record()])
+        url = start_router(role_fallback=False)
+        resp = client.post(url + "/v1/completions",
+                           json={"model": model, "prompt": "hi", "max_tokens": 5})
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["code"] == "no_workers_available"
+        assert lone.requests == []
+    finally:
+        lone.stop()
+        deregister(redis_server.url, [lone.worker_id])
+
+
 def test_when_every_prefill_fails_a_decode_serves_the_request_whole(
         fakes: dict[str, FakeWorker], start_router: Callable[..., str],
         client: httpx.Client) -> None:
