@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +133,8 @@ def _leave_during_prefill(router_url: str, prompt: str) -> None:
                      b"Content-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         eventually(lambda: value(scrape(router_url), "pdserve_router_in_flight_requests",
-                                 role="prefill"), lambda n: n >= 1, timeout_s=30, interval_s=0.005)
+                                 role="prefill"), lambda n: n >= 1, timeout_s=30,
+                   interval_s=0.002)
         sock.setblocking(False)
         try:
             early = sock.recv(1)
@@ -156,22 +156,23 @@ def test_a_client_gone_before_its_first_token_does_not_pin_the_prefill_kv(
     whole lease. The router now releases it through a decode at once (vLLM frees the params of
     a request its API server rejects), so the lease ends released, not expired.
     Control: a router with ``release_unspent_kv`` off leaves the same lease to expire."""
-    ours, theirs = make_prompts(tiny_model_dir, [700, 700], seed=34, tag="gone")
-    busy = make_prompts(tiny_model_dir, [600, 600, 600], seed=35, tag="busy")
+    # prompts long enough that their prefill outlasts many polls of the router's gauge
+    ours, theirs = make_prompts(tiny_model_dir, [3500, 3500], seed=34, tag="gone")
     control = RouterProcess(redis_url=cluster.redis_url, release_unspent_kv=False,
                             cluster_secret_file=str(cluster.keyring_file)).start(timeout_s=60)
     metric = "pdserve_router_unspent_kv_releases_total"
     try:
+        for url in (cluster.url, control.url):  # routers load their tokenizer on first use
+            httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": SERVED_NAME, "prompt": "warm", "max_tokens": 2}).raise_for_status()
         released0 = value(scrape(cluster.url), metric, outcome="released")
         ends = []
         for url, prompt in ((cluster.url, ours), (control.url, theirs)):
+            # no other lease may end meanwhile: earlier tests' unpulled ones expire first
+            eventually(lambda: value(scrape(workers["prefill"]), "vllm:kv_cache_usage_perc"),
+                       lambda usage: usage == 0.0, timeout_s=LEASE_S + 30)
             before = _lease_ends(workers["prefill"])
-            with ThreadPoolExecutor(len(busy)) as pool:  # the prefill queues: time to leave
-                for p in busy:  # plain requests: they lease nothing
-                    pool.submit(httpx.post, f"{workers['prefill']}/v1/completions", timeout=60,
-                                headers=cluster.worker_auth,
-                                json={"model": SERVED_NAME, "prompt": p, "max_tokens": 1})
-                _leave_during_prefill(url, prompt)
+            _leave_during_prefill(url, prompt)
             after = eventually(lambda: _lease_ends(workers["prefill"]),
                                lambda n: sum(n) == sum(before) + 1,  # noqa: B023
                                timeout_s=LEASE_S + 30)
