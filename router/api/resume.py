@@ -331,6 +331,9 @@ class ResumableStream:
             proxy.end(role, self.route, worker, ok=False)
             proxy._failed(worker, stalled)
             return stalled
+        except BaseException:  # cancelled: the client left while the worker was asked
+            proxy.end(role, self.route, worker, ok=False)
+            raise
         if resp.status_code >= 400:
             detail = (await resp.aread())[:500].decode(errors="replace")
             await resp.aclose()
