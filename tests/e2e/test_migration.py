@@ -264,7 +264,7 @@ def test_killing_the_only_prefill_leaves_requests_served_by_the_decode(
     reference = [_reference(plain, p, 24) for p in prompts]
     control = RouterProcess(redis_url=pd.redis_url, role_fallback=False,
                             cluster_secret_file=str(pd.keyring_file)).start(timeout_s=60)
-    before = _paths(pd.url)
+    before = scrape(pd.url)
     try:
         asyncio.run(_completed(control.url, prompts[:1], 2))  # control: P/D works before
         os.killpg(vllm_group(prefill), signal.SIGKILL)
@@ -276,17 +276,12 @@ def test_killing_the_only_prefill_leaves_requests_served_by_the_decode(
         control.stop()
     for out, ref in zip(served, reference, strict=True):
         assert out.error is None and out.done and out.text == ref, out
-    after = _paths(pd.url)
-    fallbacks = sum(after.get(("decode_only", why), 0.0) - before.get(("decode_only", why), 0.0)
+    after = scrape(pd.url)
+    fallbacks = sum(value(after, "pdserve_router_paths_total", path="decode_only", reason=why)
+                    - value(before, "pdserve_router_paths_total", path="decode_only", reason=why)
                     for why in ("prefill_failed", "no_prefill_worker"))
     assert fallbacks == len(prompts), (before, after)
     assert all(r.status_code >= 500 for r in refused), [(r.status_code, r.text) for r in refused]
-
-
-def _paths(url: str) -> dict[tuple[str, str], float]:
-    """``pdserve_router_paths_total`` by (path, reason)."""
-    return {(dict(labels)["path"], dict(labels)["reason"]): v
-            for (name, labels), v in scrape(url).items() if name == "pdserve_router_paths_total"}
 
 
 def test_a_sigtermed_decode_hands_over_its_streams(pd: Cluster, plain: Plain,
