@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -32,6 +33,7 @@ import httpx
 from router import settings as shared
 from router.autoscale.actuators import DesiredReplicas
 from router.state.registry import WorkerRegistry
+from serve.child_logs import ChildLogs, default_root, new_run_dir
 from serve.cpu_layout import CpuPlan, cpu_list, plan_cpus
 from serve.errors import StartupError
 from serve.listener import listening_socket
@@ -82,13 +84,16 @@ class ClusterSettings:
     """Extra arguments of the router process (``python -m router.main``)."""
     otlp_traces_endpoint: str | None = None
     """OTLP endpoint given to the router and every worker: one trace per request."""
-    passed_on: tuple[tuple[str, Any], ...] = ()
     kv_events: bool = False
     """Prefill and aggregated workers publish their KV cache events (each on a free port) and
     the router follows them (``--kv-events``)."""
     quiet_workers: bool = True
     """vLLM's own start-up chatter (its WARNING lines, FutureWarnings, the resource tracker's
     exit note) stays out of the terminal; off with ``--log-level DEBUG``."""
+    log_dir: str | None = None
+    """Each child's output goes to ``<log_dir>/<child>.log`` (``auto``: a new run directory
+    under ``serve.child_logs.default_root()``); None: to the terminal."""
+    passed_on: tuple[tuple[str, Any], ...] = ()
     """Shared settings (``router.settings``) given by flag or env, as (name, value): each child
     that takes one (router, workers, autoscaler) gets it as its canonical flag."""
 
@@ -120,6 +125,11 @@ class WorkerProc:
     started_at: float = field(default_factory=time.monotonic)
     failures: int = 0
     """Consecutive crashes of this pool slot (reset once a worker ran ``STABLE_S``)."""
+
+    @property
+    def log_name(self) -> str:
+        """Its log file's name (``serve.child_logs``): role and port."""
+        return f"{self.role}-{self.url.rsplit(':', 1)[1]}"
 
 
 QUIET_ENV = {
@@ -183,6 +193,8 @@ class Cluster:
         self.restarts: dict[str, int] = {}
         """Restarts so far by role (router, autoscaler, prefill, decode, aggregated)."""
         self._secret_dir: tempfile.TemporaryDirectory[str] | None = None
+        self.logs = ChildLogs(None)
+        """Where each child writes (its log file once ``start`` made the run directory)."""
         self.env = self._cluster_env()
         """Environment of every child: the cluster keyring that signs kv_transfer_params."""
         self.cpu_plan: CpuPlan = plan_cpus(sorted(os.sched_getaffinity(0)),
@@ -196,6 +208,8 @@ class Cluster:
         env = dict(os.environ)
         if self.settings.quiet_workers:
             env.update({name: value for name, value in QUIET_ENV.items() if name not in env})
+        if self.settings.log_dir is not None:  # a log file ends with the child's last words
+            env.setdefault("PYTHONUNBUFFERED", "1")
         if self.settings.host in LOOPBACK_HOSTS and "UCX_NET_DEVICES" not in env:
             # UCX over tcp serves RMA to whoever reaches its port (docs/security.md): a cluster
             # on loopback keeps UCX's listeners there too, off every other interface
@@ -226,6 +240,9 @@ class Cluster:
         except OSError as exc:
             raise StartupError(f"cannot bind the router to {s.host}:{s.port}: "
                                f"{exc.strerror or exc}") from exc
+        if s.log_dir is not None:
+            self.logs = ChildLogs(new_run_dir(default_root(), s.port) if s.log_dir == "auto"
+                                  else Path(s.log_dir))
         try:
             self.redis, self.redis_url = ensure_redis(s.redis_url)
         except RuntimeError as exc:  # redis-server missing or not answering
@@ -253,8 +270,18 @@ class Cluster:
                 "--router", self.url, "--max-prefill", str(s.prefill),
                 "--max-decode", str(s.decode), *self._passed_on("autoscale"),
                 *s.autoscale_args]
-            self.autoscaler = subprocess.Popen(self._autoscaler_cmd, start_new_session=True,
-                                               env=self.env, preexec_fn=child_setup())
+            self.autoscaler = self._popen("autoscaler", self._autoscaler_cmd,
+                                          preexec_fn=child_setup())
+
+    def _popen(self, name: str, cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        """Start child ``name`` in its own session, its output in its log (``self.logs``)."""
+        log = self.logs.open(name)
+        try:
+            return subprocess.Popen(cmd, start_new_session=True, env=self.env, stdout=log,
+                                    stderr=None if log is None else subprocess.STDOUT, **kwargs)
+        finally:
+            if log is not None:
+                log.close()  # the child holds its own copy
 
     def _passed_on(self, command: str) -> list[str]:
         """Flags of the shared settings ``command`` takes that ``pdserve up`` was given (by flag
@@ -278,8 +305,7 @@ class Cluster:
         if s.kv_events and role in ("prefill", "aggregated", "flex"):
             cmd += ["--kv-events-port", str(free_port(s.host))]
         cpus = self._free_slot()
-        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=child_setup(cpus),
-                                env=self.env)
+        proc = self._popen(f"{role}-{port}", cmd, preexec_fn=child_setup(cpus))
         worker = WorkerProc(role, f"http://{s.host}:{port}", proc, cpus=cpus, failures=failures)
         self.workers.append(worker)
         logger.info("started %s worker at %s on %s", role, worker.url,
@@ -292,12 +318,14 @@ class Cluster:
         return next((slot for slot in self.cpu_plan.slots if slot not in held), ())
 
     def _children(self) -> list[subprocess.Popen[bytes]]:
-        return [p for _, p in self._named_children()]
+        return [p for _, _, p in self._named_children()]
 
-    def _named_children(self) -> list[tuple[str, subprocess.Popen[bytes]]]:
-        named = [(f"{w.role} worker {w.url}", w.proc) for w in self.workers]
-        return [(name, p) for name, p in [*named, ("router", self.router),
-                                          ("autoscaler", self.autoscaler)] if p is not None]
+    def _named_children(self) -> list[tuple[str, str, subprocess.Popen[bytes]]]:
+        """(what to call it, its log's name, process) of every child."""
+        named = [(f"{w.role} worker {w.url}", w.log_name, w.proc) for w in self.workers]
+        return [(name, log, p) for name, log, p in [
+            *named, ("router", "router", self.router),
+            ("autoscaler", "autoscaler", self.autoscaler)] if p is not None]
 
     def _expected_workers(self) -> dict[str, int]:
         """``/health`` counts that mean every worker started is registered (an autoscaled pool
@@ -314,11 +342,12 @@ class Cluster:
         deadline = asyncio.get_running_loop().time() + self.settings.ready_timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
             while asyncio.get_running_loop().time() < deadline:
-                dead = [(n, p) for n, p in self._named_children() if p.poll() is not None]
+                dead = [c for c in self._named_children() if c[2].poll() is not None]
                 if dead:
-                    name, proc = dead[0]
+                    name, log, proc = dead[0]
                     raise StartupError(f"{name} exited during start-up "
-                                       f"({exit_reason(proc.returncode)}); its output is above")
+                                       f"({exit_reason(proc.returncode)}); "
+                                       + self._where_output(log))
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     resp = await client.get(f"{self.url}/health")
                     if resp.status_code == 200 and all(
@@ -327,37 +356,55 @@ class Cluster:
                 await asyncio.sleep(0.5)
         raise StartupError(f"cluster not ready within {self.settings.ready_timeout_s:g} s")
 
+    def _where_output(self, log: str, lines: int = 15) -> str:
+        """Where child ``log``'s output is, for a message; prints the end of its log file
+        first (the terminal shows nothing of it otherwise)."""
+        path = self.logs.path(log)
+        if path is None:
+            return "its output is above"
+        tail = self.logs.tail(log, lines)
+        for line in tail:
+            print(f"  {log}| {line}", file=sys.stderr)
+        return f"{'the end of ' if tail else ''}its log {path}{' is above' if tail else ''}"
+
+    def _log_hint(self, log: str) -> str:
+        """`` (log PATH)`` for a message about child ``log``; empty without log files."""
+        path = self.logs.path(log)
+        return "" if path is None else f" (log {path})"
+
     def _start_router(self) -> subprocess.Popen[bytes]:
         """The router process, serving on the socket this supervisor keeps."""
         assert self._listener is not None
-        return subprocess.Popen(self._router_cmd, start_new_session=True, env=self.env,
-                                preexec_fn=child_setup(), pass_fds=(self._listener.fileno(),))
+        return self._popen("router", self._router_cmd, preexec_fn=child_setup(),
+                           pass_fds=(self._listener.fileno(),))
 
     def supervise(self) -> None:
         """Restart crashed children with backoff (``restart_delay_s``), logging why they
         exited. An autoscaled pool's crashed worker is only dropped: reconcile replaces it."""
         now = time.monotonic()
         if self.router is not None and self.router.poll() is not None:
-            logger.error("router exited (%s); restarting it", exit_reason(self.router.returncode))
+            logger.error("router exited (%s)%s; restarting it",
+                         exit_reason(self.router.returncode), self._log_hint("router"))
             self.router = self._start_router()
             self.restarts["router"] = self.restarts.get("router", 0) + 1
         if self.autoscaler is not None and self.autoscaler.poll() is not None:
-            logger.error("autoscaler exited (%s); restarting it",
-                         exit_reason(self.autoscaler.returncode))
-            self.autoscaler = subprocess.Popen(self._autoscaler_cmd, start_new_session=True,
-                                               env=self.env, preexec_fn=child_setup())
+            logger.error("autoscaler exited (%s)%s; restarting it",
+                         exit_reason(self.autoscaler.returncode), self._log_hint("autoscaler"))
+            self.autoscaler = self._popen("autoscaler", self._autoscaler_cmd,
+                                          preexec_fn=child_setup())
             self.restarts["autoscaler"] = self.restarts.get("autoscaler", 0) + 1
         for w in [w for w in self.workers if w.proc.poll() is not None and not w.draining]:
             self.workers.remove(w)
             if self.settings.autoscale and w.role in ("prefill", "decode"):
-                logger.error("%s worker %s %s; the autoscaler's reconcile replaces it", w.role,
-                             w.url, exit_reason(w.proc.returncode))
+                logger.error("%s worker %s %s%s; the autoscaler's reconcile replaces it",
+                             w.role, w.url, exit_reason(w.proc.returncode),
+                             self._log_hint(w.log_name))
                 continue
             failures = 1 if now - w.started_at >= STABLE_S else w.failures + 1
             delay = restart_delay_s(failures)
-            logger.error("%s worker %s %s after %.0f s; restarting in %.0f s (crash %d in a row)",
-                         w.role, w.url, exit_reason(w.proc.returncode), now - w.started_at,
-                         delay, failures)
+            logger.error("%s worker %s %s after %.0f s%s; restarting in %.0f s (crash %d in a "
+                         "row)", w.role, w.url, exit_reason(w.proc.returncode),
+                         now - w.started_at, self._log_hint(w.log_name), delay, failures)
             self._pending.append(PendingRestart(w.role, now + delay, failures))
         for pending in [p for p in self._pending if p.due <= now]:
             self._pending.remove(pending)
@@ -479,6 +526,9 @@ async def run_cluster(settings: ClusterSettings) -> int:
         print(f"pdserve CPU layout: {cluster.cpu_plan.reason}", flush=True)
         print(f"pdserve ready: {cluster.url}/v1 (model {cluster.served_name}, {pools}, "
               f"redis {redacted_url(cluster.redis_url)})", flush=True)
+        if cluster.logs.directory is not None:
+            print(f"pdserve logs: {cluster.logs.directory} (one file per process; Ctrl-C stops "
+                  "the cluster)", flush=True)
         registry = WorkerRegistry(cluster.redis_url) if settings.autoscale else None
         desired = DesiredReplicas(cluster.redis_url) if settings.autoscale else None
         try:
@@ -548,11 +598,17 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                              "router learns their caches from them (default off)")
     parser.add_argument("--autoscale-arg", action="append", default=[], metavar="ARG",
                         help="extra argument passed to `pdserve autoscale` (repeatable)")
+    parser.add_argument("--log-dir", default=env("PDSERVE_LOG_DIR"), metavar="DIR",
+                        help="where each child process (router, workers, autoscaler) writes "
+                             "its output, one file each; '-' for the terminal (default: a new "
+                             "directory under ~/.cache/pdserve/logs, or the terminal with "
+                             "--log-level DEBUG)")
 
 
 def settings_from_args(args: argparse.Namespace) -> ClusterSettings:
     """ClusterSettings from parsed `pdserve up` flags (shared settings resolved from the env)."""
     resolved = shared.resolve_into(args, "up")
+    quiet = resolved["log_level"].value != "DEBUG"
     aggregated_only = args.mode == "aggregated"
     adaptive = args.mode == "adaptive"
     pools_only = aggregated_only or adaptive
@@ -569,6 +625,17 @@ def settings_from_args(args: argparse.Namespace) -> ClusterSettings:
                            cpu_layout=args.cpu_layout, router_args=tuple(args.router_arg),
                            otlp_traces_endpoint=args.otlp_traces_endpoint,
                            kv_events=args.kv_events,
-                           quiet_workers=resolved["log_level"].value != "DEBUG",
+                           quiet_workers=quiet,
+                           log_dir=_log_dir(args.log_dir, quiet),
                            passed_on=tuple((name, r.value) for name, r in resolved.items()
                                            if r.source != "default"))
+
+
+def _log_dir(flag: str | None, quiet: bool) -> str | None:
+    """``ClusterSettings.log_dir`` from ``--log-dir``: '-' is the terminal; unset is a new run
+    directory for a quiet start and the terminal with ``--log-level DEBUG``."""
+    if flag == "-":
+        return None
+    if flag:
+        return flag
+    return "auto" if quiet else None

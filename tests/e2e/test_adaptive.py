@@ -21,7 +21,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.cluster import SERVED_NAME, Cluster, Plain, registered_records, running_cluster
+from tests.support.cluster import (
+    SERVED_NAME,
+    Cluster,
+    Plain,
+    foreign_lines,
+    registered_records,
+    running_cluster,
+)
 from tests.support.metrics import scrape, value
 from tests.support.prompts import make_prompts
 from tests.support.router_process import RouterProcess
@@ -35,10 +42,32 @@ WORKERS = 2
 @pytest.fixture(scope="module")
 def adaptive(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[Cluster]:
-    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("adaptive"), instrument=True,
-                         expect_workers=WORKERS,
+    # a quiet start: the children write to log files (stop_cluster checks a quiet stop too)
+    tmp = tmp_path_factory.mktemp("adaptive")
+    with running_cluster(tiny_model_dir, tmp, instrument=True, expect_workers=WORKERS,
+                         log_dir=tmp / "logs",
                          extra_args=("--mode", "adaptive", "--replicas", str(WORKERS))) as c:
         yield c
+
+
+def test_a_quiet_start_keeps_the_childrens_output_in_their_log_files(
+        adaptive: Cluster, cluster: Cluster) -> None:
+    """With ``--log-dir``, the terminal up to the ready line is `pdserve up`'s own lines; each
+    child's output (vLLM's included) is in its own file. Control: the session cluster, whose
+    children write to the terminal, shows their lines there."""
+    ready = next(i for i, line in enumerate(adaptive.output) if "pdserve ready:" in line)
+    assert foreign_lines(adaptive.output[:ready + 2]) == [], "".join(adaptive.output[:ready + 2])
+    assert adaptive.output[ready + 1].startswith(f"pdserve logs: {adaptive.log_dir} ")
+    assert adaptive.log_dir is not None
+    logs = {p.name: p.read_text(errors="replace") for p in adaptive.log_dir.glob("*.log")}
+    flex = [name for name in logs if name.startswith("flex-")]
+    assert len(flex) == WORKERS and "router.log" in logs, sorted(logs)
+    assert "router ready" in logs["router.log"]
+    for name in flex:  # the worker's own lines and vLLM's
+        assert '"event": "worker_ready"' in logs[name], logs[name][-2000:]
+        assert "Application startup complete" in logs[name], logs[name][-2000:]
+    assert foreign_lines(cluster.output), "the control cluster's children print nothing"
+    assert any("Application startup complete" in line for line in cluster.output)
 
 
 @contextmanager

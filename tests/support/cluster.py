@@ -36,6 +36,15 @@ SERVED_NAME = "tiny-llama"
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 120.0
 _READY = re.compile(r"pdserve ready: .* redis (\S+)\)")
+_STARTED = re.compile(r"started \w+ worker at (http://\S+)")
+"""`up`'s own line for each worker it starts (in the terminal whatever ``--log-dir`` says)."""
+_OWN_LINE = re.compile(r"^(pdserve |\S+ \S+ (DEBUG|INFO|WARNING|ERROR) serve\.|\s*$)")
+"""A line `pdserve up` itself prints: its summary lines, its own log lines, a blank line."""
+
+
+def foreign_lines(lines: Sequence[str]) -> list[str]:
+    """The lines of ``lines`` that `pdserve up` did not print itself (a child's output)."""
+    return [line for line in lines if not _OWN_LINE.match(line)]
 
 
 @dataclass
@@ -57,6 +66,8 @@ class Cluster:
     """The cluster secret every process shares: tests that play the router sign with it."""
     transport: str = "ucx"
     """The workers' KV transport (`pdserve worker --kv-transport`)."""
+    log_dir: Path | None = None
+    """Where its children write (``--log-dir``); None: into ``output`` with `up`'s own lines."""
     ready: threading.Event = field(default_factory=threading.Event)
     pump: threading.Thread | None = None
     """Reads `up`'s output into ``output`` until it closes."""
@@ -90,23 +101,26 @@ class Plain:
 
 def launch_cluster(model_dir: Path, tmp: Path, *, transport: str | None = None,
                    lease_s: float | None = None, instrument: bool = False,
-                   extra_args: Sequence[str] = ()) -> Cluster:
+                   extra_args: Sequence[str] = (), log_dir: Path | None = None) -> Cluster:
     """Start `pdserve up` on ``model_dir``; returns before it is ready.
 
     ``transport`` and ``lease_s`` go to the workers when given (otherwise `up`'s defaults);
     ``instrument`` adds a keyring file the test can sign with, both timeline files, an OTLP
     receiver for traces and the workers' corrupt-pulled-KV flag file (created only by a test);
-    ``extra_args`` are appended to `pdserve up`'s command line (pool sizes, ``--autoscale``)."""
+    ``extra_args`` are appended to `pdserve up`'s command line (pool sizes, ``--autoscale``);
+    ``log_dir`` takes the children's output (default: the terminal, so a failing test shows
+    it)."""
     port = free_port()
     cmd = [sys.executable, "-m", "serve.cli", "up", "--model", str(model_dir),
            "--served-model-name", SERVED_NAME, "--port", str(port),
-           "--redis", f"redis://127.0.0.1:{free_port()}/0"]
+           "--redis", f"redis://127.0.0.1:{free_port()}/0",
+           "--log-dir", "-" if log_dir is None else str(log_dir)]
     if lease_s is not None:
         cmd += ["--lease-s", str(lease_s)]
     if transport is not None:
         cmd.append(f"--worker-arg=--kv-transport={transport}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cluster_fields: dict[str, Any] = {"transport": transport or "ucx"}
+    cluster_fields: dict[str, Any] = {"transport": transport or "ucx", "log_dir": log_dir}
     if instrument:
         flag, keyring_file = tmp / "corrupt-pulled-kv", tmp / "keyring"
         router_timeline, kv_timeline = tmp / "router-timeline.jsonl", tmp / "kv-timeline.jsonl"
@@ -146,7 +160,19 @@ def await_cluster(cluster: Cluster, timeout_s: float = START_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not cluster.ready.wait(1.0):
         if cluster.proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("pdserve up failed to start:\n" + "".join(cluster.output[-50:]))
+            raise RuntimeError("pdserve up failed to start:\n" + "".join(cluster.output[-50:])
+                               + _log_tails(cluster))
+
+
+def _log_tails(cluster: Cluster, lines: int = 30) -> str:
+    """The end of each child's log file, when the children write to files."""
+    if cluster.log_dir is None or not cluster.log_dir.is_dir():
+        return ""
+    out = []
+    for path in sorted(cluster.log_dir.glob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"\n--- {path.name} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "".join(out)
 
 
 def stop_cluster(cluster: Cluster, *, expect_workers: int | None = None) -> None:
@@ -156,9 +182,10 @@ def stop_cluster(cluster: Cluster, *, expect_workers: int | None = None) -> None
     code 0, that many workers, each deregistered itself (a leave event before `up` stopped its
     Redis), nothing left listening."""
     proc = cluster.proc
-    worker_urls = re.findall(r'"url": "(http://[^"]+)"', "".join(cluster.output))
+    worker_urls = _STARTED.findall("".join(cluster.output))
     check = expect_workers is not None
     leaves = _LeaveListener(cluster.redis_url) if check and cluster.redis_url else None
+    interrupted_at = len(cluster.output)
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
     try:
@@ -174,9 +201,12 @@ def stop_cluster(cluster: Cluster, *, expect_workers: int | None = None) -> None
         if cluster.traces is not None:
             cluster.traces.close()
     if expect_workers is not None:
-        assert code == 0, "".join(cluster.output[-30:])
+        assert code == 0, "".join(cluster.output[-30:]) + _log_tails(cluster)
         if cluster.pump is not None:
             cluster.pump.join(timeout=10)
+        if cluster.log_dir is not None:  # a quiet stop: no child's exit chatter in the terminal
+            assert foreign_lines(cluster.output[interrupted_at:]) == [], "".join(
+                cluster.output[interrupted_at:])
         # one closing line counts what it stopped: router, the workers, the Redis it started
         assert any(line.startswith(f"pdserve stopped ({expect_workers + 2} processes)")
                    for line in cluster.output[-20:]), "".join(cluster.output[-20:])
