@@ -102,16 +102,46 @@ def parse_prefill(data: Any) -> FirstToken | None:
                       tuple(int(t) for t in prompt_ids))
 
 
-def first_events(endpoint: Endpoint, first: FirstToken) -> bytes:
-    """The SSE events that carry the first token (chat: the role chunk, then the content)."""
-    head = {"id": first.response_id, "created": first.created, "model": first.model}
+def first_events(endpoint: Endpoint, first: FirstToken,
+                 body: Mapping[str, Any] | None = None) -> bytes:
+    """The SSE events that carry the first token (chat: the role chunk, then the content), in
+    vLLM 0.32's chunk schema (keys, their order and nulls as a plain vLLM server streams them;
+    per-chunk usage when ``body`` asks for ``stream_options.continuous_usage_stats``)."""
+    prompt = len(first.prompt_token_ids)
+    continuous = continuous_usage(body or {})
+    head = {"id": first.response_id,
+            "object": "chat.completion.chunk" if endpoint.chat else "text_completion",
+            "created": first.created, "model": first.model}
     if not endpoint.chat:
-        return sse_event({**head, "object": "text_completion", "choices": [
+        chunk: dict[str, Any] = {**head, "choices": [
             {"index": 0, "text": first.text, "logprobs": None, "finish_reason": None,
-             "stop_reason": None}], "usage": None})
-    chunk = {**head, "object": "chat.completion.chunk"}
-    role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-            "finish_reason": None}
-    content = {"index": 0, "delta": {"content": first.text}, "logprobs": None,
-               "finish_reason": None}
-    return sse_event({**chunk, "choices": [role]}) + sse_event({**chunk, "choices": [content]})
+             "stop_reason": None, "prompt_token_ids": None, "token_ids": None}]}
+        if continuous:
+            chunk["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt + 1,
+                              "completion_tokens": 1}
+        return sse_event(chunk)
+    role: dict[str, Any] = {**head, "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+         "finish_reason": None}]}
+    content: dict[str, Any] = {**head, "choices": [
+        {"index": 0, "delta": {"content": first.text}, "logprobs": None,
+         "finish_reason": None, "token_ids": None}]}
+    if continuous:
+        role["usage"] = chat_usage(prompt, 0)
+        content["usage"] = chat_usage(prompt, 1)
+    role.update(prompt_token_ids=None, prompt_text=None)
+    return sse_event(role) + sse_event(content)
+
+
+def continuous_usage(body: Mapping[str, Any]) -> bool:
+    """True when the request asks for usage on every chunk (vLLM's
+    ``stream_options.continuous_usage_stats``; it needs ``include_usage`` too)."""
+    options = body.get("stream_options")
+    return isinstance(options, Mapping) and bool(options.get("include_usage")) and bool(
+        options.get("continuous_usage_stats"))
+
+
+def chat_usage(prompt: int, completion: int) -> dict[str, Any]:
+    """A chat chunk's per-chunk usage as vLLM streams it."""
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+            "completion_tokens": completion, "completion_tokens_details": None}

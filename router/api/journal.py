@@ -154,10 +154,12 @@ class StreamJournal:
         data: dict[str, Any]
         if self.endpoint.chat:
             data = {**head, "object": "chat.completion.chunk", "choices": [
-                {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]}
+                {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length",
+                 "stop_reason": None, "token_ids": None}]}
         else:
             data = {**head, "object": "text_completion", "choices": [
-                {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]}
+                {"index": 0, "text": "", "logprobs": None, "finish_reason": "length",
+                 "stop_reason": None, "prompt_token_ids": None, "token_ids": None}]}
         return sse_event(data) + b"data: [DONE]\n\n"
 
     # -- one event ---------------------------------------------------------------------------
@@ -230,14 +232,30 @@ class StreamJournal:
         if self.response_id is not None:
             data["id"] = self.response_id
         if self.endpoint.chat:
-            data["object"] = "chat.completion.chunk"
             choices = [c for c in data.get("choices") or [] if isinstance(c, dict)]
-            data["choices"] = [
-                {"index": c.get("index", 0),
-                 "delta": {"content": c["text"]} if c.get("text") else {},
-                 "logprobs": None, "finish_reason": c.get("finish_reason"),
-                 "stop_reason": c.get("stop_reason")}
-                for c in choices]
             if choices and not any(_text(c) or c.get("finish_reason") for c in choices):
                 return b""  # ids whose text is held back: nothing for a chat client yet
+            return sse_event(_chat_chunk(data, choices))
         return sse_event(data)
+
+def _chat_chunk(data: dict[str, Any], choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """A continuation's completion chunk as the chat chunk a plain vLLM streams: the same keys
+    in the same order (``stop_reason`` only on a finish, ``token_ids`` null, per-chunk usage
+    with ``completion_tokens_details``)."""
+    chunk: dict[str, Any] = {"id": data.get("id"), "object": "chat.completion.chunk",
+                             "created": data.get("created"), "model": data.get("model"),
+                             "choices": []}
+    for c in choices:
+        choice: dict[str, Any] = {
+            "index": c.get("index", 0), "delta": {"content": c["text"]} if c.get("text") else {},
+            "logprobs": None, "finish_reason": c.get("finish_reason")}
+        if c.get("finish_reason"):
+            choice["stop_reason"] = c.get("stop_reason")
+        choice["token_ids"] = None
+        chunk["choices"].append(choice)
+    usage = data.get("usage")
+    if isinstance(usage, dict):
+        chunk["usage"] = {**usage, "completion_tokens_details": None} if choices else usage
+    if "system_fingerprint" in data:
+        chunk["system_fingerprint"] = data["system_fingerprint"]
+    return chunk

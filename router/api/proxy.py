@@ -470,7 +470,7 @@ class PDProxy:
         journal = StreamJournal(endpoint, body, prompt_ids=first.prompt_token_ids,
                                 committed=(first.token_id,), response_id=first.response_id)
         stream = ResumableStream(self, endpoint, body, route, incoming, clock, journal,
-                                 head=first_events(endpoint, first), kv_params=kv_params,
+                                 head=first_events(endpoint, first, body), kv_params=kv_params,
                                  first_choice=first_choice)
         return stream.response()
 
