@@ -523,7 +523,6 @@ async def run_cluster(settings: ClusterSettings) -> int:
         if settings.flex:
             pools = f"{settings.flex} flex (adaptive)" + (
                 f" + {pools}" if settings.prefill or settings.aggregated else "")
-        print(f"pdserve CPU layout: {cluster.cpu_plan.reason}", flush=True)
         print(f"pdserve ready: {cluster.url}/v1 (model {cluster.served_name}, {pools}, "
               f"redis {redacted_url(cluster.redis_url)})", flush=True)
         if cluster.logs.directory is not None:

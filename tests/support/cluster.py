@@ -113,7 +113,7 @@ def launch_cluster(model_dir: Path, tmp: Path, *, transport: str | None = None,
     port = free_port()
     cmd = [sys.executable, "-m", "serve.cli", "up", "--model", str(model_dir),
            "--served-model-name", SERVED_NAME, "--port", str(port),
-           "--redis", f"redis://127.0.0.1:{free_port()}/0",
+           "--redis-url", f"redis://127.0.0.1:{free_port()}/0",
            "--log-dir", "-" if log_dir is None else str(log_dir)]
     if lease_s is not None:
         cmd += ["--lease-s", str(lease_s)]
