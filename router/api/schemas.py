@@ -2,6 +2,9 @@
 
 The schemas check only what the router relies on; unknown fields are allowed and the original
 JSON body (not the model) is what gets forwarded, so vLLM's many extra fields pass untouched.
+Scalar fields take what vLLM's own (lax) pydantic models take (``"seed": "42"``,
+``"stream": "true"``, ``"max_tokens": 8.0``); :func:`validate_request` writes the converted
+value back into the body, so the router and the workers read the same number.
 """
 
 from __future__ import annotations
@@ -10,15 +13,13 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from router.errors import InvalidRequestError
 
-StrictPositiveInt = Annotated[int, Strict(), Field(gt=0)]
-StrictInt = Annotated[int, Strict()]
+PositiveInt = Annotated[int, Field(gt=0)]
 TokenIds = list[Annotated[int, Strict(), Field(ge=0, le=2**32 - 1)]]  # vLLM: uint32
-# Strict floats take JSON integers too (``"temperature": 0``) but not strings or booleans.
-Penalty = Annotated[float, Strict(), Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 _INT64 = 2**63
 
 
@@ -26,23 +27,23 @@ class _OpenAIRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: Annotated[str, Strict(), Field(min_length=1)]
-    max_tokens: StrictPositiveInt | None = None
-    n: StrictPositiveInt | None = None
-    best_of: StrictPositiveInt | None = None
-    stream: StrictBool | None = None
+    max_tokens: PositiveInt | None = None
+    n: PositiveInt | None = None
+    best_of: PositiveInt | None = None
+    stream: bool | None = None
     stream_options: dict[str, Any] | None = None
     # Sampling parameters, with the ranges vLLM's SamplingParams._verify_args enforces: checked
     # here so a bad value is answered with our envelope before any worker is touched.
-    temperature: Annotated[float, Strict(), Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Strict(), Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Strict(), Field(ge=-1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
     """-1 and 0 both disable top-k in vLLM; otherwise the number of candidates kept."""
-    min_p: Annotated[float, Strict(), Field(ge=0.0, le=1.0)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Strict(), Field(gt=0.0, allow_inf_nan=False)] | None = None
-    seed: Annotated[int, Strict(), Field(ge=-_INT64, lt=_INT64)] | None = None
-    min_tokens: Annotated[int, Strict(), Field(ge=0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    seed: Annotated[int, Field(ge=-_INT64, lt=_INT64)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
 
 
 class CompletionRequest(_OpenAIRequest):
@@ -58,7 +59,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_OpenAIRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: StrictPositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,26 @@ def validate_request(endpoint: Endpoint, body: dict[str, Any]) -> _OpenAIRequest
             any(len(p) == 0 for p in completion_prompts(req)):
         raise InvalidRequestError("'prompt' must not be empty", code="invalid_value",
                                   param="prompt")
+    _normalize(body, req)
     return req
+
+
+SCALARS = ("max_tokens", "max_completion_tokens", "n", "best_of", "stream", "temperature",
+           "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "seed", "min_tokens")
+"""Fields whose JSON value vLLM converts (a numeric string, a boolean, 8.0 for an int)."""
+
+
+def _normalize(body: dict[str, Any], req: _OpenAIRequest) -> None:
+    """Write each converted scalar back into ``body`` (JSON numbers of the right kind stay as
+    sent: an integer temperature is a float to vLLM as it is)."""
+    for name in SCALARS:
+        sent, value = body.get(name), getattr(req, name, None)
+        if sent is None or value is None or type(sent) is type(value):
+            continue
+        if isinstance(value, float) and type(sent) is int:
+            continue
+        body[name] = value
 
 
 def requested_max_tokens(req: _OpenAIRequest) -> int | None:

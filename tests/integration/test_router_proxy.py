@@ -102,7 +102,7 @@ BAD_BODIES = [
     (json.dumps({"model": "unknown", "prompt": "x"}).encode(), 404, "model_not_found"),
     (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 0}).encode(), 400,
      "invalid_value"),
-    (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": "5"}).encode(), 400,
+    (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": "five"}).encode(), 400,
      "invalid_type"),
     (json.dumps({"model": "tiny", "prompt": "x", "best_of": 3}).encode(), 400, "invalid_value"),
     (json.dumps({"model": "tiny", "prompt": "x", "temperature": "hot"}).encode(), 400,
