@@ -138,7 +138,7 @@ class RouterMetrics:
             ["reason"], registry=r)
         self.routing_decisions = Counter(
             "pdserve_router_routing_decisions_total",
-            "Placement decisions by worker role and reason (dualmap: cache_affinity, "
+            "Placement decisions by worker role and reason (dualmap: cache_affinity, cache_holder, "
             "slo_switch, load, single_candidate; other policies: the policy's name).",
             ["role", "reason"], registry=r)
         self.rejected = Counter(

@@ -145,6 +145,54 @@ def test_slo_switch_triggers_exactly_above_threshold() -> None:
     assert policy.decide(req, pool).chosen == a  # type: ignore[union-attr]
 
 
+def _holder_setup(**config: object) -> tuple[DualMapPolicy, RouteRequest, str, list[str]]:
+    """A conversation's second turn whose first turn (and so its whole history) is cached on
+    an instance outside the turn's ring pair: (policy, turn 2, that instance, all five)."""
+    policy = DualMapPolicy(ttft_slo_s=2.0, per_token_s=1e-3, **config)  # type: ignore[arg-type]
+    workers = [f"w{i}" for i in range(5)]
+    policy.observe(Membership("m", tuple(workers)))
+    turn1 = list(range(1000, 1800))  # 800 tokens = 50 blocks, key = the first 512
+    turn2 = _req(2, turn1 + list(range(5000, 5160)))
+    a, b = policy.pair(turn2, [Candidate(w) for w in workers])
+    elsewhere = next(w for w in workers if w not in (a, b))
+    policy.observe(Dispatched("r1", elsewhere, "m", _req(1, turn1)))
+    return policy, turn2, elsewhere, workers
+
+
+def test_the_instance_holding_the_longest_prefix_is_a_third_candidate() -> None:
+    policy, turn2, holder, workers = _holder_setup()
+    decision = policy.decide(turn2, [Candidate(w) for w in workers])
+    assert decision is not None and decision.chosen == decision.holder == holder
+    assert decision.cached_tokens[holder] == 800
+    choice = policy.choose(turn2, [Candidate(w) for w in workers])
+    assert choice is not None and choice.reason == "cache_holder"
+    # control: without the option only the ring pair is considered
+    policy, turn2, holder, workers = _holder_setup(cache_holder=False)
+    decision = policy.decide(turn2, [Candidate(w) for w in workers])
+    assert decision is not None and decision.chosen != holder and decision.holder is None
+
+
+def test_a_loaded_holder_yields_to_the_slo_switch() -> None:
+    policy, turn2, holder, workers = _holder_setup()
+    # holder: uncached 160 behind 1,900 pending = 2.06 s > 2 s; the ring pair: 0.96 s
+    pool = [Candidate(w, pending_prefill_tokens=1900 if w == holder else 0) for w in workers]
+    decision = policy.decide(turn2, pool)
+    assert decision is not None and decision.affine == holder and decision.switched
+    assert decision.chosen != holder
+    # 1,800 pending: 1.96 s, within the SLO: the holder keeps it
+    pool = [Candidate(w, pending_prefill_tokens=1800 if w == holder else 0) for w in workers]
+    assert policy.decide(turn2, pool).chosen == holder  # type: ignore[union-attr]
+
+
+def test_a_holder_that_holds_no_more_than_the_pair_is_not_a_candidate() -> None:
+    policy, turn2, holder, workers = _holder_setup()
+    a, b = policy.pair(turn2, [Candidate(w) for w in workers])
+    assert a is not None
+    policy.observe(Dispatched("r0", a, "m", turn2))  # the pair's a now holds all of turn 2
+    decision = policy.decide(turn2, [Candidate(w) for w in workers])
+    assert decision is not None and decision.holder is None and decision.chosen == a
+
+
 def test_select_is_pure_and_matches_decide() -> None:
     policy = DualMapPolicy()
     cands = [Candidate(w) for w in NODES]
@@ -154,9 +202,10 @@ def test_select_is_pure_and_matches_decide() -> None:
     assert first is not None and first.worker_id == policy.decide(req, cands).chosen  # type: ignore[union-attr]
 
 
-def _hot_workload(policy_name: str) -> float:
+def _hot_workload(policy_name: str, load_scale: int = 1) -> float:
     """50 % of requests share one 1024-token system prompt, the rest distinct prompts; each
-    request's uncached tokens are charged to its instance. Returns max/mean charged load."""
+    request's uncached tokens are charged to its instance, and an instance's pending tokens
+    are its charged load / ``load_scale``. Returns max/mean charged load."""
     policy = create_prefill_policy(policy_name)
     workers = [f"w{i}" for i in range(16)]
     policy.observe(Membership("m", tuple(workers)))
@@ -165,7 +214,7 @@ def _hot_workload(policy_name: str) -> float:
     for i in range(1200):
         tokens = system + [100000 + i] * 64 * (1 + i % 7) if i % 2 == 0 else [200000 + i] * 1024
         req = _req(i, tokens)
-        pool = CandidatePool([Candidate(w, pending_prefill_tokens=load[w] // 50)
+        pool = CandidatePool([Candidate(w, pending_prefill_tokens=load[w] // load_scale)
                               for w in workers])
         choice = policy.select(req, pool)
         assert choice is not None
@@ -177,11 +226,16 @@ def _hot_workload(policy_name: str) -> float:
 
 
 def test_hot_prefix_spreads_under_dualmap_not_prefix_only() -> None:
+    """A hot prefix stays on the instance that caches it while that instance's predicted TTFT
+    is within the SLO, and spills to the ring candidates of its deepened keys past it.
+    Control: with the load scaled down 50x no instance passes the SLO and the prefix stays
+    where its cache is, as under prefix_only."""
     dual = _hot_workload("dualmap")
     prefix = _hot_workload("prefix_only")
     # measured: dualmap ~1.03, prefix_only ~3.2 (the hot prefix's instance does its 50 %)
     assert prefix > 2.5
     assert dual < 1.3 and dual < prefix / 2
+    assert _hot_workload("dualmap", load_scale=50) > 2.5  # measured ~3.2
 
 
 def test_hot_key_is_deepened() -> None:
