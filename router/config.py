@@ -133,6 +133,10 @@ class RouterSettings:
     (0 = unbounded; ``router.api.limits``)."""
     answer_deadline_s: float = default("answer_deadline_s")
     """Longest an answer may run, stream included: then 504 or a final error event (0 = off)."""
+    cache_salt_per_key: bool = False
+    """Give each API key its own vLLM ``cache_salt`` (derived from the key, never the key), so
+    keys never share prefix-cache blocks nor the router's prefix hashes; a client's own salt is
+    combined with its key's (``router.api.cache_salt``). No effect without ``api_keys``."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """Accepted ``Authorization: Bearer`` keys (``--api-key``, repeatable; ``PDSERVE_API_KEY``,
     comma-separated); empty = no authentication. ``/health`` and ``/metrics`` stay open."""
@@ -232,6 +236,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="free at once the prefill KV of requests that ended before a decode "
                    "received it (PDSERVE_ROUTER_RELEASE_UNSPENT_KV, default on; off: it stays "
                    "pinned until the lease expires)")
+    p.add_argument("--cache-salt-per-key", dest="cache_salt_per_key",
+                   action=argparse.BooleanOptionalAction,
+                   help="set each API key's own vLLM cache_salt on its requests, so keys share "
+                   "no prefix-cache blocks (PDSERVE_ROUTER_CACHE_SALT_PER_KEY, default off; "
+                   "needs --api-key)")
     p.add_argument("--migration-limit", dest="migration_limit", type=int,
                    help="moves of one stream to another worker when its worker fails "
                    "mid-stream (PDSERVE_ROUTER_MIGRATION_LIMIT, default 3; 0 = off)")
@@ -290,6 +299,7 @@ _ENV_NAMES = {
     "first_token_from_prefill": "FIRST_TOKEN_FROM_PREFILL",
     "release_unspent_kv": "RELEASE_UNSPENT_KV",
     "role_fallback": "ROLE_FALLBACK",
+    "cache_salt_per_key": "CACHE_SALT_PER_KEY",
     "disagg_min_prefill_tokens": "DISAGG_MIN_PREFILL_TOKENS",
     "timeline_file": "TIMELINE_FILE",
     "path_policy": "PATH_POLICY",

@@ -17,7 +17,9 @@ from starlette.responses import JSONResponse, Response
 from kvtransfer.signing import Keyring, KeyringFile, keyring_source
 from kvtransfer.signing import current as current_keyring
 from router.api import first_token
-from router.api.auth import ApiKeyMiddleware, ApiKeys
+from router.api.auth import ApiKeyMiddleware, ApiKeys, presented_key
+from router.api.cache_salt import FIELD as CACHE_SALT
+from router.api.cache_salt import KeySalts
 from router.api.context import SCOPE_KEY, RequestIdMiddleware, new_request_id
 from router.api.errors import error_response, install_error_handlers
 from router.api.limits import LimitsMiddleware
@@ -52,7 +54,7 @@ from router.policy.admission import AdmissionLimits, admit
 from router.policy.base import CacheChanged, RouteRequest
 from router.policy.context import PolicyContext
 from router.policy.disagg import SelectiveDisaggregation
-from router.policy.hashing import block_hashes
+from router.policy.hashing import block_hashes, salt_seed
 from router.policy.path_cost import PathCosts
 from router.policy.paths import WHOLE_PATHS, whole_request_role
 from router.state.cluster import ClusterSource, ClusterView
@@ -110,6 +112,14 @@ class RouterService:
         if self.keyring is None:
             logger.warning("no cluster secret (PDSERVE_CLUSTER_SECRET[_FILE]): kv_transfer_params "
                            "are sent unsigned; workers that require signatures refuse them")
+        self.salts: KeySalts | None = None
+        """Per-key ``cache_salt`` (``--cache-salt-per-key``; needs API keys)."""
+        if settings.cache_salt_per_key:
+            if settings.api_keys:
+                self.salts = KeySalts(self.keyring)
+            else:
+                logger.warning("--cache-salt-per-key does nothing without --api-key: requests "
+                               "present no key to salt by")
 
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=self.settings.max_upstream_connections,
@@ -282,6 +292,8 @@ class RouterService:
         body = parse_json_body(raw)
         refuse_worker_only_fields(body)
         req = validate_request(endpoint, body)
+        if self.salts is not None:  # before any use of the body: every call carries the salt
+            self.salts.apply(body, presented_key(incoming.get("authorization")))
         records = self.cluster.workers(model=req.model)
         if not records:
             raise model_not_found(req.model)
@@ -303,9 +315,12 @@ class RouterService:
             token_ids = approximate_ids(_prompt_text(req))
         self.metrics.requests_received.labels(endpoint=endpoint.name, model_name=req.model).inc()
         self._admit(req.model, "flex" if adaptive and "flex" in roles else whole)
-        # hashed once here; prefix-aware policies and the load accounting reuse the blocks
+        # hashed once here; prefix-aware policies and the load accounting reuse the blocks;
+        # under the salt the workers get, as vLLM hashes them
         route = RouteRequest(request_id=clock.upstream_id, model=req.model,
-                             prompt_token_ids=token_ids, block_hashes=block_hashes(token_ids))
+                             prompt_token_ids=token_ids,
+                             block_hashes=block_hashes(token_ids,
+                                                       seed=salt_seed(body.get(CACHE_SALT))))
         clock.mark("validated")
         assert self.proxy is not None, "RouterService.start() was not awaited"
         stream = bool(req.stream)
@@ -451,7 +466,9 @@ class RouterService:
 
     async def _cached_prompt_tokens(self, records: list[WorkerRecord], prompt: str
                                     ) -> dict[str, int]:
-        """worker id -> tokens of ``prompt`` its pool's policy expects it to have cached."""
+        """worker id -> tokens of ``prompt`` its pool's policy expects it to have cached
+        (``prompt`` sent without a ``cache_salt``: under ``--cache-salt-per-key`` no keyed
+        request's blocks match it)."""
         out: dict[str, int] = {}
         for r in records:
             pool = self.placement.pools.get(r.role)

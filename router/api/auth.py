@@ -27,6 +27,16 @@ def _error(message: str, code: str, status: int = 401) -> bytes:
     return bytes(JSONResponse(APIError(message, status=status, code=code).to_dict()).body)
 
 
+def presented_key(authorization: str | None) -> str | None:
+    """The key a ``Bearer <key>`` header presents, spelled as :class:`ApiKeys` compares it
+    (scheme in any case, spaces around the key ignored); None without a bearer key."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    key = token.strip()
+    return key if key and scheme.lower() == "bearer" else None
+
+
 class ApiKeys:
     """The accepted keys; ``allows`` checks one ``Authorization`` header value."""
 
@@ -37,14 +47,14 @@ class ApiKeys:
 
     def allows(self, authorization: str | None) -> bool:
         """True for ``Bearer <one of the keys>``."""
-        if not authorization:
+        key = presented_key(authorization)
+        if key is None:
             return False
-        scheme, _, token = authorization.strip().partition(" ")
-        presented = token.strip().encode()
+        presented = key.encode()
         ok = False
-        for key in self._keys:  # no early exit: every key costs the same
-            ok |= hmac.compare_digest(key, presented)
-        return ok and scheme.lower() == "bearer"
+        for accepted in self._keys:  # no early exit: every key costs the same
+            ok |= hmac.compare_digest(accepted, presented)
+        return ok
 
 
 class ApiKeyMiddleware:

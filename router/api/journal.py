@@ -29,8 +29,10 @@ from router.api.schemas import Endpoint
 
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop_token_ids",
                    "repetition_penalty", "skip_special_tokens", "spaces_between_special_tokens",
-                   "include_stop_str_in_output", "min_tokens", "user", "seed"}
-"""Request fields that mean the same for a continuation as for the whole request."""
+                   "include_stop_str_in_output", "min_tokens", "user", "seed", "cache_salt"}
+"""Request fields that mean the same for a continuation as for the whole request
+(``cache_salt``: the continuation's prompt starts with the request's, so its blocks must be
+hashed under the same salt, ``router.api.cache_salt``)."""
 
 
 def max_tokens_of(body: Mapping[str, Any]) -> int | None:
@@ -237,6 +239,7 @@ class StreamJournal:
                 return b""  # ids whose text is held back: nothing for a chat client yet
             return sse_event(_chat_chunk(data, choices))
         return sse_event(data)
+
 
 def _chat_chunk(data: dict[str, Any], choices: list[dict[str, Any]]) -> dict[str, Any]:
     """A continuation's completion chunk as the chat chunk a plain vLLM streams: the same keys

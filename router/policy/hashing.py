@@ -5,6 +5,9 @@ Parameters (defaults):
   hashed; a trailing partial block is never cached by the engine either.
 - ``seed`` = 0: seed of the first block's hash; every later block is hashed with the previous
   block's hash as its seed, so block ``i``'s hash identifies the whole prefix ``tokens[:16(i+1)]``.
+  A request with a vLLM ``cache_salt`` starts from :func:`salt_seed` of it instead, as vLLM
+  mixes the salt into its first block's hash: equal prompts under different salts share no
+  block, here as in the engine.
 
 Hash function: xxHash3-64 (non-cryptographic, stable across processes and platforms; Python's
 ``hash()`` is salted per process and must never be used for routing). Token ids are encoded as
@@ -44,6 +47,14 @@ def block_hashes(
         h = _xxh(data[i * step:(i + 1) * step], h)
         out.append(h)
     return tuple(out)
+
+
+def salt_seed(salt: object) -> int:
+    """The chain seed of a prompt sent with ``cache_salt`` = ``salt`` (0: no salt, or not a
+    non-empty string, which vLLM refuses anyway)."""
+    if not isinstance(salt, str) or not salt:
+        return 0
+    return _xxh(b"cache_salt\x00" + salt.encode(), 0)
 
 
 def hash_int(value: int, seed: int) -> int:

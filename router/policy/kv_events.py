@@ -14,8 +14,10 @@ Parameters (defaults):
 
 Semantics:
 - stored: our hashes of a vLLM block = ``block_hashes(its tokens, block_tokens, seed=the chain
-  state after its parent)``; the chain state after a block is its last hash of ours (0 before
-  the first block). Every stored block is reported (a re-stored block is recent again).
+  state after its parent)``; the chain state after a block is its last hash of ours (before
+  the first block: ``salt_seed`` of the request's ``cache_salt``, which vLLM publishes in the
+  first block's extra keys; 0 without one). Every stored block is reported (a re-stored block
+  is recent again).
 - a ``BlockStored`` whose parent this translator never saw (it subscribed after the parent was
   stored, or lost messages) cannot be hashed: our chain needs the whole prefix's tokens. It is
   ignored and counted in :attr:`KVEventTranslator.orphans`; so are its descendants.
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 from router.errors import ConfigError
 from router.policy.base import CacheChanged
-from router.policy.hashing import DEFAULT_BLOCK_TOKENS, block_hashes
+from router.policy.hashing import DEFAULT_BLOCK_TOKENS, block_hashes, salt_seed
 
 EngineHash = Hashable
 """A vLLM block hash as published: ``bytes`` (sha256) or ``int``."""
@@ -93,14 +95,16 @@ class KVEventTranslator:
                 "without --kv-events)")
 
     def stored(self, engine_hashes: Sequence[EngineHash], parent: EngineHash | None,
-               token_ids: Sequence[int], engine_block_tokens: int) -> CacheChanged | None:
-        """A ``BlockStored``; None when it is an orphan (unknown parent) or empty."""
+               token_ids: Sequence[int], engine_block_tokens: int,
+               salt: str | None = None) -> CacheChanged | None:
+        """A ``BlockStored``; None when it is an orphan (unknown parent) or empty. ``salt``:
+        the ``cache_salt`` of a chain's first block (ignored when ``parent`` is given)."""
         if engine_block_tokens != self.engine_block_tokens:
             self.check_block_size(engine_block_tokens)
             # vLLM also caches partial blocks (shorter events): the largest size is the block's
             self.engine_block_tokens = max(self.engine_block_tokens, engine_block_tokens)
         if parent is None:
-            chain = 0
+            chain = salt_seed(salt)
         else:
             known = self._blocks.get(parent)
             if known is None:

@@ -93,11 +93,25 @@ def kind(event: KVEvent) -> str:
     return "removed" if isinstance(event, BlockRemoved) else "cleared"
 
 
+def cache_salt_of(event: BlockStored) -> str | None:
+    """The ``cache_salt`` of a stored chain's first block: vLLM publishes each block's extra
+    keys untagged, in order the LoRA name (when ``lora_name`` is set), ``(mm id, offset)``
+    pairs, the salt (first block only) and prompt-embeds digests (bytes)."""
+    keys = event.extra_keys[0] if event.extra_keys else None
+    if not isinstance(keys, list | tuple):
+        return None
+    names = [k for k in keys if isinstance(k, str)]
+    if event.lora_name is not None and names[:1] == [event.lora_name]:
+        names = names[1:]
+    return names[0] if names else None
+
+
 def translate(translator: KVEventTranslator, event: KVEvent) -> CacheChanged | None:
     """``event`` through ``translator`` (None: nothing for the cache model)."""
     if isinstance(event, BlockStored):
+        salt = cache_salt_of(event) if event.parent_block_hash is None else None
         return translator.stored(event.block_hashes, event.parent_block_hash, event.token_ids,
-                                 event.block_size)
+                                 event.block_size, salt)
     if isinstance(event, BlockRemoved):
         return translator.removed(event.block_hashes)
     return translator.cleared()

@@ -397,3 +397,35 @@ def test_a_partial_block_store_does_not_shrink_the_engine_block_size() -> None:
         fresh.apply(CacheChanged(W, engine_block_tokens=size))
     fresh.insert(W, OURS)
     assert fresh.match(W, OURS) == 24  # dispatch: whole 128-token blocks (80 would give 20)
+
+
+@pytest.mark.parametrize("lora", [None, "adapter-1"])
+def test_a_salted_chain_lands_under_its_salt(lora: str | None) -> None:
+    """vLLM publishes the first block's ``cache_salt`` in its extra keys (after a LoRA name):
+    the router hashes that chain under the salt, as it hashes the salted request it routed.
+    Control: the same tokens stored without a salt land under the unsalted hashes."""
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    import msgspec
+
+    from router.policy.hashing import salt_seed
+    from router.state import kv_wire
+
+    first = (*([lora] if lora else []), "salt-a")
+    batch = kv.KVEventBatch(ts=0.0, events=[
+        kv.BlockStored(block_hashes=[b"s1"], parent_block_hash=None,
+                       token_ids=list(PROMPT[:128]), block_size=128, lora_id=None,
+                       medium="CPU", lora_name=lora, extra_keys=[first]),
+        kv.BlockStored(block_hashes=[b"s2"], parent_block_hash=b"s1",
+                       token_ids=list(PROMPT[128:256]), block_size=128, lora_id=None,
+                       medium="CPU", lora_name=lora, extra_keys=[(lora,) if lora else None]),
+        kv.BlockStored(block_hashes=[b"u1"], parent_block_hash=None,
+                       token_ids=list(PROMPT[:128]), block_size=128, lora_id=None,
+                       medium="CPU", lora_name=None)])
+    events = kv_wire.decode_batch(msgspec.msgpack.Encoder().encode(batch)).events
+    t = KVEventTranslator(W)
+    model = ClusterCacheModel()
+    apply_all(model, *(kv_wire.translate(t, e) for e in events))
+    salted = block_hashes(PROMPT, 16, seed=salt_seed("salt-a"))
+    assert model.match(W, salted) == 16  # both engine blocks, chained under the salt
+    assert model.match(W, OURS) == 8  # the unsalted copy: its own 8 blocks only
+    assert not set(salted[:16]) & set(OURS[:16])
