@@ -133,6 +133,13 @@ class RouterSettings:
     (0 = unbounded; ``router.api.limits``)."""
     answer_deadline_s: float = default("answer_deadline_s")
     """Longest an answer may run, stream included: then 504 or a final error event (0 = off)."""
+    prefill_tokens_per_min_per_key: int = default("prefill_tokens_per_min_per_key")
+    """Prompt tokens one API key (every client, without keys) may send per minute, a minute's
+    worth at once at most; 429 ``token_rate_limit_exceeded`` beyond, before routing (0 = off;
+    ``router.api.token_budget``)."""
+    decode_tokens_per_min_per_key: int = default("decode_tokens_per_min_per_key")
+    """Output tokens one API key may ask for per minute: charged ``max_tokens`` (or
+    ``expected_output_tokens``) at admission, settled to the tokens generated (0 = off)."""
     cache_salt_per_key: bool = False
     """Give each API key its own vLLM ``cache_salt`` (derived from the key, never the key), so
     keys never share prefix-cache blocks nor the router's prefix hashes; a client's own salt is
@@ -185,6 +192,7 @@ class RouterSettings:
                      "admission_queue_slo_factor", "max_body_bytes",
                      "max_prompt_tokens", "max_output_tokens", "request_timeout_s",
                      "max_concurrent_per_key", "answer_deadline_s",
+                     "prefill_tokens_per_min_per_key", "decode_tokens_per_min_per_key",
                      "load_poll_interval_s", "disagg_min_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

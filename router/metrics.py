@@ -147,7 +147,8 @@ class RouterMetrics:
             ["pool"], registry=r)
         self.limited = Counter(
             "pdserve_router_limited_requests_total",
-            "Requests stopped by a per-key limit: concurrency (429 before routing) or "
+            "Requests stopped by a per-key limit: concurrency (429 before routing), "
+            "prefill_tokens or decode_tokens (429 before routing: the key's token rate) or "
             "deadline (the answer passed --answer-deadline-s).",
             ["reason"], registry=r)
         self.tokenizer_fallbacks = Counter(

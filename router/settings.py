@@ -132,6 +132,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("answer_deadline_s", 0.0, float,
             "stop any answer still running after this (504, or an error event ending the "
             "stream; 0 = no deadline)", metavar="S"),
+    Setting("prefill_tokens_per_min_per_key", 0, int,
+            "429 when an API key (every client, without keys) would send more prompt tokens "
+            "than this per minute (a minute's worth may come at once; 0 = unbounded)",
+            metavar="N"),
+    Setting("decode_tokens_per_min_per_key", 0, int,
+            "429 when an API key (every client, without keys) would ask for more output "
+            "tokens than this per minute (max_tokens at admission, settled to the tokens "
+            "generated; 0 = unbounded)", metavar="N"),
     Setting("max_body_bytes", 8 * 1024 * 1024, int, "413 above this request body size",
             deprecated_envs=("PDSERVE_ROUTER_MAX_BODY_BYTES",), metavar="N"),
     Setting("max_prompt_tokens", 0, int,
@@ -156,7 +164,8 @@ ROUTER_FORWARDED = ("policy", "decode_policy", "ttft_slo_s", "tpot_slo_s",
                     "prefill_s_per_token",
                     "max_in_flight_per_worker", "admission_queue_slo_factor",
                     "request_timeout_s", "max_body_bytes", "max_prompt_tokens",
-                    "max_output_tokens", "max_concurrent_per_key", "answer_deadline_s")
+                    "max_output_tokens", "max_concurrent_per_key", "answer_deadline_s",
+                    "prefill_tokens_per_min_per_key", "decode_tokens_per_min_per_key")
 """Router settings ``pdserve up`` takes and passes on to its router."""
 
 COMMANDS: dict[str, tuple[str, ...]] = {

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from kvtransfer.signing import Keyring, KeyringFile, keyring_source
 from kvtransfer.signing import current as current_keyring
 from router.api import first_token
-from router.api.auth import ApiKeyMiddleware, ApiKeys, presented_key
+from router.api.auth import ApiKeyMiddleware, ApiKeys, key_id, presented_key
 from router.api.cache_salt import FIELD as CACHE_SALT
 from router.api.cache_salt import KeySalts
 from router.api.context import SCOPE_KEY, RequestIdMiddleware, new_request_id
@@ -40,6 +40,7 @@ from router.api.schemas import (
     whole_request_reason,
 )
 from router.api.timeline import PhaseClock
+from router.api.token_budget import Charge, TokenBudgets, settled_output
 from router.api.tokenization import TokenizerCache, approximate_ids
 from router.api.tracing import RequestTracer
 from router.api.untrusted import read_capped_body, refuse_worker_only_fields
@@ -112,6 +113,11 @@ class RouterService:
         if self.keyring is None:
             logger.warning("no cluster secret (PDSERVE_CLUSTER_SECRET[_FILE]): kv_transfer_params "
                            "are sent unsigned; workers that require signatures refuse them")
+        self.budgets = TokenBudgets(settings.prefill_tokens_per_min_per_key,
+                                    settings.decode_tokens_per_min_per_key, time.monotonic)
+        """Per-key token-rate limits (``router.api.token_budget``; off when both rates are 0)."""
+        self._charges: dict[str, Charge] = {}
+        """What each admitted request in flight was charged, by its upstream id."""
         self.salts: KeySalts | None = None
         """Per-key ``cache_salt`` (``--cache-salt-per-key``; needs API keys)."""
         if settings.cache_salt_per_key:
@@ -161,8 +167,13 @@ class RouterService:
 
     def _timeline_done(self, clock: PhaseClock, status: int) -> None:
         """A request ended: phase metrics, the timeline file, the trace; the adaptive decision
-        stops counting it and, from a stream it planned, learns the engines' real costs."""
+        stops counting it and, from a stream it planned, learns the engines' real costs; its
+        key's decode budget is charged what it generated."""
         self.adaptive.finished(clock.upstream_id)
+        charge = self._charges.pop(clock.upstream_id, None)
+        if charge is not None:
+            self.budgets.settle(charge, settled_output(charge.decode, clock.output_tokens,
+                                                       clock.output_events, status == 200))
         if clock.plan and status == 200 and clock.first_output is not None:
             self.adaptive.learn(
                 float(clock.plan["predicted_ttft_s"]),  # type: ignore[arg-type]
@@ -208,9 +219,33 @@ class RouterService:
                                type="rate_limit_error",
                                headers={"Retry-After": str(verdict.retry_after_s)})
 
+    def _output_cost(self, req: Any) -> int:
+        """Output tokens a request may generate, as its key's decode budget is charged at
+        admission: its cap (or the expected output) per choice and per prompt."""
+        prompts = len(completion_prompts(req)) if isinstance(req, CompletionRequest) else 1
+        cap = requested_max_tokens(req) or self.settings.expected_output_tokens
+        return cap * (req.n or 1) * prompts
+
+    def _charge(self, clock: PhaseClock, incoming: dict[str, str], prompt_tokens: int,
+                output_tokens: int) -> None:
+        """Charge the request's key its tokens (``router.api.token_budget``), or 429 with
+        ``Retry-After`` before anything is routed when its budget lacks them."""
+        key = key_id(incoming.get("authorization")) if self.settings.api_keys else ""
+        verdict = self.budgets.admit(key, prompt_tokens, output_tokens)
+        if isinstance(verdict, Charge):
+            self._charges[clock.upstream_id] = verdict
+            return
+        self.metrics.limited.labels(reason=verdict.kind).inc()
+        what = "prompt" if verdict.kind == "prefill_tokens" else "output"
+        raise APIError(f"this API key may use {verdict.per_min} {what} tokens per minute; this "
+                       f"request needs {verdict.cost}: retry after {verdict.retry_after_s} s",
+                       status=429, code="token_rate_limit_exceeded", type="rate_limit_error",
+                       headers={"Retry-After": str(verdict.retry_after_s)})
+
     async def _check_context(self, req: Any, records: list[WorkerRecord],
-                             body: dict[str, Any]) -> tuple[int, ...]:
-        """Prompt token ids (empty when not computable); 400 when prompt + output > context."""
+                             body: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+        """The placed prompt's token ids and the tokens of every prompt (empty and 0 when not
+        computable); 400 when prompt + output > context."""
         ref = records[0]
         max_model_len = min(r.max_model_len for r in records)
         if isinstance(req, ChatCompletionRequest):
@@ -222,7 +257,7 @@ class RouterService:
                     for prompt in completion_prompts(req)]
         counted = [e for e in each if e is not None]
         if len(counted) != len(each):
-            return ()
+            return (), 0
         # the longest prompt of a batch bounds the checks; the first is the one placed
         routed, ids = counted[0], max(counted, key=len)
         max_tokens = requested_max_tokens(req)
@@ -247,7 +282,7 @@ class RouterService:
                 "length of the prompt or the completion.",
                 code="context_length_exceeded",
                 param="messages" if isinstance(req, ChatCompletionRequest) else "prompt")
-        return tuple(routed)
+        return tuple(routed), sum(len(e) for e in counted)
 
     async def handle(self, endpoint: Endpoint, request: Request) -> Response:
         clock = PhaseClock.start(request.scope.get(SCOPE_KEY) or new_request_id())
@@ -265,6 +300,9 @@ class RouterService:
                                    type="timeout_error") from None
             else:
                 response = await self._handle(endpoint, request, incoming, clock)
+        except asyncio.CancelledError:  # the answer deadline or the server stopped it
+            self._charges.pop(clock.upstream_id, None)  # charged as admitted, not tracked
+            raise
         except APIError as err:
             if err.status >= 500:
                 logger.warning("request failed: %s", err.message)
@@ -309,12 +347,15 @@ class RouterService:
             whole = None
         if whole is None and shape is not None:
             whole = whole_request_role(roles - {"prefill"})
-        token_ids = await self._check_context(req, records, body)
+        token_ids, prompt_tokens = await self._check_context(req, records, body)
         if not token_ids:  # no tokenizer on this host: place by the text itself
             self.metrics.tokenizer_fallbacks.inc()
             token_ids = approximate_ids(_prompt_text(req))
+            prompt_tokens = _approximate_prompt_tokens(req)
         self.metrics.requests_received.labels(endpoint=endpoint.name, model_name=req.model).inc()
         self._admit(req.model, "flex" if adaptive and "flex" in roles else whole)
+        if self.budgets.enabled:
+            self._charge(clock, incoming, prompt_tokens, self._output_cost(req))
         # hashed once here; prefix-aware policies and the load accounting reuse the blocks;
         # under the salt the workers get, as vLLM hashes them
         route = RouteRequest(request_id=clock.upstream_id, model=req.model,
@@ -541,6 +582,15 @@ def _prompt_text(req: Any) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
+def _approximate_prompt_tokens(req: Any) -> int:
+    """Every prompt's length in stand-in tokens (``approximate_ids``) when the router cannot
+    tokenize them: what the key's prefill budget is charged."""
+    if isinstance(req, CompletionRequest):
+        return sum(len(p) if isinstance(p, list) else len(approximate_ids(p))
+                   for p in completion_prompts(req))
+    return len(approximate_ids(_prompt_text(req)))
+
+
 def _signed_by(source: KeyringFile | Keyring) -> Callable[[WorkerRecord], bool]:
     """Trusts the registrations signed with the keyring ``source`` holds now."""
     def trusted(record: WorkerRecord) -> bool:
@@ -580,7 +630,7 @@ def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None
         app.add_middleware(LimitsMiddleware, max_concurrent=settings.max_concurrent_per_key,
                            deadline_s=settings.answer_deadline_s,
                            on_refused=lambda reason: service.metrics.limited.labels(
-                               reason=reason).inc())
+                               reason=reason).inc(), keyed=bool(settings.api_keys))
     if settings.api_keys:
         admin = ApiKeys(settings.admin_api_keys) if settings.admin_api_keys else None
         app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(settings.api_keys), admin=admin)

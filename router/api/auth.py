@@ -10,6 +10,7 @@ matched.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Iterable
 
@@ -35,6 +36,13 @@ def presented_key(authorization: str | None) -> str | None:
     scheme, _, token = authorization.strip().partition(" ")
     key = token.strip()
     return key if key and scheme.lower() == "bearer" else None
+
+
+def key_id(authorization: str | None) -> str:
+    """A stable, non-reversible id of the key a request presents ("" for none): what per-key
+    limits count by (however the header spells the scheme or spaces it), never the key."""
+    key = presented_key(authorization)
+    return "" if key is None else hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 class ApiKeys:

@@ -11,18 +11,20 @@
   pin a worker's slot and a router connection forever (security review finding 13).
 
 Runs inside the API-key check, so only authenticated requests are counted, and a key is
-identified by a hash of the presented credential (the key itself is not kept).
+identified by a hash of the presented key (``auth.key_id``: the key itself is not kept, and
+``bearer k`` or ``Bearer  k`` count as ``Bearer k``). Without API keys every client is one
+client: a header the router does not check cannot buy a budget of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.api.auth import key_id
 from router.errors import APIError
 
 LIMITED_PREFIX = "/v1/"
@@ -38,10 +40,10 @@ def _json_response(error: APIError) -> tuple[Message, Message]:
 
 
 def client_of(scope: Scope) -> str:
-    """A stable, non-reversible id of the credential a request presents ("" for none)."""
+    """A stable, non-reversible id of the API key a request presents ("" for none)."""
     for key, value in scope.get("headers", []):
         if key == b"authorization":
-            return hashlib.sha256(value).hexdigest()[:16]
+            return key_id(value.decode("latin-1"))
     return ""
 
 
@@ -77,8 +79,10 @@ class LimitsMiddleware:
     """Applies `KeyLimits` and the answer deadline to every ``/v1/`` request."""
 
     def __init__(self, app: ASGIApp, max_concurrent: int = 0, deadline_s: float = 0.0,
-                 on_refused: Any = None) -> None:
+                 on_refused: Any = None, keyed: bool = True) -> None:
         self.app = app
+        self.keyed = keyed
+        """Whether the router checks API keys (False: every client counts as one)."""
         self.limits = KeyLimits(max_concurrent)
         self.deadline_s = deadline_s
         self.on_refused = on_refused
@@ -88,7 +92,7 @@ class LimitsMiddleware:
         if scope["type"] != "http" or not str(scope.get("path", "")).startswith(LIMITED_PREFIX):
             await self.app(scope, receive, send)
             return
-        client = client_of(scope)
+        client = client_of(scope) if self.keyed else ""
         if not self.limits.try_enter(client):
             self._count("concurrency")
             for message in _json_response(APIError(

@@ -184,9 +184,13 @@ class PDProxy:
         self.placement.pool(role).end(route, worker.worker_id, ok)
         self.metrics.in_flight.labels(role=role).dec()
 
-    def _account(self, model: str, usage: Usage | None, gaps: list[float] | None = None
-                 ) -> None:
-        """Token counters from an answer's usage; inter-token gaps of a stream."""
+    def _account(self, clock: PhaseClock, model: str, usage: Usage | None,
+                 watch: StreamWatch | None = None) -> None:
+        """Token counters from an answer's usage (and the clock's output count, which settles
+        its key's token budget); a stream's inter-token gaps, from its ``watch``."""
+        gaps = watch.gaps if watch is not None else None
+        clock.output_tokens = usage.completion_tokens if usage is not None else None
+        clock.output_events = watch.content_events if watch is not None else 0
         if usage is not None:
             self.metrics.prompt_tokens.labels(model_name=model).inc(usage.prompt_tokens)
             self.metrics.generation_tokens.labels(model_name=model).inc(
@@ -420,7 +424,7 @@ class PDProxy:
                             ok = True
                             if resp.status_code < 400:
                                 self.tracker.mark_ok(worker.worker_id)
-                                self._account(route.model, body_usage(data))
+                                self._account(clock, route.model, body_usage(data))
                             return relay_body(data, resp.status_code,
                                                resp.headers.get("content-type"))
                         if movable:  # it waits for the first chunk itself, and can move on
@@ -526,7 +530,7 @@ class PDProxy:
             metrics.request_duration.labels(endpoint=endpoint.name,
                                             model_name=route.model).observe(
                 clock.mono["done"] - clock.started)
-            self._account(route.model, watch.usage, watch.gaps)
+            self._account(clock, route.model, watch.usage, watch)
             self.on_done(clock, resp.status_code)
             await resp.aclose()
 

@@ -403,7 +403,7 @@ class ResumableStream:
         metrics.request_duration.labels(endpoint=self.endpoint.name,
                                         model_name=self.route.model).observe(
             clock.mono["done"] - clock.started)
-        self.proxy._account(self.route.model, self._watch.usage, gaps)
+        self.proxy._account(clock, self.route.model, self._watch.usage, self._watch)
         self.proxy.on_done(clock, self.status)
         if source is not None:
             await source.response.aclose()

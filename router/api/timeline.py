@@ -56,6 +56,11 @@ class PhaseClock:
     many generated tokens the client had then."""
     span: object | None = None
     """The request's trace span while tracing is on (see ``router.api.tracing``)."""
+    output_tokens: int | None = None
+    """Tokens the answer generated, as the worker's ``usage`` counted them (None: no usage
+    was seen)."""
+    output_events: int = 0
+    """Events with generated output a stream relayed (a lower bound of its tokens)."""
     model: str = ""
     """The served model, once known to be one a live worker registered (the ``model_name``
     label of the router's request metrics; ``""`` for requests refused before that)."""

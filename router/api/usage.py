@@ -75,6 +75,8 @@ class StreamWatch:
         self._last_content: float | None = None
         self.gaps: list[float] = []
         self.usage: Usage | None = None
+        self.content_events = 0
+        """Events that carried generated output."""
 
     def feed(self, chunk: bytes, now: float) -> None:
         """Take the next relayed ``chunk``, which arrived at ``now`` (seconds, any origin)."""
@@ -104,6 +106,7 @@ class StreamWatch:
             if usage is not None:
                 self.usage = usage  # continuous usage stats: the last one is the total
             if has_content(data):
+                self.content_events += 1
                 if self._last_content is not None:
                     self.gaps.append(now - self._last_content)
                 self._last_content = now

@@ -1,17 +1,20 @@
-"""Per-key limits (security review finding 13): concurrency per API key and the answer deadline.
+"""Per-key limits (security review finding 13): concurrency and token rates per API key, and
+the answer deadline.
 
 Real router under uvicorn, real Redis, fake workers whose streams can stall mid-answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+from starlette.types import Message, Receive, Scope, Send
 
-from router.api.limits import KeyLimits
+from router.api.limits import KeyLimits, LimitsMiddleware, client_of
 from tests.fakes.fake_worker import FakeWorker
 from tests.support.router import calls, wait_metrics
 from tests.support.waiting import eventually
@@ -112,3 +115,114 @@ def test_without_limits_a_stalled_stream_is_not_cut(
         assert rest is None, rest
         _stall(fakes, False)
         assert slow.post(url + "/v1/completions", json=BODY).status_code == 200
+
+
+def test_a_key_is_one_client_however_its_header_is_spelled() -> None:
+    def scope(header: bytes) -> dict[str, object]:
+        return {"headers": [(b"authorization", header)]}
+
+    one = client_of(scope(b"Bearer " + KEY_A.encode()))
+    assert one and KEY_A not in one
+    assert client_of(scope(b"bearer  " + KEY_A.encode() + b" ")) == one
+    assert client_of(scope(b"Bearer " + KEY_B.encode())) != one
+    assert client_of({"headers": []}) == ""
+
+
+async def test_without_api_keys_every_header_shares_one_budget() -> None:
+    """A router without keys checks no header: a client that varies it is still one client.
+    Control: with keys, two keys are two clients."""
+    release = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def call(limits: LimitsMiddleware, key: str) -> int:
+        sent: list[Message] = []
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        async def receive() -> Message:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        scope = {"type": "http", "path": "/v1/completions",
+                 "headers": [(b"authorization", f"Bearer {key}".encode())]}
+        await limits(scope, receive, send)
+        return int(sent[0]["status"])
+
+    for keyed, second in ((False, 429), (True, 200)):
+        release.clear()
+        limits = LimitsMiddleware(app, max_concurrent=1, keyed=keyed)
+        held = asyncio.create_task(call(limits, KEY_A))
+        await asyncio.sleep(0.01)
+        other = asyncio.create_task(call(limits, KEY_B))
+        await asyncio.sleep(0.01)
+        release.set()
+        assert (await held, await other) == (200, second), keyed
+
+
+# -- token-rate limits (--prefill-/--decode-tokens-per-min-per-key) ----------------------------
+
+IDS_PROMPT = {"model": "tiny", "prompt": list(range(10, 30)), "max_tokens": 4}
+"""20 prompt tokens (ids are counted as they are), at most 4 output tokens."""
+
+
+def _refused_for_tokens(resp: httpx.Response) -> None:
+    assert resp.status_code == 429, resp.text
+    assert int(resp.headers["retry-after"]) >= 1
+    error = resp.json()["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "token_rate_limit_exceeded")
+
+
+def test_a_key_past_its_prompt_token_rate_gets_429_and_other_keys_do_not(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    url = start_router(api_keys=(KEY_A, KEY_B), prefill_tokens_per_min_per_key=30)
+
+    def post(key: str) -> httpx.Response:
+        return client.post(url + "/v1/completions", headers=_auth(key), json=IDS_PROMPT)
+
+    assert post(KEY_A).status_code == 200  # 20 of 30
+    before = calls(fakes)
+    refused = post(KEY_A)  # 20 more: 10 left (+1 every 2 s)
+    _refused_for_tokens(refused)
+    assert int(refused.headers["retry-after"]) >= 15
+    assert calls(fakes) == before  # refused before any worker was asked
+    assert post(KEY_B).status_code == 200  # control: another key has its own budget
+    wait_metrics(client, url,
+                 ['pdserve_router_limited_requests_total{reason="prefill_tokens"} 1.0'])
+
+
+def test_a_key_past_its_output_token_rate_gets_429_and_unused_tokens_come_back(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    """Charged max_tokens at admission, then what the answer's usage says it generated (the
+    fakes always generate 6): a request for 8 is settled at 6, leaving 4 of 10 for the next."""
+    url = start_router(api_keys=(KEY_A, KEY_B), decode_tokens_per_min_per_key=10)
+
+    def post(key: str, max_tokens: int) -> httpx.Response:
+        return client.post(url + "/v1/completions", headers=_auth(key),
+                           json={**BODY, "max_tokens": max_tokens})
+
+    assert post(KEY_A, 8).status_code == 200  # charged 8, settled to 6: 4 left
+    before = calls(fakes)
+    _refused_for_tokens(post(KEY_A, 8))  # 8 > 4
+    assert calls(fakes) == before
+    assert post(KEY_A, 4).status_code == 200  # 4 fit only because 2 came back
+    _refused_for_tokens(post(KEY_A, 1))  # settled at 6 for 4 asked: in debt now
+    assert post(KEY_B, 8).status_code == 200  # control: another key
+    wait_metrics(client, url,
+                 ['pdserve_router_limited_requests_total{reason="decode_tokens"} 2.0'])
+
+
+def test_without_token_rates_the_same_traffic_is_served(
+        fakes: dict[str, FakeWorker], start_router: Callable[..., str],
+        client: httpx.Client) -> None:
+    """Negative control of the two tests above: no limit, every request is served."""
+    url = start_router(api_keys=(KEY_A, KEY_B))
+    for key, body in [(KEY_A, IDS_PROMPT)] * 2 + [(KEY_B, IDS_PROMPT)] + \
+            [(KEY_A, {**BODY, "max_tokens": m}) for m in (8, 8, 4, 1)]:
+        resp = client.post(url + "/v1/completions", headers=_auth(key), json=body)
+        assert resp.status_code == 200, resp.text

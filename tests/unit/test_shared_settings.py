@@ -168,6 +168,8 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "request_timeout_s": ("9", 9.0),
     "max_concurrent_per_key": ("4", 4),
     "answer_deadline_s": ("600", 600.0),
+    "prefill_tokens_per_min_per_key": ("90000", 90000),
+    "decode_tokens_per_min_per_key": ("30000", 30000),
     "max_body_bytes": ("4096", 4096),
     "max_prompt_tokens": ("300", 300),
     "max_output_tokens": ("40", 40),
