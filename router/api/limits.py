@@ -6,8 +6,9 @@
   request counts until its answer's last byte is sent (a stream, until it ends).
 - ``--answer-deadline-s S``: no answer lasts longer than S. Past it the router stops the
   request (the upstream call is cancelled, so the worker aborts it and frees its KV): 504
-  ``answer_deadline_exceeded`` if nothing was sent yet, else a stream ends with one
-  ``data: {"error": ...}`` event and ``data: [DONE]``. A client that stops reading can no longer
+  ``answer_deadline_exceeded`` if nothing was sent yet, else a stream ends with a chunk
+  closing its open choices (``finish_reason`` ``abort``), one ``data: {"error": ...}`` event
+  and ``data: [DONE]`` (``router.api.stream_end``). A client that stops reading can no longer
   pin a worker's slot and a router connection forever (security review finding 13).
 
 Runs inside the API-key check, so only authenticated requests are counted, and a key is
@@ -25,6 +26,8 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.api.auth import key_id
+from router.api.stream_end import failed_ending
+from router.api.usage import StreamWatch
 from router.errors import APIError
 
 LIMITED_PREFIX = "/v1/"
@@ -112,6 +115,8 @@ class LimitsMiddleware:
 
     async def _with_deadline(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = {"started": False, "ended": False, "stream": False}
+        watch = StreamWatch()  # what the stream sent: the choices its ending must close
+        tail = [b""]
 
         async def tracked(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -119,8 +124,12 @@ class LimitsMiddleware:
                 for key, value in message.get("headers", []):
                     if key.lower() == b"content-type" and value.startswith(b"text/event-stream"):
                         state["stream"] = True
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                state["ended"] = True
+            elif message["type"] == "http.response.body":
+                if state["stream"] and message.get("body"):
+                    watch.feed(message["body"], 0.0)
+                    tail[0] = (tail[0] + message["body"])[-2:]
+                if not message.get("more_body"):
+                    state["ended"] = True
             await send(message)
 
         timeout = asyncio.timeout(self.deadline_s)
@@ -137,11 +146,14 @@ class LimitsMiddleware:
                 for message in _json_response(error):
                     await send(message)
             elif not state["ended"]:
-                tail = b""
+                end = b""
                 if state["stream"]:
-                    tail = (b"data: " + json.dumps(error.to_dict()).encode()
-                            + b"\n\ndata: [DONE]\n\n")
-                await send({"type": "http.response.body", "body": tail, "more_body": False})
+                    chat = str(scope.get("path", "")).endswith("/chat/completions")
+                    end = failed_ending(watch, error.to_dict(), chat=chat,
+                                        model=str(watch.head.get("model", "")))
+                    if tail[0] not in (b"", b"\n\n"):  # cut inside an event: end it first
+                        end = b"\n\n" + end
+                await send({"type": "http.response.body", "body": end, "more_body": False})
 
     def _count(self, reason: str) -> None:
         if self.on_refused is not None:

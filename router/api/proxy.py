@@ -18,7 +18,6 @@ and are relayed unchanged.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
@@ -34,6 +33,7 @@ from router.api.relay import FirstOutput, RelayResponse, relay_body
 from router.api.resume import PROBE_CHECK_S, ResumableStream, Source
 from router.api.rewrite import decode_body, encode, prefill_body
 from router.api.schemas import Endpoint
+from router.api.stream_end import failed_ending
 from router.api.timeline import PhaseClock
 from router.api.unspent import UnspentLeases
 from router.api.upstream import (
@@ -515,7 +515,7 @@ class PDProxy:
                                    "type": "upstream_error", "param": None,
                                    "code": "upstream_stream_error"}}
                 sep = b"" if tail in (b"", b"\n\n") else b"\n\n"
-                yield sep + b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
+                yield sep + failed_ending(watch, event, chat=endpoint.chat, model=route.model)
 
         async def cleanup() -> None:
             if state["done"]:

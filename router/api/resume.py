@@ -31,7 +31,6 @@ Only a stream that cannot move ends with one error event and ``[DONE]``, as befo
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -44,6 +43,7 @@ from router.api.journal import StreamJournal
 from router.api.relay import FirstOutput, RelayResponse
 from router.api.rewrite import decode_body, encode
 from router.api.schemas import Endpoint
+from router.api.stream_end import failed_ending
 from router.api.timeline import PhaseClock
 from router.api.upstream import allow_same_worker_retry, may_have_reached, upstream_error
 from router.api.usage import StreamWatch
@@ -364,14 +364,16 @@ class ResumableStream:
             await asyncio.sleep(0.1)
 
     def _fail(self, err: UpstreamError, why: str) -> bytes:
-        """The stream's end when it cannot go on: one error event and ``[DONE]``."""
+        """The stream's end when it cannot go on: its open choice finished ``abort``, one error
+        event and ``[DONE]`` (``router.api.stream_end``)."""
         self.status = err.status
         if self._first_output.found or self.journal.committed:
             self.proxy.metrics.migrations_refused.labels(reason=why).inc()
         when = "decode failed mid-stream" if self._relayed else "decode failed"
         event = {"error": {"message": f"{when}: {err.public_message}", "type": "upstream_error",
                            "param": None, "code": "upstream_stream_error"}}
-        return b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
+        return failed_ending(self._watch, event, chat=self.endpoint.chat,
+                             model=self.route.model, response_id=self.journal.response_id or "")
 
     # -- bookkeeping -------------------------------------------------------------------------
 

@@ -65,7 +65,9 @@ def has_content(data: dict[str, Any]) -> bool:
 
 class StreamWatch:
     """Reads an SSE stream chunk by chunk: the gap between each pair of consecutive content
-    events (``gaps``, seconds, one fewer than the content events) and the last usage record."""
+    events (``gaps``, seconds, one fewer than the content events), the last usage record, and
+    what an ending the router adds needs (``router.api.stream_end``): the stream's id, model
+    and creation time, and which choices are still open."""
 
     _LIMIT = 1 << 20
     """Bytes kept without an event boundary before giving up on a non-SSE body."""
@@ -77,6 +79,11 @@ class StreamWatch:
         self.usage: Usage | None = None
         self.content_events = 0
         """Events that carried generated output."""
+        self.head: dict[str, Any] = {}
+        """The stream's ``id``, ``object``, ``created`` and ``model``, from its first event."""
+        self.open_choices: set[int] = set()
+        """Indexes of choices seen without their ``finish_reason`` yet."""
+        self.finished_choices: set[int] = set()
 
     def feed(self, chunk: bytes, now: float) -> None:
         """Take the next relayed ``chunk``, which arrived at ``now`` (seconds, any origin)."""
@@ -105,8 +112,22 @@ class StreamWatch:
             usage = usage_of(data)
             if usage is not None:
                 self.usage = usage  # continuous usage stats: the last one is the total
+            self._choices(data)
             if has_content(data):
                 self.content_events += 1
                 if self._last_content is not None:
                     self.gaps.append(now - self._last_content)
                 self._last_content = now
+
+    def _choices(self, data: dict[str, Any]) -> None:
+        if not self.head:
+            self.head = {k: data[k] for k in ("id", "object", "created", "model") if k in data}
+        for choice in data.get("choices") or ():
+            index = choice.get("index", 0) if isinstance(choice, dict) else None
+            if not isinstance(index, int) or index in self.finished_choices:
+                continue
+            if choice.get("finish_reason"):
+                self.open_choices.discard(index)
+                self.finished_choices.add(index)
+            else:
+                self.open_choices.add(index)

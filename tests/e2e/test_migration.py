@@ -220,7 +220,8 @@ def test_killing_the_decode_mid_stream_costs_the_client_nothing(
         assert out.text == ref  # greedy: the same tokens as a plain engine, none twice
         assert len(out.ids) == 1  # one stream id across the move
     # Negative control: the same kill, with moves off, fails every stream it hit.
-    assert all(out.error is not None and out.finish is None for out in controlled), controlled
+    # ... each with its choice ended "abort" before the error event (review finding 18)
+    assert all(out.error is not None and out.finish == "abort" for out in controlled), controlled
     assert all(out.text and ref.startswith(out.text)
                for out, ref in zip(controlled, reference, strict=True))
     assert _moved_metrics(pd.url) == (STREAMS, 0)

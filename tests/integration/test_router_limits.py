@@ -85,7 +85,10 @@ def test_a_stream_past_the_answer_deadline_ends_with_an_error_event(
                   if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "answer_deadline_exceeded"
-    assert any(json.loads(e).get("choices") for e in events[:-2])  # it had started
+    finish = json.loads(events[-3])  # the open choice ends "abort" first (review finding 18)
+    assert [c["finish_reason"] for c in finish["choices"]] == ["abort"]
+    assert any(json.loads(e).get("choices") and "abort" not in e
+               for e in events[:-3])  # it had started
     # an answer that never starts gets a 504
     for fake in fakes.values():
         fake.mode = "stall"

@@ -325,6 +325,10 @@ def test_mid_stream_decode_failure_ends_with_error_event_when_moves_are_off(
     error = json.loads(events[-2].removeprefix(b"data: "))
     assert error["error"]["code"] == "upstream_stream_error"
     assert error["error"]["type"] == "upstream_error"
+    # before it, the open choice ends "abort" under the stream's id (review finding 18)
+    finish = json.loads(events[-3].removeprefix(b"data: "))
+    assert [c["finish_reason"] for c in finish["choices"]] == ["abort"]
+    assert finish["id"] == json.loads(events[0].removeprefix(b"data: "))["id"]
     worker = fakes["d0"]
     assert relayed.startswith(worker.sent[0])  # what was produced got through unchanged
     assert calls(fakes)["d1"] == 0  # no retry once bytes reached the client

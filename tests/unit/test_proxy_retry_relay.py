@@ -373,8 +373,14 @@ async def test_upstream_failure_mid_stream_becomes_one_error_event(
     head, tail = body[:len(b"".join(EVENTS[:2]))], body[len(b"".join(EVENTS[:2])):]
     assert head == b"".join(EVENTS[:2])  # what was relayed stays, in order
     events = [e for e in tail.split(b"\n\n") if e]
-    assert len(events) == 2 and events[1] == b"data: [DONE]"
-    err = json.loads(events[0].removeprefix(b"data: "))["error"]
+    assert len(events) == 3 and events[2] == b"data: [DONE]"
+    # review finding 18: the open choice ends ("abort", as vLLM ends an aborted request)
+    # before the error event, for clients that read only the choices
+    finish = json.loads(events[0].removeprefix(b"data: "))
+    assert finish["object"] == "text_completion" and finish["model"] == MODEL
+    assert finish["choices"] == [{"index": 0, "text": "", "logprobs": None,
+                                  "finish_reason": "abort", "stop_reason": None}]
+    err = json.loads(events[1].removeprefix(b"data: "))["error"]
     assert err["type"] == "upstream_error" and err["code"] == "upstream_stream_error"
     assert err["param"] is None and "decode failed mid-stream" in err["message"]
     # bytes reached the client: no retry, not even a stale-connection one on the same worker
@@ -469,6 +475,7 @@ async def test_a_continued_stream_retries_without_the_params_once_a_decode_was_r
     body = await play(rig.proxy.continue_stream(COMPLETIONS, BODY, first, KV, request, {},
                                                 clock))
     assert body.endswith(b"data: [DONE]\n\n") and b"error" not in body
+    assert b"abort" not in body  # control of the failed stream below: a normal finish
     assert [("kv_transfer_params" in b) for b in rig.workers.bodies] == [True, False, False]
     assert rig.workers.bodies[2]["prompt"] == [1, 2, 3, 7]  # the prompt is computed there
     assert withdrawn(rig) == 2
@@ -487,6 +494,16 @@ async def test_a_continued_stream_whose_decodes_all_fail_is_counted_as_failed(
     body = await play(rig.proxy.continue_stream(COMPLETIONS, BODY, first, KV, request, {},
                                                 clock))
     assert b"upstream_stream_error" in body
+    # the client saw the prefill's token, then its choice finished "abort", then the error
+    # event, then [DONE] (row 18: a client reading only choices sees it did not end normally)
+    events = [e.removeprefix(b"data: ") for e in body.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    *answer, finish, error = (json.loads(e) for e in events[:-1])
+    assert error["error"]["code"] == "upstream_stream_error"
+    assert [c["finish_reason"] for c in finish["choices"]] == ["abort"]
+    assert finish["id"] == "cmpl-1" and finish["choices"][0]["text"] == ""
+    assert [c["text"] for e in answer for c in e["choices"]] == ["x"]
+    assert all(c["finish_reason"] is None for e in answer for c in e["choices"])
     samples = parse_samples(rig.metrics.render().decode())
     assert total(samples, "pdserve_router_requests_total", status="502") == 1
     assert total(samples, "pdserve_router_requests_total", status="200") == 0
