@@ -4,6 +4,8 @@
     python -m kernels.native.build --ucx nixl           # the UCX bundled in the nixl-cu12 wheel
     python -m kernels.native.build --ucx-prefix /usr    # a system UCX (include/ and lib/)
     PDSERVE_UCX=nixl make setup                         # the same choice through `make setup`
+    python -m kernels.native.build --out /tmp/asan --cflags "-fsanitize=address"
+                                                        # an instrumented copy elsewhere
 
 Which UCX: `--ucx wheel|nixl|prefix` (env `PDSERVE_UCX`), `--ucx-prefix DIR` (env
 `PDSERVE_UCX_PREFIX`, implies `prefix`); default `wheel`.
@@ -20,7 +22,9 @@ The module is compiled with gcc from ucx_core.c, pvm.c and module.c into
 `kernels/native/_ucxrma<EXT_SUFFIX>` (or `--out DIR`), with rpaths to the chosen libraries (for
 the wheels: first the copy installed beside the package, then the one it was built with); a
 JSON record beside it (`_ucxrma.build.json`) says what it was built against and from which
-sources (their sha256). The build is skipped when the module was built from the same sources
+sources (their sha256) with which extra compiler flags (`--cflags`, e.g. AddressSanitizer for
+a test's copy; a process loads such a copy with `kernels.native.select` and needs libasan
+preloaded). The build is skipped when the module was built from the same sources
 against the same choice; concurrent builders serialise on a lock file and publish with an atomic
 rename. Nothing builds at import time: the package build (setup.py: `pip install .`,
 `pip wheel .`, editable installs) and `make setup` run this; both the module and its record are
@@ -38,6 +42,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import subprocess
 import sys
 import sysconfig
@@ -52,6 +57,8 @@ HEADERS = (HERE / "ucxrma.h",)
 MODULE = "_ucxrma"
 DIGEST_KEY = "sources_sha256"
 """Key of the build record holding :func:`sources_digest` of the sources it was built from."""
+CFLAGS_KEY = "extra_cflags"
+"""Key of the build record holding the extra compiler flags of the build (absent: none)."""
 CHOICES = ("wheel", "nixl", "prefix")
 
 
@@ -205,8 +212,10 @@ def sources_digest() -> str | None:
     return digest.hexdigest()
 
 
-def is_stale(install: UcxInstall | None = None, out_dir: Path | None = None) -> bool:
-    """True when the module is missing, built from other sources, or against another UCX.
+def is_stale(install: UcxInstall | None = None, out_dir: Path | None = None,
+             extra_cflags: tuple[str, ...] | None = None) -> bool:
+    """True when the module is missing, built from other sources, against another UCX, or (when
+    `extra_cflags` is given) with other extra compiler flags.
 
     Sources are compared by content when the build record has their digest: installing a
     wheel gives its files fresh, arbitrary mtimes. Records without it compare mtimes."""
@@ -215,6 +224,9 @@ def is_stale(install: UcxInstall | None = None, out_dir: Path | None = None) -> 
         return True
     record = read_record(out_dir) or {}
     built_from = record.pop(DIGEST_KEY, None)
+    built_flags = record.pop(CFLAGS_KEY, None) or []
+    if extra_cflags is not None and list(extra_cflags) != built_flags:
+        return True
     if built_from is not None:
         current = sources_digest()
         if current is not None and current != built_from:
@@ -236,11 +248,12 @@ def rpaths(install: UcxInstall) -> list[str]:
     return list(dict.fromkeys([*paths, install.libdir]))
 
 
-def compile_command(install: UcxInstall, out: Path) -> list[str]:
-    """The gcc invocation producing `out`."""
+def compile_command(install: UcxInstall, out: Path,
+                    extra_cflags: tuple[str, ...] = ()) -> list[str]:
+    """The gcc invocation producing `out` (`extra_cflags` go after the defaults)."""
     return [
         os.environ.get("CC", "gcc"), "-shared", "-fPIC", "-O2", "-g", "-Wall", "-Werror",
-        "-std=gnu11", f"-DPDSERVE_UCX_SOURCE=\"{install.source}\"",
+        "-std=gnu11", *extra_cflags, f"-DPDSERVE_UCX_SOURCE=\"{install.source}\"",
         f"-I{sysconfig.get_paths()['include']}", f"-I{install.include}",
         *(str(s) for s in SOURCES), "-o", str(out),
         f"-L{install.libdir}", *(f"-Wl,-rpath,{path}" for path in rpaths(install)),
@@ -249,29 +262,32 @@ def compile_command(install: UcxInstall, out: Path) -> list[str]:
 
 
 def build(*, force: bool = False, install: UcxInstall | None = None,
-          out_dir: Path | None = None) -> Path:
-    """Compile the module unless it is up to date for `install`; return its path."""
+          out_dir: Path | None = None, extra_cflags: tuple[str, ...] = ()) -> Path:
+    """Compile the module unless it is up to date for `install` and `extra_cflags`; return its
+    path. `extra_cflags` (e.g. ``("-fsanitize=address",)``) are passed to gcc after the defaults,
+    at compile and link time."""
     install = install or resolve()
     out = target_path(out_dir)
-    if not force and not is_stale(install, out_dir):
+    if not force and not is_stale(install, out_dir, extra_cflags):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{MODULE}.build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not force and not is_stale(install, out_dir):  # built while we waited
+        if not force and not is_stale(install, out_dir, extra_cflags):  # built while we waited
             return out
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         logger.info("building %s against UCX %s (%s)", out, install.source, install.libdir)
         if install.note:
             logger.info("%s", install.note)
-        proc = subprocess.run(compile_command(install, tmp), capture_output=True, text=True,
-                              check=False)
+        proc = subprocess.run(compile_command(install, tmp, extra_cflags), capture_output=True,
+                              text=True, check=False)
         if proc.returncode != 0:
             tmp.unlink(missing_ok=True)
             raise NativeBuildError(f"gcc failed ({proc.returncode}):\n{proc.stderr}")
         record = record_path(out_dir)
         tmp_record = record.with_name(f".{record.name}.{os.getpid()}.tmp")
-        record_data = {**asdict(install), DIGEST_KEY: sources_digest()}
+        record_data = {**asdict(install), DIGEST_KEY: sources_digest(),
+                       **({CFLAGS_KEY: list(extra_cflags)} if extra_cflags else {})}
         tmp_record.write_text(json.dumps(record_data, indent=2) + "\n")
         os.replace(tmp, out)
         os.replace(tmp_record, record)
@@ -285,11 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ucx-prefix", help="a system UCX's prefix (default: $PDSERVE_UCX_PREFIX)")
     parser.add_argument("--out", type=Path, help="directory of the module (default: the package)")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    parser.add_argument("--cflags", default="",
+                        help="extra gcc flags, one shell-quoted string (e.g. -fsanitize=address)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         path = build(force=args.force, install=resolve(args.ucx, args.ucx_prefix),
-                     out_dir=args.out)
+                     out_dir=args.out, extra_cflags=tuple(shlex.split(args.cflags)))
     except NativeBuildError as exc:
         logger.error("%s", exc)
         return 1

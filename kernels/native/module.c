@@ -101,6 +101,7 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kwds)
     pthread_condattr_destroy(&ca);
     pthread_cond_init(&self->pvm_cond, NULL);
     pthread_rwlock_init(&self->uselock, NULL);
+    pthread_mutex_init(&self->replylock, NULL);
     self->sync_ok = 1;
     self->efd = -1;
     self->next_req_id = 1;
@@ -165,6 +166,7 @@ static void engine_dealloc(EngineObject *self)
         pthread_cond_destroy(&self->cond);
         pthread_cond_destroy(&self->pvm_cond);
         pthread_rwlock_destroy(&self->uselock);
+        pthread_mutex_destroy(&self->replylock);
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -209,6 +211,21 @@ static PyObject *engine_get_dropped(EngineObject *self, void *Py_UNUSED(closure)
 static PyObject *engine_get_failed_replies(EngineObject *self, void *Py_UNUSED(closure))
 {
     return locked_counter(self, &self->failed_replies);
+}
+
+static PyObject *engine_get_reply_peers(EngineObject *self, void *Py_UNUSED(closure))
+{
+    unsigned long n = 0, failed = 0;
+    if (self->sync_ok) {
+        pthread_mutex_lock(&self->lock);
+        for (peer_t *p = self->peers; p != NULL; p = p->next) {
+            if (!p->is_reply) continue;
+            n++;
+            failed += p->failed != 0;
+        }
+        pthread_mutex_unlock(&self->lock);
+    }
+    return Py_BuildValue("(kk)", n, failed);
 }
 
 static const char *mem_type_name(ucs_memory_type_t t)
@@ -363,10 +380,9 @@ static PyObject *engine_poll_requests(EngineObject *self, PyObject *Py_UNUSED(ig
     for (inreq_t *nr; r != NULL; r = nr) {
         nr = r->next;
         if (!failed) {
-            PyObject *t = Py_BuildValue("(Ky#y#K)", (unsigned long long)r->req_id, r->data,
+            PyObject *t = Py_BuildValue("(Ky#y#)", (unsigned long long)r->req_id, r->data,
                                         (Py_ssize_t)r->addr_len, r->data + r->addr_len,
-                                        (Py_ssize_t)r->payload_len,
-                                        (unsigned long long)(uintptr_t)r->reply_ep);
+                                        (Py_ssize_t)r->payload_len);
             if (t == NULL || PyList_Append(out, t) < 0) failed = 1;
             Py_XDECREF(t);
         }
@@ -400,16 +416,18 @@ static PyObject *engine_wait_requests(EngineObject *self, PyObject *args)
 
 static PyObject *engine_reply(EngineObject *self, PyObject *args)
 {
-    unsigned long long ep_handle, req_id;
-    Py_buffer view;
-    if (!PyArg_ParseTuple(args, "KKy*", &ep_handle, &req_id, &view)) return NULL;
-    if (ep_handle == 0) {
+    unsigned long long req_id;
+    Py_buffer sender, view;
+    if (!PyArg_ParseTuple(args, "y*Ky*", &sender, &req_id, &view)) return NULL;
+    if (sender.len == 0 || sender.len > SENDER_ADDR_MAX) {
+        PyBuffer_Release(&sender);
         PyBuffer_Release(&view);
-        PyErr_SetString(TransportError, "request carried no reply endpoint");
+        PyErr_SetString(TransportError, "request carried no usable sender address");
         return NULL;
     }
     send_ctx_t *c = malloc(sizeof(*c) + (size_t)view.len);
     if (c == NULL) {
+        PyBuffer_Release(&sender);
         PyBuffer_Release(&view);
         return PyErr_NoMemory();
     }
@@ -420,15 +438,18 @@ static PyObject *engine_reply(EngineObject *self, PyObject *args)
     c->hdr.rep.req_id = req_id;
     PyBuffer_Release(&view);
     if (use_begin(self)) {
+        PyBuffer_Release(&sender);
         free(c);
         return NULL;
     }
     ucs_status_t st;
+    const char *what = "";
     Py_BEGIN_ALLOW_THREADS
-    st = post_am(self, (ucp_ep_h)(uintptr_t)ep_handle, AM_ID_REPLY, c, sizeof(rep_hdr_t), 0);
+    st = ucx_reply(self, sender.buf, (size_t)sender.len, c, &what);
     Py_END_ALLOW_THREADS
     use_end(self);
-    if (st != UCS_OK && st != UCS_INPROGRESS) return raise_status("reply send", st);
+    PyBuffer_Release(&sender);
+    if (st != UCS_OK && st != UCS_INPROGRESS) return raise_status(what, st);
     Py_RETURN_NONE;
 }
 
@@ -460,7 +481,8 @@ static PyObject *engine_get_memory_types(EngineObject *self, void *Py_UNUSED(clo
 
 static PyMethodDef engine_methods[] = {
     {"reply", (PyCFunction)engine_reply, METH_VARARGS,
-     "reply(reply_ep, req_id, payload): answer a request over UCX's reply endpoint."},
+     "reply(sender, req_id, payload): answer a request over this engine's own endpoint to\n"
+     "the sender's worker address (created on first use, kept for later replies)."},
     {"register", (PyCFunction)(void (*)(void))engine_register, METH_VARARGS | METH_KEYWORDS,
      "register(addr, length, memory_type=None) -> (index, packed_rkey, memory_type):\n"
      "ucp_mem_map existing memory; memory_type None lets UCX detect it, 'cuda' asks for\n"
@@ -469,7 +491,7 @@ static PyMethodDef engine_methods[] = {
      "connect(address, locality=None) -> Peer: ucp_ep_create with peer error handling; gets\n"
      "use process_vm_readv when `locality` shows a same-host peer that we may read."},
     {"poll_requests", (PyCFunction)engine_poll_requests, METH_NOARGS,
-     "poll_requests() -> [(req_id, sender_address, payload, reply_ep)]: drain requests."},
+     "poll_requests() -> [(req_id, sender_address, payload)]: drain requests."},
     {"wait_requests", (PyCFunction)engine_wait_requests, METH_VARARGS,
      "wait_requests(timeout_s) -> bool: block (GIL released) until a request is queued."},
     {"context_info", (PyCFunction)engine_context_info, METH_NOARGS,
@@ -483,8 +505,10 @@ static PyGetSetDef engine_getset[] = {
     {"locality", (getter)engine_get_locality, NULL,
      "same-host identity blob for connect() (b'' when the same-host path is off)", NULL},
     {"dropped_messages", (getter)engine_get_dropped, NULL, "malformed or late AMs", NULL},
-    {"failed_replies", (getter)engine_get_failed_replies, NULL, "replies UCX failed to send",
-     NULL},
+    {"failed_replies", (getter)engine_get_failed_replies, NULL,
+     "replies that could not be sent or delivered", NULL},
+    {"reply_peers", (getter)engine_get_reply_peers, NULL,
+     "(endpoints kept to requesters for replies, how many of them failed)", NULL},
     {"memory_types", (getter)engine_get_memory_types, NULL,
      "memory types this context can register (e.g. ['host'], ['host', 'cuda', ...])", NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -517,11 +541,22 @@ static XferObject *xfer_wrap(EngineObject *e, xfer_t *x)
     return xo;
 }
 
+/* The peer is neither closed nor failed (oplock held).  `failed` is read under Engine.lock,
+ * where the error callback and the pvm workers set it, so no call starts on a peer whose
+ * failure was already reported (posting GETs on a failed ep can crash UCX 1.22). */
 static int peer_usable(PeerObject *self)
 {
-    /* oplock held */
-    if (self->p->ep_closed) {
+    peer_t *p = self->p;
+    if (p->ep_closed) {
         PyErr_SetString(TransportError, "peer is closed");
+        return -1;
+    }
+    pthread_mutex_lock(&p->eng->lock);
+    int failed = p->failed;
+    ucs_status_t st = p->fail_status;
+    pthread_mutex_unlock(&p->eng->lock);
+    if (failed) {
+        PyErr_Format(TransportError, "peer failed: %s", ucs_status_string(st));
         return -1;
     }
     return 0;
@@ -532,11 +567,13 @@ static PyObject *peer_unpack_rkey(PeerObject *self, PyObject *args, PyObject *kw
     static char *kwlist[] = {"packed", "base", "length", NULL};
     Py_buffer view;
     unsigned long long base = 0, length = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*|KK", kwlist, &view, &base, &length))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*KK", kwlist, &view, &base, &length))
         return NULL;
-    if ((base == 0) != (length == 0) || base + length < base) {
+    if (base == 0 || length == 0 || base + length < base) {
         PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "give both base and length (non-zero), or neither");
+        PyErr_SetString(PyExc_ValueError,
+                        "unpack_rkey needs the remote region's base and length (non-zero, no "
+                        "wrap-around): every get is checked against them");
         return NULL;
     }
     peer_t *p = self->p;
@@ -593,7 +630,7 @@ static int validate_ops(peer_t *p, const uint64_t *ops, size_t n)
             return -1;
         }
         uint64_t rb = p->rk_base[op[3]], rl = p->rk_len[op[3]];
-        if (rl != 0 && op[2] != 0 && (op[1] < rb || op[1] + op[2] > rb + rl)) {
+        if (op[2] != 0 && (op[1] < rb || op[1] + op[2] > rb + rl)) {
             char msg[200];
             snprintf(msg, sizeof(msg),
                      "op %zu: remote range [%#llx, +%llu) is outside region %llu [%#llx, +%llu)",
@@ -606,22 +643,32 @@ static int validate_ops(peer_t *p, const uint64_t *ops, size_t n)
     return 0;
 }
 
-/* Local memory handles of the ops (NULL: unregistered); -1 when an op's destination is device
- * memory on the pvm path (process_vm_readv writes host memory only). */
+/* Check every op's destination against this engine's registered regions and give their memory
+ * handles (out may be NULL); 0, or -1 with ValueError when a destination is not inside one
+ * registered region, or is device memory on the pvm path (process_vm_readv writes host memory
+ * only).  Zero-length ops move nothing and are not checked. */
 static int local_memhs(EngineObject *e, const uint64_t *ops, size_t n, int pvm, ucp_mem_h *out)
 {
-    size_t hint = 0;
+    size_t hint = 0, bad = 0;
     int rc = 0;
     pthread_mutex_lock(&e->lock);
     for (size_t i = 0; i < n && rc == 0; i++) {
         ucs_memory_type_t t = UCS_MEMORY_TYPE_HOST;
-        ucp_mem_h m = find_region(e, ops[4 * i], ops[4 * i + 2], &hint, &t);
-        if (pvm && m != NULL && t != UCS_MEMORY_TYPE_HOST) rc = -1;
+        const uint64_t *op = ops + 4 * i;
+        ucp_mem_h m = op[2] == 0 ? NULL : find_region(e, op[0], op[2], &hint, &t);
+        if (op[2] != 0 && m == NULL) rc = -1;
+        else if (pvm && m != NULL && t != UCS_MEMORY_TYPE_HOST) rc = -2;
+        if (rc) bad = i;
         if (out) out[i] = m;
     }
     pthread_mutex_unlock(&e->lock);
-    if (rc) PyErr_SetString(PyExc_ValueError, "same-host reads cannot land in device memory");
-    return rc;
+    if (rc == -1)
+        PyErr_Format(PyExc_ValueError,
+                     "op %zu: local range [%#llx, +%llu) is outside every registered region", bad,
+                     (unsigned long long)ops[4 * bad], (unsigned long long)ops[4 * bad + 2]);
+    else if (rc == -2)
+        PyErr_SetString(PyExc_ValueError, "same-host reads cannot land in device memory");
+    return rc ? -1 : 0;
 }
 
 static PyObject *peer_get(PeerObject *self, PyObject *arg)
@@ -661,7 +708,7 @@ static PyObject *peer_get(PeerObject *self, PyObject *arg)
         PyErr_NoMemory();
         goto out;
     }
-    local_memhs(e, ops, n, 0, memhs);
+    if (local_memhs(e, ops, n, 0, memhs) < 0) goto out;
     pthread_mutex_lock(&e->lock);
     xfer_t *x = xfer_new(e, XK_GET, p, 2); /* Python + flush callback */
     pthread_mutex_unlock(&e->lock);
@@ -725,6 +772,8 @@ static PyObject *peer_request(PeerObject *self, PyObject *arg)
     c->hdr.req.reserved = 0;
     ucs_status_t st;
     Py_BEGIN_ALLOW_THREADS
+    /* The flag hands the receiver UCX's reply_ep, which we no longer use (see ucx_reply), but
+     * engines built before that still answer over it. */
     st = post_am(e, p->ep, AM_ID_REQUEST, c, sizeof(req_hdr_t), UCP_AM_SEND_FLAG_REPLY);
     Py_END_ALLOW_THREADS
     pthread_mutex_unlock(&p->oplock);
@@ -820,10 +869,11 @@ static void peer_dealloc(PeerObject *self)
 
 static PyMethodDef peer_methods[] = {
     {"unpack_rkey", (PyCFunction)(void (*)(void))peer_unpack_rkey, METH_VARARGS | METH_KEYWORDS,
-     "unpack_rkey(packed, base=0, length=0) -> index used in get() ops; with base/length,\n"
-     "get() rejects ops reading outside [base, base + length)."},
+     "unpack_rkey(packed, base, length) -> index used in get() ops; get() rejects ops reading\n"
+     "outside [base, base + length)."},
     {"get", (PyCFunction)peer_get, METH_O,
-     "get(ops) -> Xfer: ucp_get_nbx per row (local, remote, nbytes, rkey), then ep flush."},
+     "get(ops) -> Xfer: ucp_get_nbx per row (local, remote, nbytes, rkey), then ep flush;\n"
+     "every local range must lie inside a region registered with this engine."},
     {"request", (PyCFunction)peer_request, METH_O, "request(payload) -> Xfer awaiting a reply."},
     {"abort", (PyCFunction)peer_abort, METH_VARARGS,
      "abort(timeout_s=5): force-close the ep; outstanding ops complete with an error."},

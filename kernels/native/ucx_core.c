@@ -227,7 +227,7 @@ static ucs_status_t am_request_cb(void *arg, const void *header, size_t header_l
     inreq_t *r = malloc(sizeof(*r) + length);
     if (r == NULL) return UCS_OK;
     r->next = NULL;
-    r->reply_ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
+    /* param->reply_ep is not kept: UCX may destroy it once the requester fails (see ucx_reply) */
     r->req_id = h.req_id;
     r->addr_len = h.addr_len;
     r->payload_len = length - h.addr_len;
@@ -628,6 +628,7 @@ void peer_unref(peer_t *p)
     free(p->rkeys);
     free(p->rk_base);
     free(p->rk_len);
+    free(p->raddr);
     free(p);
 }
 
@@ -686,7 +687,7 @@ int peer_close(peer_t *p, double timeout_s)
         /* No new get can start (oplock, ep_closed); cancel and wait out same-host reads. */
         if (p->path == PATH_PVM && pvm_drain_peer(p, timeout_s) != 0) rc = -1;
         /* Data ep first: once its forced close completed no GET can land any more. */
-        if (close_ep(e, p, p->dep, timeout_s) != 0) rc = -1;
+        if (p->dep != NULL && close_ep(e, p, p->dep, timeout_s) != 0) rc = -1;
         if (close_ep(e, p, p->ep, timeout_s) != 0) rc = -1;
         pthread_mutex_lock(&e->lock);
         fail_peer_xfers(p, UCS_ERR_CANCELED, "aborted", (1 << XK_GET) | (1 << XK_REQUEST));
@@ -711,6 +712,138 @@ void peer_detach_locked(peer_t *p)
     p->prev = p->next = NULL;
     for (xfer_t *x = e->pending; x != NULL; x = x->next)
         if (x->peer == p) x->peer = NULL;
+}
+
+/* ------------------------------------------------------------- replies */
+
+/* Our endpoint to a requester (peer error handling, ep_err_cb).  UCX pairs it with the
+ * requester's endpoints to us that it still holds, in creation order (connection matching), or
+ * connects anew; when the one in line is a data ep without error handling, UCX refuses the
+ * pairing (UNSUPPORTED, "asymmetric endpoint configuration") and drops that half, so a few tries
+ * reach a pairing that works or a fresh connection. */
+static ucs_status_t reply_ep_create(EngineObject *e, peer_t *p)
+{
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        .address = (const ucp_address_t *)p->raddr,
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {.cb = ep_err_cb, .arg = p},
+    };
+    ucs_status_t st = UCS_ERR_UNSUPPORTED;
+    for (int i = 0; i < 4 && st == UCS_ERR_UNSUPPORTED; i++)
+        st = ucp_ep_create(e->worker, &ep, &p->ep);
+    return st;
+}
+
+/* Close and release reply peers taken off the list (replylock held, GIL released). */
+static void reply_peers_drop(peer_t **victims, int n)
+{
+    for (int i = 0; i < n; i++) {
+        if (victims[i] == NULL) continue;
+        /* a close that times out leaks the peer_t: a late UCX callback may still use it */
+        if (peer_close(victims[i], 1.0) == 0) peer_unref(victims[i]);
+    }
+}
+
+/* Our reply peer for `addr`, created when there is none or the one we had failed (replylock
+ * held, GIL released).  NULL with *st and *what set when no endpoint could be created. */
+static peer_t *reply_peer(EngineObject *e, const void *addr, size_t len, ucs_status_t *st,
+                          const char **what)
+{
+    peer_t *victims[2] = {NULL, NULL};
+    size_t n = 0;
+    pthread_mutex_lock(&e->lock);
+    peer_t *found = NULL, *oldest = NULL;
+    for (peer_t *q = e->peers; q != NULL; q = q->next) {
+        if (!q->is_reply) continue;
+        n++;
+        if (q->raddr_len == len && memcmp(q->raddr, addr, len) == 0) found = q;
+        else if (oldest == NULL || q->last_used < oldest->last_used) oldest = q;
+    }
+    if (found != NULL && !found->failed) {
+        found->last_used = ++e->reply_clock;
+        pthread_mutex_unlock(&e->lock);
+        return found;
+    }
+    if (found != NULL) { /* failed: close it, and try a new endpoint (a new connection) */
+        peer_detach_locked(found);
+        victims[0] = found;
+        n--;
+    }
+    if (n >= REPLY_PEERS_MAX && oldest != NULL) {
+        peer_detach_locked(oldest);
+        victims[1] = oldest;
+    }
+    pthread_mutex_unlock(&e->lock);
+    reply_peers_drop(victims, 2);
+
+    peer_t *p = calloc(1, sizeof(*p));
+    char *copy = malloc(len);
+    if (p == NULL || copy == NULL) {
+        free(p);
+        free(copy);
+        *st = UCS_ERR_NO_MEMORY;
+        *what = "reply endpoint";
+        return NULL;
+    }
+    memcpy(copy, addr, len);
+    p->eng = e;
+    p->refs = 1; /* the engine list */
+    p->is_reply = 1;
+    p->raddr = copy;
+    p->raddr_len = len;
+    p->path = PATH_UCX;
+    pthread_mutex_init(&p->oplock, NULL);
+    *st = reply_ep_create(e, p);
+    if (*st != UCS_OK) {
+        *what = "reply endpoint (ucp_ep_create to the requester)";
+        pthread_mutex_destroy(&p->oplock);
+        free(copy);
+        free(p);
+        return NULL;
+    }
+    pthread_mutex_lock(&e->lock);
+    p->last_used = ++e->reply_clock;
+    p->next = e->peers;
+    if (e->peers) e->peers->prev = p;
+    e->peers = p;
+    pthread_mutex_unlock(&e->lock);
+    wake(e);
+    return p;
+}
+
+ucs_status_t ucx_reply(EngineObject *e, const void *addr, size_t addr_len, send_ctx_t *c,
+                       const char **what)
+{
+    ucs_status_t st = UCS_OK;
+    *what = "reply send";
+    pthread_mutex_lock(&e->replylock);
+    peer_t *p = reply_peer(e, addr, addr_len, &st, what);
+    if (p != NULL) {
+        pthread_mutex_lock(&p->oplock);
+        pthread_mutex_lock(&e->lock);
+        int failed = p->failed;
+        ucs_status_t fst = p->fail_status;
+        pthread_mutex_unlock(&e->lock);
+        if (p->ep_closed || failed) { /* failed since reply_peer looked: the next reply retries */
+            st = failed ? fst : UCS_ERR_CANCELED;
+            *what = "reply send (requester failed)";
+            free(c);
+        } else {
+            st = post_am(e, p->ep, AM_ID_REPLY, c, sizeof(rep_hdr_t), 0);
+        }
+        pthread_mutex_unlock(&p->oplock);
+    } else {
+        free(c);
+    }
+    pthread_mutex_unlock(&e->replylock);
+    if (st != UCS_OK && st != UCS_INPROGRESS) {
+        pthread_mutex_lock(&e->lock);
+        e->failed_replies++;
+        pthread_mutex_unlock(&e->lock);
+    }
+    return st;
 }
 
 /* ------------------------------------------------------------ what UCX is */

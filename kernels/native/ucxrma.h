@@ -31,6 +31,15 @@
  *           locality) the data ep keeps peer error handling: there it costs no lane, and a
  *           network transport's error without it may abort the process (seen on IB).
  *   Xfer    (Python object) owns a reference to a refcounted xfer_t; UCX callbacks hold another.
+ *   reply peers  a peer_t without a Python object (is_reply, control ep only, listed in
+ *           Engine.peers, the list's reference only), one per requester address, at most
+ *           REPLY_PEERS_MAX (least recently used closed first).  Replies go over them, never
+ *           over the reply_ep UCX hands to a request's callback: UCX destroys that ep when the
+ *           requester fails (it is not exposed to us), so a pointer kept past the callback may
+ *           name freed memory (security review finding 17).  ucp_ep_create to the requester's
+ *           address may pair with the requester's own ep to us (UCX's connection matching), else
+ *           it connects anew; either way the ep is ours until we close it: a dead requester fails
+ *           our send through the error callback instead.
  *
  * Threads and locks (nothing relies on the GIL to guard C state)
  *   Engine.uselock (rwlock)  every call that uses the worker or context (register, connect,
@@ -38,10 +47,16 @@
  *                            sets `closed` under it exclusively, so once close() proceeds no
  *                            such call is running or can start.
  *   peer_t.oplock            serialises every use of the ep against closing it.
- *   Engine.lock              transfers, queues, counters, regions, pvm jobs; UCX callbacks take
- *                            it, so never call into UCX while holding it.
- *   Order: uselock -> oplock -> Engine.lock.  `stop`, `closed` are also atomics so the progress
- *   thread and getters may read them without a lock.
+ *   Engine.replylock         serialises replies: finding, creating and evicting reply peers.
+ *   Engine.lock              transfers, queues, counters, regions, pvm jobs, the peer list and
+ *                            peer_t.failed; UCX callbacks take it, so never call into UCX while
+ *                            holding it.
+ *   Order: uselock -> replylock -> oplock -> Engine.lock.  `stop`, `closed` are also atomics so
+ *   the progress thread and getters may read them without a lock.
+ *
+ * Local memory: every get's destination must lie inside one registered region (UCX and pvm
+ * paths alike), and every rkey is unpacked with the remote region's base and length, which
+ * every get is checked against: a bad block id is refused, never written or read elsewhere.
  *
  * Same-host path ("pvm")
  *   Engine.locality advertises (boot id, pid-namespace, pid, address of a 16-byte random nonce
@@ -92,6 +107,12 @@ enum { THP_OFF = 0, THP_ADVISE = 1, THP_COLLAPSE = 2 };
 /* Requests (release / renew messages) queued for Python at most: beyond, they are dropped and
  * counted in dropped_am (a peer's flood must not grow the prefill's memory). */
 #define IN_QUEUE_MAX 16384
+
+/* Requesters we keep a reply endpoint to; beyond, the least recently used one is closed. */
+#define REPLY_PEERS_MAX 1024
+
+/* A sender address longer than this is refused (UCX worker addresses are a few hundred bytes). */
+#define SENDER_ADDR_MAX 65536
 
 /* Knobs, given to Engine(...) by the Python layer (from ConnectorConfig); never read from the
  * environment here.  UCX's own UCX_* variables still apply through ucp_config_read. */
@@ -151,7 +172,8 @@ struct peer {
     int refs;                  /* guarded by eng->lock: Peer object + engine list */
     pthread_mutex_t oplock;
     ucp_ep_h ep;               /* control: requests/replies, peer-failure detection */
-    ucp_ep_h dep;              /* data: GETs (see ucx_ep_create for its error handling) */
+    ucp_ep_h dep;              /* data: GETs (see ucx_ep_create for its error handling); NULL
+                                  for a reply peer */
     int same_boot;             /* the peer's locality shows this kernel boot (fixed at connect) */
     int same_pidns;            /* ... and our pid namespace (cma can name its pid) */
     int dep_err_handling;      /* the data ep has UCX peer error handling (fixed at connect) */
@@ -168,11 +190,15 @@ struct peer {
     uint64_t nonce_addr;
     uint8_t nonce[NONCE_LEN];
     int pvm_inflight;          /* pvm batches of this peer being read (eng->lock) */
+    /* reply peers only (fixed at creation, except last_used: eng->lock) */
+    int is_reply;
+    char *raddr;               /* the requester's worker address */
+    size_t raddr_len;
+    uint64_t last_used;
 };
 
 typedef struct inreq {
     struct inreq *next;
-    ucp_ep_h reply_ep;         /* UCX's endpoint back to the requester */
     uint64_t req_id;
     size_t addr_len, payload_len;
     char data[];               /* sender address, then payload */
@@ -197,6 +223,7 @@ struct EngineObject {
     int closed;                /* atomic; set under uselock (exclusive) */
     int shutdown_claimed;      /* atomic: exactly one close() tears down */
     pthread_rwlock_t uselock;
+    pthread_mutex_t replylock;
     pthread_mutex_t lock;
     pthread_cond_t cond;
     int sync_ok;
@@ -212,6 +239,7 @@ struct EngineObject {
     size_t address_len;
     uint64_t dropped_am;
     uint64_t failed_replies;
+    uint64_t reply_clock;      /* eng->lock: orders reply peers by last use */
     /* same-host path */
     volatile uint8_t nonce[NONCE_LEN]; /* read by peers through process_vm_readv */
     locality_t self_loc;
@@ -283,6 +311,10 @@ ucs_status_t ucx_post_gets(EngineObject *e, peer_t *p, const uint64_t *ops, size
 ucs_status_t post_am(EngineObject *e, ucp_ep_h ep, unsigned id, send_ctx_t *c, size_t hdr_len,
                      uint32_t flags);
 ucs_status_t ucx_ep_create(EngineObject *e, peer_t *p, const void *address);
+/* Send a reply (GIL released, uselock held) over our reply peer for `addr`; c is freed here or
+ * by am_send_cb.  A failure is counted in failed_replies; `what` names it. */
+ucs_status_t ucx_reply(EngineObject *e, const void *addr, size_t addr_len, send_ctx_t *c,
+                       const char **what);
 int peer_close(peer_t *p, double timeout_s);
 void peer_unref(peer_t *p);
 void peer_detach_locked(peer_t *p);

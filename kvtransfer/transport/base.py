@@ -80,7 +80,8 @@ class Link(Protocol):
     def unpack_rkey(self, packed: bytes, *, base: int | None = None,
                     length: int | None = None) -> int:
         """Make a remote region readable; returns the index for column 3 of ``get`` ops. With
-        ``base``/``length`` every op is checked to stay inside the region."""
+        ``base``/``length`` every op is checked to stay inside the region (UCX requires them:
+        its server serves any address)."""
         ...
 
     def get(self, ops: NDArray[np.int64] | NDArray[np.uint64]) -> Pending:

@@ -10,15 +10,22 @@ Contract for callers (the KV connector):
   - `UcxEngine.register` whole KV tensors once; ship `Region.rkey` and addresses to peers.
   - `UcxEngine.connect(peer_address, locality)` once per remote worker (caching is the caller's
     job; `locality` is the peer's `UcxEngine.locality`, shipped next to its address), then
-    `Peer.unpack_rkey(rkey, base=, length=)` once per remote region; the returned index goes in
-    column 3 of `get` ops, and with base/length given every op is checked against the region.
+    `Peer.unpack_rkey(rkey, base=, length=)` once per remote region (base and length are
+    required); the returned index goes in column 3 of `get` ops, and every op is checked
+    against that region.
   - `Peer.get(ops)` posts every GET natively and one ep flush; the `Transfer` completes when all
     bytes have landed, or errors when the peer dies or is aborted. Every wait takes a deadline.
+    Every op's local range must lie inside one region registered with this engine (ValueError
+    otherwise), on both read paths.
   - `Peer.abort()` force-closes the endpoint; after it returns no byte of that peer's GETs can
     still land in local memory.
-  - Requests are sent with UCP_AM_SEND_FLAG_REPLY; `IncomingRequest.reply` answers over UCX's
-    reply endpoint, i.e. over the very connection the request came in on. If the requester is
-    gone the send fails inside UCX and the reply is dropped (counted in `failed_replies`).
+  - `IncomingRequest.reply` answers over an endpoint this engine creates to the requester's
+    worker address (`IncomingRequest.sender`) and keeps for later replies (up to 1,024
+    requesters; UCX's connection matching may pair it with the requester's own endpoint to us,
+    else it connects anew). UCX's reply endpoint is never kept past the message's callback:
+    UCX destroys it when the requester fails, so a handle kept for a later reply could name
+    freed memory (security review finding 17). If the requester is gone the send fails and
+    the reply is dropped (counted in `failed_replies`).
 
 Same-host path ("pvm"). When the peer's locality shows the same kernel boot and pid namespace,
 `connect` probes it with one process_vm_readv(2) of a random nonce inside the peer's engine. If
@@ -185,17 +192,17 @@ class Peer:
                     length: int | None = None) -> int:
         """Unpack a peer's `Region.rkey` for this endpoint; returns the index used in `get` ops.
 
-        With the region's `base` address and `length` (its `Region.addr` / `Region.length` on the
-        peer), `get` rejects (ValueError) any op reading outside that region, on either path.
+        `base` and `length` (the region's `Region.addr` / `Region.length` on the peer) are
+        required here (ValueError without them: the `Link` protocol leaves them optional for
+        transports whose server checks every read); `get` rejects (ValueError) any op reading
+        outside that region, on either path.
         """
-        if (base is None) != (length is None):
-            raise ValueError("give both base and length, or neither")
+        if base is None or length is None:
+            raise ValueError("the UCX transport needs the remote region's base and length")
         try:
-            if base is None or length is None:
-                return int(self._c.unpack_rkey(bytes(packed)))
             return int(self._c.unpack_rkey(bytes(packed), int(base), int(length)))
         except _load_native().NativeTransportError as exc:
-            raise _wrap(exc) from exc
+            raise self._error(exc) from exc
 
     def get(self, ops: NDArray[np.int64] | NDArray[np.uint64]) -> Transfer:
         """Pull remote bytes: `ops` is (n, 4) int64/uint64 rows (local, remote, nbytes, rkey_index).
@@ -204,8 +211,9 @@ class Peer:
         read with process_vm_readv. Otherwise every row is posted to UCX natively (no per-op
         Python), followed by one endpoint flush. Either way the call returns at once and the
         Transfer completes when all rows have landed (or errors; never a partial success).
-        Raises IndexError for an unknown rkey index, ValueError for a null address or a range
-        outside the region given to `unpack_rkey`.
+        Raises IndexError for an unknown rkey index, ValueError for a null address, a range
+        outside the region given to `unpack_rkey` or a local range outside every region
+        registered with this engine, PeerUnreachable once the peer failed.
         """
         arr = np.asarray(ops)
         if arr.ndim != 2 or arr.shape[1] != 4:
@@ -213,21 +221,23 @@ class Peer:
         if arr.dtype not in (np.int64, np.uint64):
             raise ValueError(f"ops must be int64 or uint64, got {arr.dtype}")
         arr = np.ascontiguousarray(arr)
-        if self.failed:
-            raise PeerUnreachable(f"peer failed: {self._c.fail_reason}")
-        try:
+        try:  # the native side refuses a failed peer, under the lock its error callback takes
             return Transfer(self._c.get(arr), self, "get")
         except _load_native().NativeTransportError as exc:
-            raise _wrap(exc) from exc
+            raise self._error(exc) from exc
 
     def request(self, payload: bytes) -> Transfer:
         """Send a request message; `Transfer.result()` is the peer's reply."""
-        if self.failed:
-            raise PeerUnreachable(f"peer failed: {self._c.fail_reason}")
         try:
             return Transfer(self._c.request(payload), self, "request")
         except _load_native().NativeTransportError as exc:
-            raise _wrap(exc) from exc
+            raise self._error(exc) from exc
+
+    def _error(self, exc: Exception) -> TransportError:
+        """PeerUnreachable once the peer failed, else a TransportError with the native text."""
+        if self.failed:
+            return PeerUnreachable(f"peer failed: {self._c.fail_reason}")
+        return _wrap(exc)
 
     def abort(self) -> None:
         """Force-close the endpoint; every outstanding op of this peer completes with an error.
@@ -272,24 +282,23 @@ class Peer:
 class IncomingRequest:
     """A request received from a peer; answer it once with `reply`."""
 
-    __slots__ = ("payload", "sender", "_engine", "_req_id", "_reply_ep", "_replied")
+    __slots__ = ("payload", "sender", "_engine", "_req_id", "_replied")
 
-    def __init__(self, payload: bytes, engine: UcxEngine, sender: bytes, req_id: int,
-                 reply_ep: int) -> None:
+    def __init__(self, payload: bytes, engine: UcxEngine, sender: bytes, req_id: int) -> None:
         self.payload = payload
         self.sender = sender
-        """The requester's worker address."""
+        """The requester's worker address: the reply goes to it."""
         self._engine = engine
         self._req_id = req_id
-        self._reply_ep = reply_ep
         self._replied = False
 
     def reply(self, payload: bytes) -> None:
-        """Send the reply (once); a no-op that logs when the requester is gone."""
+        """Send the reply (once), from any thread, however long after the request came; a no-op
+        that logs when the requester is gone."""
         if self._replied:
             raise TransportError("request already answered")
         self._replied = True
-        self._engine._reply(self._reply_ep, self._req_id, payload)
+        self._engine._reply(self.sender, self._req_id, payload)
 
 
 def _close_quietly(c: Any) -> None:
@@ -390,8 +399,8 @@ class UcxEngine:
 
     def poll_requests(self) -> list[IncomingRequest]:
         """Drain the request messages received so far (non-blocking)."""
-        return [IncomingRequest(payload, self, sender, req_id, reply_ep)
-                for req_id, sender, payload, reply_ep in self._c.poll_requests()]
+        return [IncomingRequest(payload, self, sender, req_id)
+                for req_id, sender, payload in self._c.poll_requests()]
 
     def wait_requests(self, timeout_s: float) -> bool:
         """Block (GIL released) until a request is queued or `timeout_s` passes; True if one is."""
@@ -404,8 +413,14 @@ class UcxEngine:
 
     @property
     def failed_replies(self) -> int:
-        """Replies UCX could not deliver (the requester was gone)."""
+        """Replies that could not be sent or delivered (the requester was gone)."""
         return int(self._c.failed_replies)
+
+    @property
+    def reply_peers(self) -> tuple[int, int]:
+        """(endpoints kept to requesters for replies, how many of them UCX reported failed)."""
+        total, failed = self._c.reply_peers
+        return int(total), int(failed)
 
     def close(self) -> None:
         """Stop the progress thread, close endpoints, unmap memory, destroy the worker; idempotent.
@@ -437,11 +452,11 @@ class UcxEngine:
         err: type[Exception] = _load_native().NativeTransportError
         return err
 
-    def _reply(self, reply_ep: int, req_id: int, payload: bytes) -> None:
+    def _reply(self, sender: bytes, req_id: int, payload: bytes) -> None:
         if self._closed:
             logger.warning("reply dropped: engine %s is closed", self._name)
             return
         try:
-            self._c.reply(reply_ep, req_id, payload)
+            self._c.reply(sender, req_id, payload)
         except self._native_error() as exc:
             logger.warning("reply dropped: requester gone: %s", exc)

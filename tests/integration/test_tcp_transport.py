@@ -178,7 +178,9 @@ def test_ucx_over_tcp_lets_any_peer_read_memory_it_was_never_given(
         dst = np.zeros(len(SECRET_TEXT), dtype=np.uint8)
         attacker.register(dst.ctypes.data, dst.nbytes, keepalive=dst)
         peer = attacker.connect(server.address)
-        rkey = peer.unpack_rkey(server.rkey)  # the region's rkey, published in the handshake
+        # the region's rkey, published in the handshake; the bounds are the attacker's own
+        # claim (checked on its side only), so it names the secret's
+        rkey = peer.unpack_rkey(server.rkey, base=server.secret_addr, length=len(SECRET_TEXT))
         ops = np.array([[dst.ctypes.data, server.secret_addr, len(SECRET_TEXT), rkey]],
                        dtype=np.uint64)
         peer.get(ops).wait(DEADLINE_S)

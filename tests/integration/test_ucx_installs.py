@@ -17,47 +17,18 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from bench.kv_transfer_peer import Channel
 from bench.netns import host_pair, unavailable_reason
 from kernels.native import build
-from tests.support.ucx_peer import NUM_BLOCKS, expected_sha256
+from tests.support.ucx_peer import NUM_BLOCKS, Proc, expected_sha256, start
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKS = [int(b) for b in np.random.default_rng(3).permutation(NUM_BLOCKS - 1)[:24]]
-
-
-@dataclass
-class Proc:
-    """A `tests.support.ucx_peer` process and its channel."""
-
-    popen: subprocess.Popen[str]
-    ch: Channel
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            with contextlib.suppress(OSError):
-                self.popen.kill()
-        self.popen.wait(30)
-
-
-def _start(build_dir: Path | None, first: dict[str, Any], wrap: Any = None,
-           env: dict[str, str] | None = None) -> Proc:
-    argv = [sys.executable, "-m", "tests.support.ucx_peer", str(build_dir or "-")]
-    if wrap is not None:
-        argv = wrap(argv)
-    popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             cwd=ROOT, env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)})
-    assert popen.stdin is not None and popen.stdout is not None
-    proc = Proc(popen, Channel(popen.stdout, popen.stdin))
-    proc.ch.send(first)
-    return proc
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +48,9 @@ def _pair(server_build: Path | None, client_build: Path | None, *, locality: boo
           env: dict[str, str] | None = None) -> Iterator[tuple[Proc, Proc, Any]]:
     server = client = None
     try:
-        server = _start(server_build, {"role": "serve"}, wraps[0], env)
+        server = start(server_build, {"role": "serve"}, wraps[0], env)
         coords = server.ch.recv()
-        client = _start(client_build, {"role": "pull", "server": coords, "blocks": BLOCKS,
+        client = start(client_build, {"role": "pull", "server": coords, "blocks": BLOCKS,
                                        "locality": locality}, wraps[1], env)
         yield server, client, coords
     finally:
@@ -139,7 +110,7 @@ def test_ucx_get_fails_cleanly_when_the_server_dies(tls: str, when: str, localit
     env = {"UCX_TLS": "tcp"} if tls == "tcp" else {}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    server = _start(None, {"role": "serve"})
+    server = start(None, {"role": "serve"})
     try:
         address, loc, base, length, rkey, _info = server.ch.recv()
         with UcxEngine(name="test-dying-server", same_host=False) as engine:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kernels import native
 from kvtransfer.transport import (
     PeerUnreachable,
     TransferTimeout,
@@ -110,6 +111,13 @@ def client(tls: str) -> Iterator[UcxEngine]:
     engine.close()
 
 
+def _landing(engine: UcxEngine, nbytes: int) -> np.ndarray:
+    """Zeroed local memory registered with `engine` (gets may land only in registered memory)."""
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    engine.register(buf.ctypes.data, buf.nbytes, keepalive=buf)
+    return buf
+
+
 def _scattered_ops(local_base: int, remote_base: int, rkey: int, remote_blocks: np.ndarray,
                    shift: int = 0) -> np.ndarray:
     """One op per run of blocks contiguous on both sides (local block i <- remote_blocks[i])."""
@@ -147,8 +155,7 @@ def test_get_pulls_scattered_runs_exactly(echo_server: Server, client: UcxEngine
                                           path: str) -> None:
     n = 128
     remote_ids = _remote_block_ids(n)
-    dst = np.zeros(n * BLOCK, dtype=np.uint8)
-    client.register(dst.ctypes.data, dst.nbytes, keepalive=dst)
+    dst = _landing(client, n * BLOCK)
     peer = _connect(client, echo_server, path)
     rk = peer.unpack_rkey(echo_server.rkey, base=echo_server.base, length=echo_server.length)
     ops = _scattered_ops(dst.ctypes.data, echo_server.base, rk, remote_ids)
@@ -189,7 +196,7 @@ def test_get_rejects_ranges_outside_the_region(echo_server: Server, client: UcxE
                                                path: str) -> None:
     peer = _connect(client, echo_server, path)
     rk = peer.unpack_rkey(echo_server.rkey, base=echo_server.base, length=echo_server.length)
-    dst = np.zeros(2 * BLOCK, dtype=np.uint8)
+    dst = _landing(client, 2 * BLOCK)
     end = echo_server.base + echo_server.length
     for remote in (end - BLOCK + 1, echo_server.base - 8):
         with pytest.raises(ValueError, match="outside region"):
@@ -199,6 +206,53 @@ def test_get_rejects_ranges_outside_the_region(echo_server: Server, client: UcxE
     assert np.array_equal(dst[:BLOCK], _pattern(NUM_BLOCKS * BLOCK, SEED)[-BLOCK:])
     with pytest.raises(ValueError):
         peer.unpack_rkey(echo_server.rkey, base=echo_server.base)
+
+
+@pytest.mark.parametrize("path", ["pvm", "ucx"])
+def test_a_get_into_unregistered_local_memory_is_refused(echo_server: Server, client: UcxEngine,
+                                                         path: str) -> None:
+    """Security review finding 19: a get's destination must lie inside one region registered
+    with this engine, on both read paths; before, an unregistered destination was still posted
+    to UCX and process_vm_readv wrote wherever it pointed (one bad local block id would do)."""
+    peer = _connect(client, echo_server, path)
+    rk = peer.unpack_rkey(echo_server.rkey, base=echo_server.base, length=echo_server.length)
+    landing = _landing(client, 2 * BLOCK)
+    stray = np.zeros(2 * BLOCK, dtype=np.uint8)  # never registered
+    good = (landing.ctypes.data, echo_server.base, BLOCK, rk)
+    for bad in ((stray.ctypes.data, echo_server.base, BLOCK, rk),
+                (landing.ctypes.data + BLOCK + 1, echo_server.base, BLOCK, rk),  # past its end
+                (landing.ctypes.data - 8, echo_server.base, BLOCK, rk)):  # before its start
+        with pytest.raises(ValueError, match="outside every registered region"):
+            peer.get(np.array([good, bad], dtype=np.uint64))  # refused whole: nothing posted
+    time.sleep(0.05)  # a write posted anyway would have landed by now
+    assert not stray.any() and not landing.any()
+    # Control: the same ops with the destination inside the region land the bytes.
+    peer.get(np.array([good, (landing.ctypes.data + BLOCK, echo_server.base + BLOCK, BLOCK, rk)],
+                      dtype=np.uint64)).wait(DEADLINE_S)
+    assert np.array_equal(landing, _pattern(2 * BLOCK, SEED))
+    peer.get(np.zeros((0, 4), dtype=np.uint64)).wait(DEADLINE_S)  # nothing to check, nothing done
+
+
+def test_an_rkey_is_unpacked_only_with_its_region_bounds(echo_server: Server,
+                                                        client: UcxEngine) -> None:
+    """Security review finding 19: without base and length an rkey used to unpack unchecked,
+    turning the remote range check off for every get through it."""
+    peer = client.connect(echo_server.address)
+    with pytest.raises(ValueError, match="base and length"):
+        peer.unpack_rkey(echo_server.rkey)
+    with pytest.raises(TypeError, match="base"):  # the extension itself requires them too
+        peer._c.unpack_rkey(echo_server.rkey)
+    for base, length in ((0, echo_server.length), (echo_server.base, 0), (2**64 - 8, 16)):
+        with pytest.raises(ValueError, match="base and length"):
+            peer._c.unpack_rkey(echo_server.rkey, base, length)
+    # Control: with them it unpacks, and gets through it are held to that region.
+    rk = peer.unpack_rkey(echo_server.rkey, base=echo_server.base, length=BLOCK)
+    dst = _landing(client, 2 * BLOCK)
+    with pytest.raises(ValueError, match="outside region"):
+        peer.get(np.array([[dst.ctypes.data, echo_server.base + 1, BLOCK, rk]], dtype=np.uint64))
+    peer.get(np.array([[dst.ctypes.data, echo_server.base, BLOCK, rk]],
+                      dtype=np.uint64)).wait(DEADLINE_S)
+    assert np.array_equal(dst[:BLOCK], _pattern(BLOCK, SEED))
 
 
 def test_locality_selects_the_path(echo_server: Server, client: UcxEngine) -> None:
@@ -211,8 +265,8 @@ def test_locality_selects_the_path(echo_server: Server, client: UcxEngine) -> No
     wrong_nonce[-1] ^= 0xFF  # same host and pid, but not that engine: the probe must refuse it
     peer = client.connect(echo_server.address, bytes(wrong_nonce))
     assert peer.path == "ucx" and "identity mismatch" in (peer.path_reason or "")
-    rk = peer.unpack_rkey(echo_server.rkey)
-    dst = np.zeros(BLOCK, dtype=np.uint8)
+    rk = peer.unpack_rkey(echo_server.rkey, base=echo_server.base, length=echo_server.length)
+    dst = _landing(client, BLOCK)
     transfer = peer.get(np.array([[dst.ctypes.data, echo_server.base, BLOCK, rk]],
                                  dtype=np.uint64))
     transfer.wait(DEADLINE_S)  # the fallback still reads, over UCX
@@ -241,7 +295,7 @@ def test_pvm_peer_killed_midway_errors(tls: str, client: UcxEngine) -> None:
     server = _start_server("silent")
     try:
         peer = _connect(client, server, "pvm")
-        dst = np.zeros(NUM_BLOCKS * BLOCK, dtype=np.uint8)
+        dst = _landing(client, NUM_BLOCKS * BLOCK)
         ops = _big_read(peer, server, dst, 512)  # 4 GiB of reads: far longer than a kill takes
         transfer = peer.get(ops)
         assert transfer.poll() == "pending"
@@ -259,7 +313,7 @@ def test_pvm_peer_killed_midway_errors(tls: str, client: UcxEngine) -> None:
 
 def test_pvm_abort_stops_writes(echo_server: Server, client: UcxEngine) -> None:
     peer = _connect(client, echo_server, "pvm")
-    dst = np.zeros(NUM_BLOCKS * BLOCK, dtype=np.uint8)
+    dst = _landing(client, NUM_BLOCKS * BLOCK)
     transfer = peer.get(_big_read(peer, echo_server, dst, 512))
     with pytest.raises(TransferTimeout):
         transfer.wait(0.01)  # aborts the peer
@@ -285,6 +339,19 @@ def test_request_reply_round_trips(echo_server: Server, client: UcxEngine) -> No
         assert assert_reply.result() == b"re:ping %d" % i
 
 
+def test_a_requester_that_reconnected_is_still_answered(echo_server: Server) -> None:
+    """The server answers over its own endpoint to the requester's address, opened on the first
+    request and kept (security review finding 17): a requester that aborted its peer (a timed-out
+    pull does) and connected again, with either endpoint layout, is still answered."""
+    with UcxEngine(name="reconnecting") as engine:
+        for i, locality in enumerate((echo_server.locality, None, echo_server.locality)):
+            peer = engine.connect(echo_server.address, locality)
+            transfer = peer.request(b"again %d" % i)
+            transfer.wait(DEADLINE_S)
+            assert transfer.result() == b"re:again %d" % i
+            peer.abort()
+
+
 def test_timeout_aborts_peer_and_errors_outstanding_ops(tls: str, client: UcxEngine) -> None:
     server = _start_server("silent")
     try:
@@ -305,8 +372,8 @@ def test_peer_death_fails_pending_transfer(tls: str, client: UcxEngine) -> None:
     server = _start_server("silent")
     try:
         peer = client.connect(server.address)
-        rk = peer.unpack_rkey(server.rkey)
-        dst = np.zeros(BLOCK, dtype=np.uint8)
+        rk = peer.unpack_rkey(server.rkey, base=server.base, length=server.length)
+        dst = _landing(client, BLOCK)
         peer.get(np.array([[dst.ctypes.data, server.base, BLOCK, rk]], dtype=np.uint64)).wait(
             DEADLINE_S)  # the connection is fully up
         pending = peer.request(b"die first")
@@ -319,9 +386,15 @@ def test_peer_death_fails_pending_transfer(tls: str, client: UcxEngine) -> None:
             pending.wait(DEADLINE_S)
         assert pending.poll() == "error"
         assert peer.failed
-        with pytest.raises(TransportError):
-            peer.get(np.array([[dst.ctypes.data, server.base, BLOCK, rk]], dtype=np.uint64)).wait(
-                DEADLINE_S)
+        # Security review finding 17: the extension itself refuses a get on a failed peer (it
+        # reads `failed` under the lock its error callback takes), not only the Python layer.
+        ops = np.array([[dst.ctypes.data, server.base, BLOCK, rk]], dtype=np.uint64)
+        with pytest.raises(PeerUnreachable, match="peer failed"):
+            peer.get(ops)
+        with pytest.raises(native.load().NativeTransportError, match="peer failed"):
+            peer._c.get(ops)
+        with pytest.raises(PeerUnreachable, match="peer failed"):
+            peer.request(b"after the death")
         peer.abort()
     finally:
         server.stop()

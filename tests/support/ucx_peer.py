@@ -11,22 +11,68 @@ Messages are `bench.kv_transfer_peer.Channel` lines. The first one names the rol
                      server's locality when asked), answer {"sha256", "path", "path_reason",
                      "info"}; then, for each further message (a list of blocks), pull again and
                      answer the same.
+  {"role": "hold"}   a prefill that answers requests only when told: serve's answer, then for
+                     each message {"cmd": "wait", "count": n}: wait until n requests are held,
+                     answer their payloads; {"cmd": "reply", "count": n}: reply b"re:" + payload
+                     to the first n held requests (all without count), answer "replied";
+                     {"cmd": "stats"}: answer {"failed_replies", "reply_peers", "asan"} (asan:
+                     libasan is mapped here); "stop": close, answer "closed".
+  {"role": "request", "server": <serve's answer>, "payloads": [...]}
+                     a decode: connect (UCX only), send one request per payload, wait for the
+                     first one's reply, answer {"sent": n, "first": reply}, then wait for its
+                     channel to close (tests kill it first).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import subprocess
 import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.kv_transfer_peer import Channel
 
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32 << 10
 NUM_BLOCKS = 64
 SEED = 4321
+
+
+@dataclass
+class Proc:
+    """A `tests.support.ucx_peer` process and its channel (the test side)."""
+
+    popen: subprocess.Popen[str]
+    ch: Channel
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(OSError):
+                self.popen.kill()
+        self.popen.wait(30)
+
+
+def start(build_dir: Path | None, first: dict[str, Any], wrap: Any = None,
+          env: dict[str, str] | None = None) -> Proc:
+    """Start a peer process on the build in `build_dir` (None: the package's), send `first`.
+
+    `wrap` rewrites the argv (e.g. to enter a namespace); `env` is added to this environment."""
+    argv = [sys.executable, "-m", "tests.support.ucx_peer", str(build_dir or "-")]
+    if wrap is not None:
+        argv = wrap(argv)
+    popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             cwd=ROOT, env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)})
+    assert popen.stdin is not None and popen.stdout is not None
+    proc = Proc(popen, Channel(popen.stdout, popen.stdin))
+    proc.ch.send(first)
+    return proc
 
 
 def pattern(nbytes: int, seed: int = SEED) -> np.ndarray:
@@ -80,6 +126,53 @@ def _pull(ch: Channel, msg: dict[str, Any]) -> None:
     engine.close()
 
 
+def _hold(ch: Channel) -> None:
+    from kvtransfer.transport import UcxEngine
+
+    engine = UcxEngine(name="test-peer-prefill")
+    buf = pattern(NUM_BLOCKS * BLOCK)
+    region = engine.register(buf.ctypes.data, buf.nbytes, keepalive=buf)
+    ch.send((engine.address, engine.locality, region.addr, region.length, region.rkey, {}))
+    held: list[Any] = []
+    while True:
+        msg = ch.recv()
+        if msg == "stop":
+            break
+        if msg["cmd"] == "wait":
+            deadline = time.monotonic() + 30
+            while len(held) < msg["count"] and time.monotonic() < deadline:
+                engine.wait_requests(0.05)
+                held += engine.poll_requests()
+            ch.send([req.payload for req in held])
+        elif msg["cmd"] == "reply":
+            count = msg.get("count", len(held))
+            for req in held[:count]:
+                req.reply(b"re:" + req.payload)
+            held = held[count:]
+            ch.send("replied")
+        else:  # "stats"
+            with open("/proc/self/maps") as maps:
+                asan = "libasan" in maps.read()
+            ch.send({"failed_replies": engine.failed_replies,
+                     "reply_peers": engine.reply_peers, "asan": asan})
+    engine.close()
+    ch.send("closed")
+
+
+def _request(ch: Channel, msg: dict[str, Any]) -> None:
+    from kvtransfer.transport import UcxEngine
+
+    address = msg["server"][0]
+    engine = UcxEngine(name="test-peer-requester")
+    peer = engine.connect(address)
+    pending = [peer.request(payload) for payload in msg["payloads"]]
+    pending[0].wait(30)
+    ch.send({"sent": len(pending), "first": pending[0].result()})
+    with contextlib.suppress(EOFError):
+        ch.recv()
+    engine.close()
+
+
 def main() -> int:
     """Select the build named on the command line, then play the role of the first message."""
     ctl = os.fdopen(os.dup(1), "w")
@@ -92,6 +185,10 @@ def main() -> int:
     msg = ch.recv()
     if msg["role"] == "serve":
         _serve(ch)
+    elif msg["role"] == "hold":
+        _hold(ch)
+    elif msg["role"] == "request":
+        _request(ch, msg)
     else:
         _pull(ch, msg)
     return 0

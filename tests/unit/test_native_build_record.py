@@ -95,3 +95,20 @@ def test_rpaths(install: build.UcxInstall, expected: list[str]) -> None:
     assert build.rpaths(install) == expected
     cmd = build.compile_command(install, Path("/tmp/x.so"))
     assert [a.removeprefix("-Wl,-rpath,") for a in cmd if a.startswith("-Wl,-rpath,")] == expected
+
+
+def test_extra_cflags_reach_gcc_and_the_record(tree: Path) -> None:
+    """An instrumented copy (the ASAN test's) is its own build: asking for other flags, or for
+    none, rebuilds; the package's own loader does not compare flags."""
+    out = tree / "out"
+    _fake_build(out, WHEEL)  # a plain build: its record names no flags
+    assert build.is_stale(WHEEL, out, ()) is False
+    assert build.is_stale(WHEEL, out, ("-fsanitize=address",)) is True
+    record = json.loads(build.record_path(out).read_text())
+    record[build.CFLAGS_KEY] = ["-fsanitize=address"]
+    build.record_path(out).write_text(json.dumps(record))
+    assert build.is_stale(WHEEL, out, ("-fsanitize=address",)) is False
+    assert build.is_stale(WHEEL, out, ()) is True
+    assert build.is_stale(WHEEL, out) is False
+    cmd = build.compile_command(WHEEL, Path("/tmp/x.so"), ("-fsanitize=address", "-O1"))
+    assert cmd[cmd.index("-std=gnu11") + 1:][:2] == ["-fsanitize=address", "-O1"]
