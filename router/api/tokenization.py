@@ -1,8 +1,11 @@
 """Prompt token counting with the model's own tokenizer, off the event loop.
 
-One tokenizer per ``model_path`` is loaded lazily (in a thread) and cached. When a tokenizer
-cannot be loaded on the router host the context check is skipped (vLLM still enforces it and its
-400 is relayed) and a warning is logged once for that path.
+One tokenizer per ``model_path`` is loaded in a thread and cached: ahead of traffic by
+:meth:`TokenizerCache.warm` (the router's ``/health`` starts it for every registered model and
+says ``warming`` until it is done, so the first request after ready does not pay the 1-4 s
+load), else on first use. When a tokenizer cannot be loaded on the router host the context
+check is skipped (vLLM still enforces it and its 400 is relayed) and a warning is logged once
+for that path.
 """
 
 from __future__ import annotations
@@ -19,10 +22,32 @@ logger = logging.getLogger(__name__)
 
 
 class TokenizerCache:
+    """Each model's tokenizer, loaded once per ``model_path``."""
+
     def __init__(self) -> None:
         self._tokenizers: dict[str, Any] = {}
         self._failed: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
+        self._warming: dict[str, asyncio.Task[None]] = {}
+
+    def warm(self, model_path: str) -> bool:
+        """True once ``model_path``'s tokenizer is loaded (or failed to load); otherwise
+        starts loading it and running one encode in the background (needs a running event
+        loop) and returns False until that is done."""
+        if model_path in self._tokenizers or model_path in self._failed:
+            return model_path not in self._warming
+        if model_path not in self._warming:
+            task = asyncio.get_running_loop().create_task(self._warm(model_path))
+            self._warming[model_path] = task
+        return False
+
+    async def _warm(self, model_path: str) -> None:
+        try:
+            tok = await self.get(model_path)
+            if tok is not None:  # the first call pays the tokenizer's own lazy set-up
+                await asyncio.to_thread(_encode, tok, "warm up")
+        finally:
+            self._warming.pop(model_path, None)
 
     async def get(self, model_path: str) -> Any | None:
         """The tokenizer of ``model_path``, or None when it cannot be loaded."""

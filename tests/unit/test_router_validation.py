@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -278,3 +279,23 @@ async def test_401_is_serialised_like_every_other_error(tokenizer_dir: Path) -> 
         assert resp.content == json.dumps(resp.json(), separators=(",", ":"),
                                           ensure_ascii=False).encode()
     assert denied.headers["x-request-id"]
+
+
+async def test_health_says_warming_until_the_tokenizer_is_loaded(tokenizer_dir: Path) -> None:
+    """Ready means the first request is as fast as the next: /health starts loading every
+    registered model's tokenizer and answers 503 "warming" until it is loaded. Control: a
+    model whose tokenizer cannot be loaded does not hold readiness back."""
+    for path, loads in ((str(tokenizer_dir), True), ("/no/such/model", False)):
+        app = create_app(RouterSettings(), cluster=StaticCluster(_records(path)))
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+            first = await c.get("/health")
+            assert first.status_code == 503 and first.json()["status"] == "warming"
+            for _ in range(600):
+                resp = await c.get("/health")
+                if resp.status_code == 200:
+                    break
+                await asyncio.sleep(0.05)
+            assert resp.json()["status"] == "ok", resp.json()
+            tokens = app.state.router.tokenizers
+            assert (await tokens.get(path) is not None) == loads
