@@ -470,7 +470,13 @@ class RouterService:
         self.metrics.workers.labels(role="aggregated").set(aggregated)
         self.metrics.workers.labels(role="flex").set(flex)
         ok = (prefill > 0 and decode > 0) or aggregated > 0 or flex > 0
-        body = {"status": "ok" if ok else "unavailable", "prefill_workers": prefill,
+        # ready means a request is answered at full speed: every served model's tokenizer is
+        # loaded (the first request would otherwise wait 1-4 s for it in validation)
+        warming = sorted({r.model_path for r in self.cluster.workers()
+                          if not self.tokenizers.warm(r.model_path)})
+        status = "warming" if ok and warming else "ok" if ok else "unavailable"
+        ok = ok and not warming
+        body = {"status": status, "prefill_workers": prefill,
                 "decode_workers": decode, "aggregated_workers": aggregated,
                 "flex_workers": flex,
                 "redis": "ok" if self.cluster.redis_ok else "unreachable"}
