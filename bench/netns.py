@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -70,6 +71,23 @@ def _run(*args: str) -> None:
     proc = subprocess.run([_ip(), *args], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise NetnsError(f"ip {' '.join(args)}: {proc.stderr.strip() or proc.returncode}")
+
+
+def _wait_running(host: Host, dev: str, timeout_s: float = 10.0) -> None:
+    """Wait until ``dev`` in ``host`` has its carrier (operstate UP). A veth end set up is not
+    running at once, and a UCX context created before it is lists only ``lo``: its endpoint
+    to the other host then fails with "Destination is unreachable" (seen in 5 of 12 runs of
+    the cross-namespace UCX test without this wait)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        proc = subprocess.run([_ip(), "-n", host.netns, "-o", "link", "show", "dev", dev],
+                              capture_output=True, text=True, check=False)
+        if "state UP" in proc.stdout:
+            return
+        if time.monotonic() > deadline:
+            raise NetnsError(f"{dev} in {host.netns} not up after {timeout_s:g} s: "
+                             f"{proc.stdout.strip() or proc.stderr.strip()}")
+        time.sleep(0.02)
 
 
 def unavailable_reason() -> str | None:
@@ -135,6 +153,8 @@ def host_pair() -> Iterator[tuple[Host, Host]]:
             _run("-n", host.netns, "addr", "add", f"{host.ip}/{SUBNET_PREFIX_LEN}", "dev", dev)
             _run("-n", host.netns, "link", "set", dev, "up")
             _run("-n", host.netns, "link", "set", "lo", "up")
+        for host, dev in ((a, veth_a), (b, veth_b)):
+            _wait_running(host, dev)
         yield a, b
     finally:
         _delete(created)

@@ -18,6 +18,7 @@ from router.state.registry import WorkerRegistry
 from serve.redis_server import free_port, redis_reachable
 from tests.fakes.fake_worker import FakeWorker, ServerThread, build_tiny_tokenizer
 from tests.support.router import register
+from tests.support.waiting import eventually
 
 PASSWORD = "s3cret-redis-pw"
 
@@ -92,7 +93,9 @@ def test_registry_router_and_lock_over_tls_with_password(tls_redis: tuple[int, P
         router = ServerThread(create_app(RouterSettings(
             redis_url=url, redis_prefix="tlstest", refresh_interval_s=0.1))).start()
         try:
-            health = httpx.get(router.url + "/health", timeout=10).json()
+            # ready once the model's tokenizer has loaded ("warming" until then)
+            health = eventually(lambda: httpx.get(router.url + "/health", timeout=10).json(),
+                                lambda h: h["status"] != "warming", timeout_s=60)
             assert health == {"status": "ok", "prefill_workers": 1, "decode_workers": 1,
                               "aggregated_workers": 0, "flex_workers": 0, "redis": "ok"}
             resp = httpx.post(router.url + "/v1/completions", timeout=10,
