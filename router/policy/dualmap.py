@@ -239,11 +239,12 @@ class DualMapPolicy:
         if not self.config.cache_holder or not hashes:
             return None
         best: tuple[str, int] | None = None
-        for w in sorted(allowed):
+        for w in allowed:  # no sort on the request path: ties compare ids instead
             if w in pair or w not in self.cache:
                 continue
             blocks = self.cache.match(w, hashes)
-            if blocks > floor and (best is None or blocks > best[1]):
+            if blocks > floor and (best is None or blocks > best[1]
+                                   or (blocks == best[1] and w < best[0])):
                 best = (w, blocks)
         return best
 
