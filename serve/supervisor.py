@@ -193,6 +193,7 @@ class Cluster:
         self.restarts: dict[str, int] = {}
         """Restarts so far by role (router, autoscaler, prefill, decode, aggregated)."""
         self._secret_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._events_dir: tempfile.TemporaryDirectory[str] | None = None
         self.logs = ChildLogs(None)
         """Where each child writes (its log file once ``start`` made the run directory)."""
         self.env = self._cluster_env()
@@ -227,6 +228,18 @@ class Cluster:
     @property
     def url(self) -> str:
         return f"http://{self.settings.host}:{self.settings.port}"
+
+    def _kv_events_args(self, name: str) -> list[str]:
+        """Where a worker publishes its KV events: on loopback, a Unix socket in a directory
+        only this uid may open (the events carry prompt token ids, and vLLM binds a port on
+        every interface); elsewhere a port and a replay port."""
+        s = self.settings
+        if s.host not in LOOPBACK_HOSTS:
+            return ["--kv-events-port", str(free_port(s.host)),
+                    "--kv-events-replay-port", str(free_port(s.host))]
+        if self._events_dir is None:
+            self._events_dir = tempfile.TemporaryDirectory(prefix="pdserve-kv-events-")
+        return ["--kv-events-ipc", os.path.join(self._events_dir.name, f"{name}.sock")]
 
     def start(self) -> None:
         """Start Redis (when unreachable), the workers and the router; returns at once."""
@@ -303,7 +316,7 @@ class Cluster:
         if s.otlp_traces_endpoint:
             cmd += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
         if s.kv_events and role in ("prefill", "aggregated", "flex"):
-            cmd += ["--kv-events-port", str(free_port(s.host))]
+            cmd += self._kv_events_args(f"{role}-{port}")
         cpus = self._free_slot()
         proc = self._popen(f"{role}-{port}", cmd, preexec_fn=child_setup(cpus))
         worker = WorkerProc(role, f"http://{s.host}:{port}", proc, cpus=cpus, failures=failures)
@@ -467,8 +480,9 @@ class Cluster:
             stop_process(w.proc, timeout_s=30)
         if self.redis is not None:
             self.redis.stop()
-        if self._secret_dir is not None:
-            self._secret_dir.cleanup()
+        for private in (self._secret_dir, self._events_dir):
+            if private is not None:
+                private.cleanup()
         return running
 
 

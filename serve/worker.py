@@ -93,6 +93,14 @@ class WorkerSettings:
     """Have vLLM publish its KV cache events on ZMQ at this port (all interfaces: vLLM binds
     no single host) and advertise ``tcp://<advertise host>:PORT`` in the registry for routers
     run with ``--kv-events``; 0 = off."""
+    kv_events_replay_port: int = 0
+    """With ``kv_events_port``: vLLM's replay socket (it keeps its last 10,000 batches), advertised
+    as ``tcp://<advertise host>:PORT``; a router that misses batches asks it for them instead of
+    keeping a stale view. 0 = no replay (a router then forgets this engine's cache after a gap)."""
+    kv_events_ipc: str = ""
+    """Instead of ports: publish the KV events on a Unix socket at this path (and replay on
+    ``PATH.replay``), advertised as ``ipc://PATH``; only routers on this host whose uid may open
+    the path can subscribe (``pdserve up`` on loopback). Excludes ``kv_events_port``."""
     cpus: str = "all"
     """Cores the worker and its engine run on: ``all``, ``role`` or a list (serve.cpu_layout)."""
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
@@ -103,6 +111,15 @@ class WorkerSettings:
                              f"{self.role!r}")
         if self.kv_events_port:
             check_kv_events_args(self.kv_events_port, self.extra_vllm_args)
+        if self.kv_events_replay_port and not 0 < self.kv_events_replay_port < 65536:
+            raise ValueError("--kv-events-replay-port must be in 1..65535, got "
+                             f"{self.kv_events_replay_port}")
+        if self.kv_events_replay_port and not self.kv_events_port:
+            raise ValueError("--kv-events-replay-port needs --kv-events-port")
+        if self.kv_events_ipc:
+            if self.kv_events_port:
+                raise ValueError("--kv-events-ipc and --kv-events-port: give one or the other")
+            check_kv_events_args(1, self.extra_vllm_args)
 
     def check_secure(self) -> None:
         """Fail closed: a prefill or decode worker without the cluster secret is refused
@@ -117,9 +134,20 @@ class WorkerSettings:
     @property
     def kv_events_endpoint(self) -> str:
         """Where routers subscribe to this worker's KV events ("" when it publishes none)."""
+        if self.kv_events_ipc:
+            return f"ipc://{self.kv_events_ipc}"
         if not self.kv_events_port:
             return ""
         return f"tcp://{self.advertise_host or self.host}:{self.kv_events_port}"
+
+    @property
+    def kv_events_replay_endpoint(self) -> str:
+        """Where routers ask for KV event batches they missed ("" when there is no replay)."""
+        if self.kv_events_ipc:
+            return f"ipc://{self.kv_events_ipc}.replay"
+        if not (self.kv_events_port and self.kv_events_replay_port):
+            return ""
+        return f"tcp://{self.advertise_host or self.host}:{self.kv_events_replay_port}"
 
 
 ROUTER_BLOCK_TOKENS = 16
@@ -127,14 +155,22 @@ ROUTER_BLOCK_TOKENS = 16
 events it follows must use a multiple of that block size."""
 
 
-def kv_events_config(port: int) -> dict[str, object]:
-    """vLLM's ``--kv-events-config`` (``KVEventsConfig``) publishing on ZMQ at ``port``.
+def kv_events_config(port: int, replay_port: int = 0, ipc: str = "") -> dict[str, object]:
+    """vLLM's ``--kv-events-config`` (``KVEventsConfig``) publishing on ZMQ at ``port``, with
+    its replay socket (ZMQ ROUTER, the last ``buffer_steps`` batches) at ``replay_port``; or,
+    with ``ipc``, on the Unix socket ``ipc`` and its replay on ``ipc.replay``.
 
-    On every interface: vLLM binds only wildcard endpoints and *connects* to any other
-    (``ZmqEventPublisher._is_bind_endpoint``), so a worker cannot bind its advertised host
-    alone. The events carry prompt token ids: keep the port to the router's network."""
-    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
-            "topic": "kv"}
+    A port is on every interface: vLLM binds only wildcard and ipc endpoints and *connects* to
+    any other (``ZmqEventPublisher._is_bind_endpoint``), so a worker cannot bind its advertised
+    host alone. The events carry prompt token ids: keep the ports to the router's network, or
+    use ``ipc`` where the router shares the host."""
+    config: dict[str, object] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                 "endpoint": f"tcp://*:{port}", "topic": "kv"}
+    if ipc:
+        config.update(endpoint=f"ipc://{ipc}", replay_endpoint=f"ipc://{ipc}.replay")
+    elif replay_port:
+        config["replay_endpoint"] = f"tcp://*:{replay_port}"
+    return config
 
 
 def check_kv_events_args(port: int, extra: tuple[str, ...]) -> None:
@@ -345,9 +381,10 @@ class WorkerLauncher:
         extra = (*kv_cache_options(s.kv_cache_gib, device)[1], *s.extra_vllm_args)
         if s.otlp_traces_endpoint:
             extra = ("--otlp-traces-endpoint", s.otlp_traces_endpoint, *extra)
-        if s.kv_events_port:
-            extra = ("--kv-events-config", json.dumps(kv_events_config(s.kv_events_port)),
-                     *extra)
+        if s.kv_events_port or s.kv_events_ipc:
+            config = kv_events_config(s.kv_events_port, s.kv_events_replay_port,
+                                      s.kv_events_ipc)
+            extra = ("--kv-events-config", json.dumps(config), *extra)
         cmd = vllm_command(s.model, s.host, self.port, self.served_name, kv, s.max_model_len,
                            extra)
         inherited = sorted(os.sched_getaffinity(0))
@@ -379,7 +416,8 @@ class WorkerLauncher:
                               http_url=self.advertised_url, engine_id=self.engine_id,
                               ucx_address=base64.b64encode(address).decode(),
                               max_model_len=max_len, started_at=time.time(),
-                              kv_events_endpoint=self.settings.kv_events_endpoint)
+                              kv_events_endpoint=self.settings.kv_events_endpoint,
+                              kv_events_replay_endpoint=self.settings.kv_events_replay_endpoint)
         # signed: routers with the cluster secret take no registration made without it
         keyring = current(keyring_source(self.settings.cluster_secret,
                                          self.settings.cluster_secret_file))
@@ -483,6 +521,15 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="have vLLM publish its KV cache events on this ZMQ port (all "
                              "interfaces) and advertise it for routers run with --kv-events "
                              "(default 0 = off)")
+    parser.add_argument("--kv-events-replay-port", type=int,
+                        default=int(env("PDSERVE_WORKER_KV_EVENTS_REPLAY_PORT", "0")),
+                        help="with --kv-events-port: vLLM's replay socket on this port (all "
+                             "interfaces), so a router that misses event batches asks for them "
+                             "(default 0 = none: the router forgets the engine's cache view)")
+    parser.add_argument("--kv-events-ipc", default=env("PDSERVE_WORKER_KV_EVENTS_IPC", ""),
+                        metavar="PATH",
+                        help="instead of --kv-events-port: publish the KV events (and their "
+                             "replay, PATH.replay) on Unix sockets, for a router on this host")
     parser.add_argument("--cpus", default=env("PDSERVE_WORKER_CPUS", "all"),
                         help="cores of this worker's engine: all (default), role (prefill the "
                              "first half of the cores, decode the second), or a list like 0-3")
@@ -513,6 +560,8 @@ def settings_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerSett
                               timeline_file=args.timeline_file,
                               otlp_traces_endpoint=args.otlp_traces_endpoint, cpus=args.cpus,
                               kv_events_port=args.kv_events_port,
+                              kv_events_replay_port=args.kv_events_replay_port,
+                              kv_events_ipc=args.kv_events_ipc,
                               cluster_secret=secret, cluster_secret_file=secret_file,
                               insecure=args.insecure, extra_vllm_args=tuple(extra))
     settings.check_secure()

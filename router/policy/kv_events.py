@@ -11,6 +11,10 @@ live vLLM block, which of our hashes it holds. Pure: the caller decodes the wire
 Parameters (defaults):
 - ``block_tokens`` = 16: our block size. The engine's must be a multiple of it (vLLM's default
   is 16 on GPU, 128 on CPU): one engine block is then ``engine / ours`` of our blocks.
+- ``max_blocks`` = 262,144 (``MAX_BLOCKS``): live vLLM blocks remembered per engine. A real
+  engine removes what it evicts, so it stays far below (its whole KV cache); a publisher that
+  only stores (a rogue one, or removals lost) cannot grow the router's memory past it: the
+  oldest-stored block is forgotten first and reported removed (counted in ``evicted``).
 
 Semantics:
 - stored: our hashes of a vLLM block = ``block_hashes(its tokens, block_tokens, seed=the chain
@@ -42,6 +46,9 @@ from router.policy.hashing import DEFAULT_BLOCK_TOKENS, block_hashes, salt_seed
 EngineHash = Hashable
 """A vLLM block hash as published: ``bytes`` (sha256) or ``int``."""
 
+MAX_BLOCKS = 262_144
+"""Default cap on the live vLLM blocks one translator remembers (security review finding 9)."""
+
 
 @dataclass
 class _Block:
@@ -53,15 +60,21 @@ class _Block:
 class KVEventTranslator:
     """One worker's vLLM KV events -> :class:`CacheChanged` in our hash space."""
 
-    def __init__(self, worker_id: str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+    def __init__(self, worker_id: str, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 max_blocks: int = MAX_BLOCKS) -> None:
         if block_tokens <= 0:
             raise ConfigError(f"block_tokens must be > 0, got {block_tokens}")
+        if max_blocks <= 0:
+            raise ConfigError(f"max_blocks must be > 0, got {max_blocks}")
         self.worker_id = worker_id
         self.block_tokens = block_tokens
+        self.max_blocks = max_blocks
         self.engine_block_tokens = 0
         """The engine's block size: the largest ``BlockStored.block_size`` seen so far."""
         self.orphans = 0
         """``BlockStored`` events ignored because their parent block was unknown."""
+        self.evicted = 0
+        """Blocks forgotten to stay within ``max_blocks`` (reported removed)."""
         self._blocks: dict[EngineHash, _Block] = {}
         self._refs: dict[int, int] = {}
 
@@ -118,38 +131,50 @@ class KVEventTranslator:
         ours = block_hashes(token_ids[:whole * engine_block_tokens], self.block_tokens,
                             seed=chain)
         refs = self._refs
+        gone: list[int] = []
         for i in range(whole):
             block = self._blocks.get(engine_hashes[i])
             if block is not None:
                 block.copies += 1
                 continue
+            if len(self._blocks) >= self.max_blocks:
+                gone.extend(self._forget(next(iter(self._blocks))))
+                self.evicted += 1
             mine = ours[i * per_block:(i + 1) * per_block]
             self._blocks[engine_hashes[i]] = _Block(mine, mine[-1], 1)
             for h in mine:
                 refs[h] = refs.get(h, 0) + 1
+        if gone:  # the cap forgot older blocks (or, with a tiny cap, some of these)
+            ours = tuple(h for h in ours if h in refs)
         return CacheChanged(self.worker_id, stored=ours,
+                            removed=tuple(h for h in gone if h not in refs),
                             engine_block_tokens=self.engine_block_tokens)
 
     def removed(self, engine_hashes: Sequence[EngineHash]) -> CacheChanged | None:
         """A ``BlockRemoved``; None when none of our hashes lost its last copy."""
         gone: list[int] = []
-        refs = self._refs
         for engine_hash in engine_hashes:
             block = self._blocks.get(engine_hash)
             if block is None:
                 continue
             block.copies -= 1
-            if block.copies:
-                continue
-            del self._blocks[engine_hash]
-            for h in block.ours:
-                left = refs[h] - 1
-                if left:
-                    refs[h] = left
-                else:
-                    del refs[h]
-                    gone.append(h)
+            if not block.copies:
+                gone.extend(self._forget(engine_hash))
         return CacheChanged(self.worker_id, removed=tuple(gone)) if gone else None
+
+    def _forget(self, engine_hash: EngineHash) -> list[int]:
+        """Drop a vLLM block; our hashes whose last live copy it was."""
+        block = self._blocks.pop(engine_hash)
+        refs = self._refs
+        gone = []
+        for h in block.ours:
+            left = refs[h] - 1
+            if left:
+                refs[h] = left
+            else:
+                del refs[h]
+                gone.append(h)
+        return gone
 
     def cleared(self) -> CacheChanged:
         """An ``AllBlocksCleared``: the engine's prefix cache is empty."""

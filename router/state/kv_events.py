@@ -11,6 +11,16 @@ hands each resulting :class:`~router.policy.base.CacheChanged` to ``deliver(role
 zmq is imported here only; this module is imported only when ``--kv-events`` is on. Events
 published before the router connected are not replayed: blocks stored then stay known only by
 the router's own dispatch estimate, and their descendants' ``BlockStored`` are orphans.
+
+Gaps. Each batch carries a sequence number. When one is skipped (the SUB queue overflowed, the
+connection dropped and came back), a lost ``BlockRemoved`` would leave the router believing the
+engine caches blocks it evicted, and send it prompts for them. So before the batch after the
+gap is applied, the missed batches are asked for on the worker's replay socket (vLLM's
+``replay_endpoint``, advertised as ``WorkerRecord.kv_events_replay_endpoint``) and applied in
+order. When the worker has none, the replay does not answer within ``REPLAY_TIMEOUT_S``, or its
+buffer no longer holds them all, the router forgets that engine's cache view
+(``cleared``) and rebuilds it from later events and its own dispatches: fewer hits, never a
+stale one. Counted as ``gap``, ``replayed`` (batches) and ``resync_cleared``.
 """
 
 from __future__ import annotations
@@ -36,7 +46,10 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 16 * 2**20
 """Largest KV event batch accepted (vLLM's batches are kilobytes)."""
 RECEIVE_QUEUE = 10_000
-"""Messages a SUB socket queues before newer ones are dropped (a gap the router tolerates)."""
+"""Messages a SUB socket queues before newer ones are dropped (a gap, recovered below)."""
+REPLAY_TIMEOUT_S = 2.0
+"""How long a replay may take to answer each message before the router gives up on it."""
+_END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 ROLES = ("prefill", "aggregated", "flex")
 """Roles whose engines' caches the prefill policies model."""
@@ -56,8 +69,10 @@ class KVEventSubscriber:
 
     ``on_event(kind)`` counts each event (``stored``, ``removed``, ``cleared``) and each
     anomaly (``orphan``: a stored block whose parent is unknown, ignored; ``gap``: a batch
-    sequence number skipped; ``undecodable``; ``refused``: the engine's block size is not a
-    multiple of ours, the worker is no longer followed)."""
+    sequence number skipped; ``replayed``: a missed batch applied from the worker's replay
+    socket; ``resync_cleared``: a gap that could not be replayed, the engine's view forgotten;
+    ``undecodable``; ``refused``: the engine's block size is not a multiple of ours, the worker
+    is no longer followed)."""
 
     def __init__(self, cluster: ClusterSource, deliver: Callable[[str, CacheChanged], None],
                  on_event: Callable[[str], None] = lambda kind: None, *,
@@ -106,8 +121,65 @@ class KVEventSubscriber:
         try:
             while True:
                 frames = await sock.recv_multipart()
+                seq = _sequence(frames)
+                if seq is not None:
+                    if 0 <= followed.last_seq < seq - 1 \
+                            and not await self._recover(followed, seq):
+                        return
+                    followed.last_seq = seq
                 if not self._handle(followed, frames):
                     return
+        finally:
+            sock.close(linger=0)
+
+    async def _recover(self, followed: _Followed, upto: int) -> bool:
+        """Batches ``last_seq + 1 .. upto - 1`` were lost: apply them from the replay socket, or
+        forget the engine's cache view. False when the worker cannot be followed."""
+        wid = followed.record.worker_id
+        first = followed.last_seq + 1
+        self._count(followed, "gap")
+        replayed = await self._replay(followed, first, upto)
+        if replayed is None:
+            logger.warning("KV events of %s: batches %d..%d were lost and cannot be replayed; "
+                           "forgetting its cache view", wid, first, upto - 1)
+            self._count(followed, "resync_cleared")
+            self._deliver(followed.record.role, followed.translator.cleared())
+            return True
+        logger.info("KV events of %s: batches %d..%d were lost, replayed", wid, first, upto - 1)
+        for frames in replayed:
+            self._count(followed, "replayed")
+            if not self._handle(followed, frames):
+                return False
+        return True
+
+    async def _replay(self, followed: _Followed, first: int, upto: int
+                      ) -> list[list[bytes]] | None:
+        """Batches ``first .. upto - 1`` from the worker's replay socket, in order; None when
+        it has none, is silent, or no longer holds them all."""
+        endpoint = followed.record.kv_events_replay_endpoint
+        if not endpoint or self._ctx is None:
+            return None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        try:
+            sock.connect(endpoint)
+            await sock.send_multipart([b"", first.to_bytes(8, "big")])
+            batches: list[list[bytes]] = []
+            expected = first
+            while True:
+                if not await sock.poll(REPLAY_TIMEOUT_S * 1000):
+                    return None
+                frames = (await sock.recv_multipart())[1:]  # the empty delimiter first
+                if len(frames) >= 2 and frames[-2] == _END_OF_REPLAY:
+                    return batches if expected >= upto else None
+                seq = _sequence(frames)
+                if seq is None or seq >= upto:
+                    continue
+                if seq != expected:  # the buffer rolled past what we missed
+                    return None
+                batches.append(frames)
+                expected += 1
         finally:
             sock.close(linger=0)
 
@@ -118,13 +190,6 @@ class KVEventSubscriber:
     def _handle(self, followed: _Followed, frames: list[bytes]) -> bool:
         """Apply one message; False when the worker cannot be followed."""
         wid = followed.record.worker_id
-        if len(frames) >= 2 and len(frames[-2]) == 8:
-            seq = int.from_bytes(frames[-2], "big")
-            if 0 <= followed.last_seq < seq - 1:
-                self._count(followed, "gap")
-                logger.warning("KV events of %s: batches %d..%d were lost", wid,
-                               followed.last_seq + 1, seq - 1)
-            followed.last_seq = seq
         try:
             batch = decode_batch(frames[-1])
         except KVEventsDecodeError as exc:
@@ -177,3 +242,10 @@ class KVEventSubscriber:
         if self._ctx is not None:
             self._ctx.destroy(linger=0)  # also closes a socket whose cancelled task has not run
             self._ctx = None
+
+
+def _sequence(frames: list[bytes]) -> int | None:
+    """A batch's sequence number (vLLM's second-to-last frame), None when it has none."""
+    if len(frames) >= 2 and len(frames[-2]) == 8:
+        return int.from_bytes(frames[-2], "big")
+    return None

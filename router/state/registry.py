@@ -58,6 +58,9 @@ class WorkerRecord:
     kv_events_endpoint: str = ""
     """ZMQ endpoint of the engine's KV cache events (``tcp://HOST:PORT``; ``pdserve worker
     --kv-events-port``), empty when it publishes none."""
+    kv_events_replay_endpoint: str = ""
+    """ZMQ endpoint of the engine's KV event replay socket (``pdserve worker
+    --kv-events-replay-port``): a router that misses batches asks it for them."""
     signature: str = ""
     """HMAC of every other field under the cluster secret (`signed`): routers with a keyring
     ignore records without a valid one, so Redis access alone cannot register a worker."""

@@ -33,6 +33,8 @@ def test_the_router_learns_a_prompt_from_the_prefill_engines_events(
     before = _prefill_entry(cluster, prompt)
     assert before["cached_prompt_tokens"] == 0  # negative control: nobody sent it anywhere
     assert before["kv_events"] is not None, "the router does not follow the prefill's events"
+    # on loopback the events ride a private Unix socket, not a port on every interface
+    assert before["kv_events"]["endpoint"].startswith("ipc://"), before["kv_events"]
     stored0 = value(scrape(cluster.url), STORED, kind="stored")
     # straight to the prefill worker: the router neither routes nor records this request
     prefill_url = registered_workers(cluster)["prefill"]

@@ -255,6 +255,44 @@ def test_worker_kv_events_port_becomes_vllm_config_and_an_advertised_endpoint() 
     config = kv.KVEventsConfig(**json.loads(json.dumps(kv_events_config(5601))))
     assert (config.enable_kv_cache_events, config.publisher, config.endpoint, config.topic) == (
         True, "zmq", "tcp://*:5601", "kv")  # a wildcard: vLLM connects to any other endpoint
+    assert config.replay_endpoint is None and settings.kv_events_replay_endpoint == ""
+    args = parser.parse_args(["--role", "prefill", "--model", "/m", "--advertise-host",
+                              "10.0.0.7", "--kv-events-port", "5601",
+                              "--kv-events-replay-port", "5602", "--insecure"])
+    assert settings_from_args(args, []).kv_events_replay_endpoint == "tcp://10.0.0.7:5602"
+    config = kv.KVEventsConfig(**json.loads(json.dumps(kv_events_config(5601, 5602))))
+    assert config.replay_endpoint == "tcp://*:5602"
+    with pytest.raises(ValueError, match="needs --kv-events-port"):
+        WorkerSettings("prefill", "/m", kv_events_replay_port=5602)
+    # a Unix socket instead of a port: no interface at all
+    ipc = WorkerSettings("prefill", "/m", kv_events_ipc="/run/p/prefill.sock")
+    assert (ipc.kv_events_endpoint, ipc.kv_events_replay_endpoint) == (
+        "ipc:///run/p/prefill.sock", "ipc:///run/p/prefill.sock.replay")
+    config = kv.KVEventsConfig(**kv_events_config(0, 0, "/run/p/prefill.sock"))
+    assert (config.endpoint, config.replay_endpoint) == (
+        "ipc:///run/p/prefill.sock", "ipc:///run/p/prefill.sock.replay")
+    with pytest.raises(ValueError, match="one or the other"):
+        WorkerSettings("prefill", "/m", kv_events_port=5601, kv_events_ipc="/run/p/x.sock")
+
+
+@pytest.mark.parametrize("host, ipc", [("127.0.0.1", True), ("0.0.0.0", False)])
+def test_pdserve_up_keeps_kv_events_off_the_network_on_loopback(host: str, ipc: bool) -> None:
+    import os
+    import stat
+
+    from serve.supervisor import Cluster, ClusterSettings
+
+    sup = Cluster(ClusterSettings(host=host, kv_events=True))
+    try:
+        args = sup._kv_events_args("prefill-1")
+        if ipc:
+            assert args[0] == "--kv-events-ipc" and "--kv-events-port" not in args
+            private = os.path.dirname(args[1])
+            assert stat.S_IMODE(os.stat(private).st_mode) == 0o700  # this uid only
+        else:  # control: a cluster on the network publishes on ports, with a replay port
+            assert args[0::2] == ["--kv-events-port", "--kv-events-replay-port"]
+    finally:
+        sup.stop()
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -429,3 +467,146 @@ def test_a_salted_chain_lands_under_its_salt(lora: str | None) -> None:
     assert model.match(W, salted) == 16  # both engine blocks, chained under the salt
     assert model.match(W, OURS) == 8  # the unsalted copy: its own 8 blocks only
     assert not set(salted[:16]) & set(OURS[:16])
+
+
+# -- bounded memory and lost batches (security review finding 9) ------------------------------
+
+def test_a_publisher_that_only_stores_cannot_grow_the_translator_past_its_cap() -> None:
+    t = KVEventTranslator(W, max_blocks=2)
+    model = ClusterCacheModel()
+    apply_all(model, t.stored([b"v1", b"v2"], None, PROMPT[:256], 128))
+    assert model.match(W, OURS) == 16 and t.evicted == 0  # control: at the cap, nothing lost
+    other = tuple(range(5000, 5128))
+    change = t.stored([b"x1"], None, other, 128)
+    apply_all(model, change)
+    assert t.live_blocks == 2 and t.evicted == 1
+    assert change is not None and set(change.removed) == set(OURS[:8])  # the oldest block
+    assert model.match(W, OURS) == 0 and model.match(W, block_hashes(other, 16)) == 8
+    for i in range(100):  # a flood of distinct chains stays at the cap
+        t.stored([f"f{i}".encode()], None, tuple(range(i * 128, (i + 1) * 128)), 128)
+    assert t.live_blocks == 2 and t.live_hashes == 16 and t.evicted == 101
+
+
+class _CuttableLink:
+    """A TCP forwarder between the router's SUB socket and vLLM's publisher that the test can
+    cut, as a network blip would: while it is down, the publisher's batches are lost."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.down = False
+        self._writers: list[asyncio.StreamWriter] = []
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.down:
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self._writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except OSError:
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        self.down = True
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+
+    async def close(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+
+
+@pytest.mark.parametrize("mode", ["replayed", "no-replay-socket", "buffer-rolled"])
+async def test_batches_lost_in_a_gap_are_replayed_or_the_view_is_forgotten(mode: str) -> None:
+    """A removal published while the connection was down must not leave the router believing
+    the engine still caches the block: with a replay socket the missed batches are applied in
+    order; without one, or when its buffer no longer holds them, the engine's view is
+    forgotten (never stale)."""
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    from router.state.cluster import StaticCluster
+    from router.state.kv_events import KVEventSubscriber
+    from router.state.registry import WorkerRecord
+    from serve.redis_server import free_port
+
+    replay = mode == "replayed"
+    port, replay_port = free_port(), free_port()
+    publisher = kv.ZmqEventPublisher(
+        data_parallel_rank=0, endpoint=f"tcp://*:{port}", topic="kv",
+        buffer_steps=1 if mode == "buffer-rolled" else 10_000,
+        replay_endpoint=None if mode == "no-replay-socket" else f"tcp://*:{replay_port}")
+    link = _CuttableLink(port)
+    record = WorkerRecord(W, "prefill", "m", "/m", "http://127.0.0.1:1", "e", "", 4096, 0.0,
+                          kv_events_endpoint=f"tcp://127.0.0.1:{await link.start()}",
+                          kv_events_replay_endpoint="" if mode == "no-replay-socket"
+                          else f"tcp://127.0.0.1:{replay_port}")
+    model = ClusterCacheModel()
+    counts: dict[str, int] = {}
+    other = tuple(range(5000, 5256))
+
+    def count(kind: str) -> None:
+        counts[kind] = counts.get(kind, 0) + 1
+
+    def publish(*events: object) -> None:
+        publisher.publish(kv.KVEventBatch(ts=0.0, events=list(events)))
+
+    def stored(hashes: list[bytes], parent: bytes | None, tokens: tuple[int, ...]) -> object:
+        return kv.BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                              token_ids=list(tokens), block_size=128, lora_id=None,
+                              medium="CPU", lora_name=None)
+
+    async def until(kind: str, n: int = 1, probe: object = None) -> None:
+        for _ in range(1000):
+            if counts.get(kind, 0) >= n:
+                return
+            if probe is not None:
+                publish(probe)
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no {kind} event within 20 s; counted {counts}")
+
+    sub = KVEventSubscriber(StaticCluster([record]), lambda role, change: model.apply(change),
+                            count)
+    try:
+        sub.sync()
+        await until("cleared", probe=kv.AllBlocksCleared())
+        publish(stored([b"v1", b"v2"], None, PROMPT[:256]))
+        await until("stored")
+        assert model.match(W, OURS) == 16
+        link.cut()
+        # lost: the engine evicts v2 and caches another prompt
+        publish(kv.BlockRemoved(block_hashes=[b"v2"], medium="CPU"))
+        publish(stored([b"o1", b"o2"], None, other))
+        await asyncio.sleep(0.3)
+        assert model.match(W, OURS) == 16  # the router's view is stale now
+        link.down = False
+        # after the gap: a harmless batch (an unknown removal) until the SUB has reconnected
+        await until("gap", probe=kv.BlockRemoved(block_hashes=[b"unknown"], medium="CPU"))
+        await until("replayed", 2) if replay else await until("resync_cleared")
+        if replay:  # the removal, the store, and any probe sent before the SUB was back
+            assert counts["replayed"] >= 2 and "resync_cleared" not in counts
+            assert model.match(W, OURS) == 8  # v2's removal applied, v1 still cached
+            assert model.match(W, block_hashes(other, 16)) == 16  # the lost store too
+        else:
+            assert counts["resync_cleared"] == 1 and "replayed" not in counts
+            assert model.match(W, OURS) == 0  # forgotten, not stale
+        stats = sub.stats(W)
+        assert stats is not None and stats["events"]["gap"] == 1
+    finally:
+        await sub.close()
+        await link.close()
+        publisher.shutdown()
