@@ -194,11 +194,11 @@ def test_a_loopback_cluster_keeps_its_ucx_off_every_other_interface(cluster: Clu
     from kvtransfer.transport.ucx import UcxEngine
 
     tree = {p.pid for p in psutil.Process(cluster.proc.pid).children(recursive=True)}
-    # the KV events publisher binds every interface (vLLM binds only wildcard endpoints;
-    # review finding 9, open): its ports are the ones the registry advertises
-    events = frozenset(int(w.kv_events_endpoint.rsplit(":", 1)[1])
-                       for w in registered_records(cluster) if w.kv_events_endpoint)
-    listening = _listening(tree, events)
+    # the KV events (on in the session cluster) ride Unix sockets on loopback (finding 9):
+    # vLLM would bind a port on every interface
+    events = [w.kv_events_endpoint for w in registered_records(cluster) if w.kv_events_endpoint]
+    assert events and all(e.startswith("ipc://") for e in events), events
+    listening = _listening(tree)
     assert listening and listening <= {"127.0.0.1"}, (
         listening, [(c.pid, c.laddr) for c in psutil.net_connections("tcp")
                     if c.status == psutil.CONN_LISTEN and c.pid in tree])
