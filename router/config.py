@@ -121,6 +121,17 @@ class RouterSettings:
     to take more than this many TTFT SLOs (0 = off)."""
     max_body_bytes: int = default("max_body_bytes")
     """Largest request body accepted (413 above)."""
+    header_timeout_s: float = default("header_timeout_s")
+    """A connection must deliver a complete request head this long after it was accepted or,
+    kept alive, after the first byte of its next request; else it is closed without an answer
+    (``router.http_protocol``; 0 = no deadline)."""
+    body_timeout_s: float = default("body_timeout_s")
+    """A request body must finish arriving this long after the router starts reading it: 408
+    past it, nothing routed, the connection closed (0 = no deadline)."""
+    max_connections: int = default("max_connections")
+    """uvicorn's ``limit_concurrency``: a request arriving while this many connections are open
+    (its own included) or this many requests run is answered 503 by uvicorn before the app
+    (0 = unbounded; why it is off by default: ``router.settings``)."""
     max_prompt_tokens: int = default("max_prompt_tokens")
     """Longest prompt accepted in tokens (400 above; 0 = the model's context only)."""
     max_output_tokens: int = default("max_output_tokens")
@@ -189,8 +200,9 @@ class RouterSettings:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("prefill_retries", "decode_retries", "failure_cooldown_s", "no_worker_wait_s",
                      "migration_limit", "stall_timeout_s", "max_in_flight_per_worker",
-                     "admission_queue_slo_factor", "max_body_bytes",
-                     "max_prompt_tokens", "max_output_tokens", "request_timeout_s",
+                     "admission_queue_slo_factor", "max_body_bytes", "header_timeout_s",
+                     "body_timeout_s", "max_connections", "max_prompt_tokens",
+                     "max_output_tokens", "request_timeout_s",
                      "max_concurrent_per_key", "answer_deadline_s",
                      "prefill_tokens_per_min_per_key", "decode_tokens_per_min_per_key",
                      "load_poll_interval_s", "disagg_min_prefill_tokens"):

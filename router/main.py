@@ -50,10 +50,17 @@ def serve(settings: RouterSettings) -> None:
     import uvicorn
 
     from router.api.app import create_app
+    from router.http_protocol import SlowClientLimits, protocol_class
 
     app = create_app(settings)
+    closed = app.state.router.metrics.connections_closed
+    limits = SlowClientLimits(header_timeout_s=settings.header_timeout_s,
+                              body_timeout_s=settings.body_timeout_s,
+                              on_close=lambda reason: closed.labels(reason=reason).inc())
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
-                            log_level=settings.log_level.lower(), access_log=False)
+                            log_level=settings.log_level.lower(), access_log=False,
+                            http=protocol_class(limits),
+                            limit_concurrency=settings.max_connections or None)
     # a socket someone else bound and keeps (pdserve up; its family comes from the fd), else
     # uvicorn binds host:port itself
     sockets = None if settings.listen_fd < 0 else [socket.socket(fileno=settings.listen_fd)]

@@ -171,6 +171,15 @@ class RouterMetrics:
             "router never saw, ignored), gap (a lost batch), undecodable, refused (an engine "
             "block size that is not a multiple of the router's 16 tokens).",
             ["kind"], registry=r)
+        self.connections_closed = Counter(
+            "pdserve_router_connections_closed_total",
+            "Client connections the router closed on its own (router.http_protocol), by reason: "
+            "head_timeout (request head not complete within --header-timeout-s: no answer), "
+            "body_timeout (body not complete within --body-timeout-s: 408 when the router was "
+            "reading it), head_too_large (a head over 64 KiB: 431).",
+            ["reason"], registry=r)
+        for reason in ("head_timeout", "body_timeout", "head_too_large"):
+            self.connections_closed.labels(reason=reason)
         for role in ("prefill", "decode"):
             self.in_flight.labels(role=role).set(0)
             self.upstream_retries.labels(role=role)

@@ -27,6 +27,15 @@ The defaults (every one a value that works on a laptop without a GPU):
   answers). A standalone ``pdserve worker`` registers only when given one (:data:`OVERRIDES`).
 - ``kv_lease_s`` = 30 s and ``kv_pull_timeout_s`` = 20 s: the KV connector's own defaults
   (``kvtransfer.config.ConnectorConfig``); the lease outlives a pull by a margin.
+- ``header_timeout_s`` = 10 s, ``body_timeout_s`` = 30 s: slow clients (security review
+  finding 12). A request head is a few hundred bytes, so 10 s is long for any real client
+  and short for a connection held open by trickling it (slowloris); 30 s takes an 8 MiB body
+  (``max_body_bytes``) at 280 KB/s. ``max_connections`` = 0 (off): uvicorn's
+  ``limit_concurrency`` refuses requests, not connections (a connection past it is still
+  accepted and costs its descriptor until a deadline or the keep-alive timeout closes it),
+  and the number a router can carry depends on its descriptor limit and its streams, so it is
+  a capacity knob for the operator; per-key limits (``max_concurrent_per_key``) share the
+  router fairly.
 - The router's placement, admission and limit defaults are unchanged (``router.config``).
 """
 
@@ -142,6 +151,16 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "generated; 0 = unbounded)", metavar="N"),
     Setting("max_body_bytes", 8 * 1024 * 1024, int, "413 above this request body size",
             deprecated_envs=("PDSERVE_ROUTER_MAX_BODY_BYTES",), metavar="N"),
+    Setting("header_timeout_s", 10.0, float,
+            "close a connection whose request head (request line and headers) is not complete "
+            "this long after it was accepted, or after the first byte of its next request "
+            "(0 = no deadline)", metavar="S"),
+    Setting("body_timeout_s", 30.0, float,
+            "408 when a request body has not finished arriving within this (0 = no deadline)",
+            metavar="S"),
+    Setting("max_connections", 0, int,
+            "503 for a request that arrives while this many connections are open or requests "
+            "are running (uvicorn's limit_concurrency; 0 = unbounded)", metavar="N"),
     Setting("max_prompt_tokens", 0, int,
             "400 above this prompt length (0 = the model's context)",
             deprecated_envs=("PDSERVE_ROUTER_MAX_PROMPT_TOKENS",), metavar="N"),
@@ -163,7 +182,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
 ROUTER_FORWARDED = ("policy", "decode_policy", "ttft_slo_s", "tpot_slo_s",
                     "prefill_s_per_token",
                     "max_in_flight_per_worker", "admission_queue_slo_factor",
-                    "request_timeout_s", "max_body_bytes", "max_prompt_tokens",
+                    "request_timeout_s", "max_body_bytes", "header_timeout_s",
+                    "body_timeout_s", "max_connections", "max_prompt_tokens",
                     "max_output_tokens", "max_concurrent_per_key", "answer_deadline_s",
                     "prefill_tokens_per_min_per_key", "decode_tokens_per_min_per_key")
 """Router settings ``pdserve up`` takes and passes on to its router."""

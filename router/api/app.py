@@ -326,7 +326,8 @@ class RouterService:
 
     async def _handle(self, endpoint: Endpoint, request: Request, incoming: dict[str, str],
                       clock: PhaseClock) -> Response:
-        raw = await read_capped_body(request, self.settings.max_body_bytes)
+        raw = await read_capped_body(request, self.settings.max_body_bytes,
+                                     self.settings.body_timeout_s)
         body = parse_json_body(raw)
         refuse_worker_only_fields(body)
         req = validate_request(endpoint, body)
@@ -533,7 +534,8 @@ class RouterService:
         """``/tokenize`` and ``/detokenize``: answered by the least busy worker serving the
         body's ``model`` (vLLM's own endpoints, so ids match what the engine computes)."""
         try:
-            raw = await read_capped_body(request, self.settings.max_body_bytes)
+            raw = await read_capped_body(request, self.settings.max_body_bytes,
+                                         self.settings.body_timeout_s)
             body = parse_json_body(raw)
         except APIError as err:
             return error_response(err)

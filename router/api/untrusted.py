@@ -1,5 +1,5 @@
-"""What a client body may not be or hold, refused up front: more bytes than the router takes, and
-fields that only the router (or an operator) may set.
+"""What a client body may not be or hold, refused up front: more bytes than the router takes,
+more time than it waits for them, and fields that only the router (or an operator) may set.
 
 vLLM reads several of them from more than one place: ``kv_transfer_params`` also from
 ``vllm_xargs`` (a string there used to crash the worker's engine core), and a Jinja chat
@@ -10,12 +10,13 @@ on the server). The router renders templates too, so it must refuse them before 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request
 
-from router.errors import InvalidRequestError
+from router.errors import APIError, InvalidRequestError
 
 ROUTER_ONLY_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 """Top-level fields the router sets on the upstream calls it makes."""
@@ -67,23 +68,36 @@ def _untrusted_template(param: str) -> InvalidRequestError:
         code="untrusted_chat_template", param=param)
 
 
-async def read_capped_body(request: Request, limit: int) -> bytes:
+async def read_capped_body(request: Request, limit: int, timeout_s: float = 0.0) -> bytes:
     """The request body, refused with a 413 as soon as it is known to exceed ``limit`` bytes:
     from ``Content-Length`` before reading, else while it streams in (a chunked upload of
-    gigabytes is never held in memory)."""
+    gigabytes is never held in memory); and with a 408 when it has not finished arriving
+    ``timeout_s`` after the read began (0 = no deadline), so a client trickling its body holds
+    nothing for long (the connection then closes: ``router.http_protocol``)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(size, limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise _too_slow(size, timeout_s) from None
     return b"".join(chunks)
 
 
 def _too_large(size: int, limit: int) -> InvalidRequestError:
     return InvalidRequestError(f"request body of {size}+ bytes exceeds the limit of {limit}",
                                code="request_too_large", status=413)
+
+
+def _too_slow(received: int, timeout_s: float) -> APIError:
+    # `connection: close`: the rest of the body would otherwise be parsed on this connection
+    return APIError(f"the request body did not finish arriving within {timeout_s:g} s "
+                    f"({received} bytes received)", status=408, code="request_timeout",
+                    headers={"connection": "close"})

@@ -33,6 +33,9 @@ def test_env_then_cli_precedence() -> None:
     ({"prefill_timeout_s": 0}, "prefill_timeout_s"),
     ({"decode_retries": -1}, "decode_retries"),
     ({"redis_url": "http://x"}, "redis://"),
+    ({"header_timeout_s": -1}, "header_timeout_s"),
+    ({"body_timeout_s": -0.5}, "body_timeout_s"),
+    ({"max_connections": -1}, "max_connections"),
 ])
 def test_invalid_settings(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
