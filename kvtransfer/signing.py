@@ -43,6 +43,12 @@ TARGET_KEY = "pdserve_target"
 DEFAULT_MAX_AGE_S = 120.0
 REPLAYED = "replayed signature"
 """Why :func:`verify_for_engine` refuses a signature it already accepted."""
+MIN_SECRET_BYTES = 32
+"""Shortest secret (line of a keyring) accepted, in bytes. Key ids (a SHA-256 prefix) and every
+signed blob are public, so a weak secret falls to an offline search (security review finding
+22). Length cannot prove randomness; it rules out the short passwords people type. Every
+generator pdserve ships or documents draws 32 random bytes (``secrets.token_urlsafe(32)``,
+``openssl rand -base64 32``, 32 bytes of ``/dev/urandom`` as hex)."""
 ENV_SECRET = "PDSERVE_CLUSTER_SECRET"
 ENV_SECRET_FILE = "PDSERVE_CLUSTER_SECRET_FILE"
 ENV_API_KEYRING_FILE = "PDSERVE_API_KEYRING_FILE"
@@ -74,9 +80,13 @@ class Keyring:
     def __post_init__(self) -> None:
         if not self.secrets:
             raise ValueError("a keyring needs at least one secret")
-        for s in self.secrets:
-            if len(s) < 16:
-                raise ValueError("cluster secrets must be at least 16 bytes")
+        for i, s in enumerate(self.secrets):
+            if len(s) < MIN_SECRET_BYTES:
+                where = f"secret {i + 1} of {len(self.secrets)}" if len(self.secrets) > 1 \
+                    else "the cluster secret"
+                raise ValueError(
+                    f"{where} is {len(s)} bytes; at least {MIN_SECRET_BYTES} are required "
+                    "(make one from 32 random bytes, e.g. `openssl rand -base64 32`)")
 
     @classmethod
     def parse(cls, text: str) -> Keyring:

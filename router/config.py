@@ -370,4 +370,17 @@ def load(
     for name, value in vars(args).items():
         if value is not None and name in own:
             values[name] = tuple(value) if name in ("api_keys", "admin_api_keys") else value
-    return RouterSettings(**values)  # type: ignore[arg-type]
+    settings = RouterSettings(**values)  # type: ignore[arg-type]
+    _check_keyring(settings)
+    return settings
+
+
+def _check_keyring(settings: RouterSettings) -> None:
+    """A cluster secret the router could not use (unreadable, too short) stops it here with the
+    reason, rather than as a traceback when the app is built."""
+    from kvtransfer.signing import keyring_source
+
+    try:
+        keyring_source(settings.cluster_secret, settings.cluster_secret_file)
+    except ValueError as exc:
+        raise ConfigError(f"cluster secret: {exc}") from exc

@@ -272,6 +272,43 @@ def test_secrets_are_generated_and_each_service_gets_only_its_own() -> None:
     assert "--web.enable-lifecycle" not in services["prometheus"]["command"]
 
 
+def _run_secrets_service(root: Path, cluster_secret: str) -> subprocess.CompletedProcess[str]:
+    """The `secrets` service's shell command, as its container runs it (compose's ``$$`` is a
+    ``$``), under ``sh`` here, writing to ``root`` instead of the two volumes."""
+    yaml = pytest.importorskip("yaml", reason="PyYAML not installed")
+    compose = yaml.safe_load((c.DEPLOY / "docker-compose.yml").read_text())
+    (script,) = compose["services"]["secrets"]["command"]
+    script = script.replace("$$", "$").replace("/run/pdserve-secrets", str(root))
+    for volume in ("cluster", "redis"):
+        (root / volume).mkdir(exist_ok=True)
+    return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ["PATH"], "PDSERVE_REDIS_PASSWORD": "",
+                               "PDSERVE_CLUSTER_SECRET": cluster_secret})
+
+
+def test_the_secrets_service_refuses_a_cluster_secret_under_32_bytes(tmp_path: Path) -> None:
+    """Review finding 22: `up` stops at the one-shot service, with the reason and nothing
+    written, when a cluster secret given (any line of a keyring) is under 32 bytes. Controls:
+    32 bytes are written as given; none given, 32 random bytes are generated (hex)."""
+    from kvtransfer.signing import Keyring
+
+    keyring = tmp_path / "cluster" / "keyring"
+    for short in ("s" * 31, f"{'s' * 40}\n{'t' * 20}"):
+        done = _run_secrets_service(tmp_path, short)
+        assert done.returncode != 0
+        assert "each secret needs at least 32 bytes" in done.stderr
+        assert not keyring.exists()
+    done = _run_secrets_service(tmp_path, f"# rotation\n{'s' * 32}\n{'t' * 40}")
+    assert done.returncode == 0, done.stderr
+    assert Keyring.parse(keyring.read_text()).secrets == (b"s" * 32, b"t" * 40)
+    keyring.unlink()
+    done = _run_secrets_service(tmp_path, "")
+    assert done.returncode == 0, done.stderr
+    generated = keyring.read_text().strip()
+    assert len(generated) == 64 and int(generated, 16) >= 0
+    assert Keyring.parse(generated).secrets == (generated.encode(),)
+
+
 def _stream(cluster: Cluster, prompt: str, max_tokens: int = 16) -> str:
     from openai import OpenAI
 

@@ -83,7 +83,7 @@ def test_router_signs_what_it_sends_and_clients_cannot_set_kv_params(
     assert strip_signature(prefill.body["kv_transfer_params"]) == {"do_remote_decode": True}
     assert decode.body["kv_transfer_params"]["do_remote_prefill"] is True
     # Another secret does not verify them.
-    assert Keyring.parse("another-secret-0123456789").verify(
+    assert Keyring.parse("another-secret-0123456789-0123456789").verify(
         decode.body["kv_transfer_params"], time.time()) == "bad signature"
 
     before = sum(len(f.requests) for f in fakes.values())

@@ -40,7 +40,7 @@ def test_the_cache_model_sees_no_prefix_across_salts() -> None:
     assert model.match("w", block_hashes(IDS)) == 0
 
 
-@pytest.mark.parametrize("keyring", [None, Keyring.parse("cluster-secret-0123456789")])
+@pytest.mark.parametrize("keyring", [None, Keyring.parse("cluster-secret-0123456789-0123456789")])
 def test_each_key_has_its_own_salt_that_is_not_the_key(keyring: Keyring | None) -> None:
     salts = KeySalts(keyring)
     a, b = salts.of_key(KEY_A), salts.of_key(KEY_B)
@@ -55,8 +55,8 @@ def test_each_key_has_its_own_salt_that_is_not_the_key(keyring: Keyring | None) 
 
 
 def test_the_salt_depends_on_the_cluster_secret() -> None:
-    one = KeySalts(Keyring.parse("cluster-secret-0123456789")).of_key(KEY_A)
-    other = KeySalts(Keyring.parse("cluster-secret-9876543210")).of_key(KEY_A)
+    one = KeySalts(Keyring.parse("cluster-secret-0123456789-0123456789")).of_key(KEY_A)
+    other = KeySalts(Keyring.parse("cluster-secret-9876543210-9876543210")).of_key(KEY_A)
     unkeyed = KeySalts(None).of_key(KEY_A)
     assert len({one, other, unkeyed}) == 3
     assert unkeyed != hashlib.sha256(KEY_A.encode()).hexdigest()  # domain-separated

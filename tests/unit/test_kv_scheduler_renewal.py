@@ -64,7 +64,7 @@ def test_vllms_cleanup_copy_of_admitted_params_is_not_counted_as_refused(tmp_pat
     a refusal: counting it made ``pdserve_kv_refused_params_total`` rise on client hang-ups
     (the across-hosts CI failure). Control: the same replay without the flag is counted."""
     keys = tmp_path / "keyring"
-    keys.write_text("s3cret-0123456789abcdef\n")
+    keys.write_text("s3cret-0123456789abcdef-0123456789\n")
     half = SchedulerHalf("engine-d", ConnectorConfig(lease_s=30.0, signing_keys_file=str(keys)))
     blob = Keyring.parse(keys.read_text()).sign(_request("x", 30.0).kv_transfer_params,
                                                 time.time(), target="engine-d")

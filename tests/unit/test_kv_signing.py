@@ -17,8 +17,8 @@ from kvtransfer.signing import (
     verify_for_engine,
 )
 
-OLD = "old-secret-0123456789abcdef"
-NEW = "new-secret-fedcba9876543210"
+OLD = "old-secret-0123456789abcdef-0123456789"
+NEW = "new-secret-fedcba9876543210-9876543210"
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_request_id": "r1",
           "remote_block_ids": [3, 4, 5], "remote_handshake": "aGVsbG8=", "remote_num_tokens": 40,
           "lease_s": 30.0}
@@ -67,9 +67,21 @@ def test_rotation_new_key_signs_both_verify() -> None:
     assert during.key_ids == (Keyring.parse(NEW).key_ids[0], Keyring.parse(OLD).key_ids[0])
 
 
-def test_secrets_must_be_long_enough() -> None:
-    with pytest.raises(ValueError):
-        Keyring.parse("short")
+def test_secrets_under_32_bytes_are_refused_with_the_reason() -> None:
+    """Review finding 22: no secret under 32 bytes, in any line of a keyring; the error says how
+    long it is and what is needed, never the secret. Controls: 32 bytes are taken, and 16 (the
+    old minimum) are not."""
+    with pytest.raises(ValueError, match="the cluster secret is 31 bytes; at least 32 are "
+                                         "required") as short:
+        Keyring.parse("q" * 31)
+    assert "q" * 8 not in str(short.value)
+    with pytest.raises(ValueError, match="is 16 bytes"):
+        Keyring.parse("q" * 16)
+    with pytest.raises(ValueError, match="secret 2 of 2 is 20 bytes"):
+        Keyring.parse(f"{OLD}\n{'q' * 20}\n")
+    assert Keyring.parse("q" * 32).secrets == (b"q" * 32,)
+    assert len(OLD) >= 32 and Keyring.parse(f"{NEW}\n{OLD}").secrets == (NEW.encode(),
+                                                                          OLD.encode())
     with pytest.raises(ValueError):
         Keyring.parse("# only a comment\n")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from router.config import RouterSettings, load
@@ -52,3 +54,24 @@ def test_main_rejects_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["--policy", "magic"]) == 2
     assert "unknown policy" in capsys.readouterr().err
+
+
+def test_a_short_cluster_secret_stops_the_router_with_the_reason(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Review finding 22: a secret under 32 bytes (text or file) is a configuration error with
+    the reason (exit status 2), not a traceback when the app is built; control: 32 bytes load."""
+    with pytest.raises(ConfigError, match="cluster secret: the cluster secret is 20 bytes"):
+        load([], env={"PDSERVE_CLUSTER_SECRET": "k" * 20})
+    keyring = tmp_path / "keyring"
+    keyring.write_text("k" * 31 + "\n")
+    with pytest.raises(ConfigError, match="31 bytes; at least 32"):
+        load([], env={"PDSERVE_CLUSTER_SECRET_FILE": str(keyring)})
+    from router.main import main
+
+    monkeypatch.setenv("PDSERVE_CLUSTER_SECRET_FILE", str(keyring))
+    assert main([]) == 2
+    assert "at least 32 are required" in capsys.readouterr().err
+    keyring.write_text("k" * 32 + "\n")
+    assert load([], env={"PDSERVE_CLUSTER_SECRET_FILE": str(keyring)}).cluster_secret_file == \
+        str(keyring)

@@ -12,7 +12,7 @@ from serve.cli import _parser
 from serve.vllm_cli import api_key_args
 from serve.worker import WorkerSettings, settings_from_args, vllm_env
 
-SECRET = "cluster-secret-0123456789abcdef"
+SECRET = "cluster-secret-0123456789abcdef-0123456789"
 
 
 def _settings(role: str, *flags: str) -> WorkerSettings:
@@ -45,7 +45,7 @@ def test_an_aggregated_worker_needs_no_secret(monkeypatch: pytest.MonkeyPatch) -
 
 def test_vllm_gets_every_derived_key_and_never_the_secret(tmp_path: Path) -> None:
     keyring = tmp_path / "keyring"
-    keyring.write_text(f"{SECRET}\nolder-secret-0123456789abcdef\n")
+    keyring.write_text(f"{SECRET}\nolder-secret-0123456789abcdef-0123456789\n")
     args = api_key_args({ENV_API_KEYRING_FILE: str(keyring)})
     ring = Keyring.parse(keyring.read_text())
     assert args == ["--api-key", *ring.worker_api_keys] and len(ring.worker_api_keys) == 2

@@ -10,8 +10,8 @@ import pytest
 from kvtransfer.signing import Keyring
 from router.state.registry import WorkerRecord
 
-RING = Keyring((b"cluster-secret-aaaaaaaaaaaaaaaa",))
-OTHER = Keyring((b"another-secret-bbbbbbbbbbbbbbbb",))
+RING = Keyring((b"cluster-secret-aaaaaaaaaaaaaaaaaaaaaaaa",))
+OTHER = Keyring((b"another-secret-bbbbbbbbbbbbbbbbbbbbbbbb",))
 RECORD = WorkerRecord("prefill-0", "prefill", "tiny", "/m", "http://10.0.0.5:8100", "engine-0",
                       "dWN4", 4096, 1_700_000_000.0, "tcp://10.0.0.5:5557")
 
