@@ -8,6 +8,7 @@ render defines, on ports those declare).
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -253,6 +254,12 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "pdserve.json"
 MODEL_JOB = ROOT / "deploy" / "k8s" / "base" / "model-download.yaml"
 
 
+def _model_job(kind: str) -> dict[str, Any]:
+    """The one object of ``kind`` in model-download.yaml (the Job and its NetworkPolicy)."""
+    (obj,) = [d for d in yaml.safe_load_all(MODEL_JOB.read_text()) if d and d["kind"] == kind]
+    return obj
+
+
 def _workloads(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
 
@@ -357,6 +364,7 @@ def test_workers_are_reachable_only_from_router_autoscaler_prometheus_and_worker
         pod = _by(objs, "Deployment", name)["spec"]["template"]
         labels = pod["metadata"]["labels"]
         covering = [p for p in objs if p["kind"] == "NetworkPolicy"
+                    and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
                     and _labels_selected(p["spec"]["podSelector"], labels)]
         assert covering, f"{overlay}: no NetworkPolicy covers {name}"
         for pol in covering:
@@ -499,7 +507,7 @@ def test_only_the_autoscaler_mounts_a_service_account_token(
         else:
             assert pod.get("automountServiceAccountToken") is False, (overlay, name)
             assert "serviceAccountName" not in pod, name
-    (job,) = [d for d in yaml.safe_load_all(MODEL_JOB.read_text()) if d]
+    job = _model_job("Job")
     assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 
@@ -584,7 +592,7 @@ def test_model_comes_from_the_volume_and_hf_token_from_a_secret(
 
 
 def test_model_download_job_validates_and_is_hardened() -> None:
-    (job,) = [d for d in yaml.safe_load_all(MODEL_JOB.read_text()) if d]
+    job = _model_job("Job")
     kv.validate(job, K8S_VERSION, strict=True)
     _assert_hardened(job["metadata"]["name"], job["spec"]["template"]["spec"])
     (vol,) = job["spec"]["template"]["spec"]["volumes"][:1]
@@ -615,3 +623,277 @@ def test_grafana_dashboard_configmap_uses_a_datasource_variable(
     assert {json.dumps(d, sort_keys=True) for d in uses} == {  # ... and only the variable
         json.dumps({"type": "prometheus", "uid": "${datasource}"}, sort_keys=True)}
     assert "pdserve-prometheus" not in cm["data"]["pdserve.json"]
+
+
+# --- Pod Security Admission `restricted`, egress (security review finding 22) -------------------
+
+RESTRICTED = {f"pod-security.kubernetes.io/{mode}": "restricted"
+              for mode in ("enforce", "audit", "warn")}
+RESTRICTED_VOLUMES = frozenset({"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                                "persistentVolumeClaim", "projected", "secret"})
+SAFE_SYSCTLS = frozenset({
+    "kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+    "net.ipv4.tcp_keepalive_probes"})
+SELINUX_TYPES = frozenset({"", "container_t", "container_init_t", "container_kvm_t",
+                           "container_engine_t"})
+
+
+def _restricted_violations(pod: dict[str, Any]) -> list[str]:
+    """What in ``pod`` (a pod spec) the Pod Security Standards' ``restricted`` profile refuses,
+    baseline's rules included, as the Kubernetes 1.33 page lists them; [] = admitted. (No API
+    server here to ask: kubectl is a client only.)"""
+    out: list[str] = []
+    psc = pod.get("securityContext", {})
+    out += [key for key in ("hostNetwork", "hostPID", "hostIPC") if pod.get(key)]
+    for vol in pod.get("volumes", []):
+        kinds = set(vol) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            out.append(f"volume {vol['name']}: {sorted(kinds - RESTRICTED_VOLUMES)}")
+    out += [f"sysctl {x['name']}" for x in psc.get("sysctls", []) if x["name"] not in SAFE_SYSCTLS]
+    if psc.get("runAsUser") == 0:
+        out.append("pod runAsUser 0")
+    containers = [*pod.get("initContainers", []), *pod["containers"],
+                  *pod.get("ephemeralContainers", [])]
+    for c in containers:
+        sc, name = c.get("securityContext", {}), c["name"]
+        for ctx, where in ((psc, "pod"), (sc, name)):
+            if ctx.get("windowsOptions", {}).get("hostProcess"):
+                out.append(f"{where}: hostProcess")
+            selinux = ctx.get("seLinuxOptions", {})
+            if selinux.get("type", "") not in SELINUX_TYPES or "user" in selinux \
+                    or "role" in selinux:
+                out.append(f"{where}: seLinuxOptions {selinux}")
+            if ctx.get("appArmorProfile", {}).get("type", "RuntimeDefault") not in (
+                    "RuntimeDefault", "Localhost"):
+                out.append(f"{where}: appArmorProfile")
+        if sc.get("privileged"):
+            out.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{name}: allowPrivilegeEscalation not false")
+        caps = sc.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []):
+            out.append(f"{name}: capabilities not dropped")
+        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{name}: capabilities added {caps['add']}")
+        if sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
+            out.append(f"{name}: runAsNonRoot not true")
+        if sc.get("runAsUser") == 0:
+            out.append(f"{name}: runAsUser 0")
+        seccomp = sc.get("seccompProfile") or psc.get("seccompProfile") or {}
+        if seccomp.get("type") not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{name}: seccompProfile {seccomp.get('type')}")
+        if sc.get("procMount", "Default") != "Default":
+            out.append(f"{name}: procMount")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            out.append(f"{name}: hostPort")
+    return out
+
+
+def test_the_namespace_enforces_the_restricted_pod_security_profile(
+        rendered: tuple[str, list[dict]]) -> None:
+    _, objs = rendered
+    labels = _by(objs, "Namespace", NAMESPACE)["metadata"].get("labels", {})
+    assert {k: v for k, v in labels.items() if k.startswith("pod-security.")} == RESTRICTED
+
+
+def test_every_pod_meets_the_restricted_pod_security_profile(
+        rendered: tuple[str, list[dict]]) -> None:
+    """Every pod of the render, and the model download Job (applied into the same namespace),
+    would be admitted under ``enforce: restricted``."""
+    overlay, objs = rendered
+    pods = [*_pod_specs(objs), ("pdserve-model-download",
+                                _model_job("Job")["spec"]["template"]["spec"])]
+    assert len(pods) == 3 + len(WORKERS[overlay]) + len(_autoscaler(overlay))
+    for name, pod in pods:
+        assert _restricted_violations(pod) == [], (overlay, name)
+
+
+@functools.cache
+def _router_pod_json() -> str:
+    return json.dumps(_by(_kustomize("cpu"), "Deployment", "pdserve-router")
+                      ["spec"]["template"]["spec"])
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (lambda p: p["containers"][0]["securityContext"].pop("allowPrivilegeEscalation"),
+     "allowPrivilegeEscalation"),
+    (lambda p: p["securityContext"].update(runAsNonRoot=False), "runAsNonRoot"),
+    (lambda p: p["securityContext"].pop("seccompProfile"), "seccompProfile"),
+    (lambda p: p["containers"][0]["securityContext"]["capabilities"].update(add=["SYS_PTRACE"]),
+     "capabilities added"),
+    (lambda p: p["containers"][0]["securityContext"].update(capabilities={}),
+     "capabilities not dropped"),
+    (lambda p: p["volumes"].append({"name": "host", "hostPath": {"path": "/"}}), "hostPath"),
+    (lambda p: p.update(hostNetwork=True), "hostNetwork"),
+    (lambda p: p["containers"][0]["securityContext"].update(privileged=True), "privileged"),
+    (lambda p: p["containers"][0]["securityContext"].update(runAsUser=0), "runAsUser 0"),
+    (lambda p: p["containers"][0]["ports"].append({"containerPort": 80, "hostPort": 80}),
+     "hostPort"),
+])
+def test_control_the_profile_check_refuses_what_restricted_refuses(change: Any,
+                                                                   expected: str) -> None:
+    """Negative controls of the check above: the router's pod with one thing `restricted`
+    refuses is refused, naming it."""
+    pod = json.loads(_router_pod_json())
+    assert _restricted_violations(pod) == []
+    change(pod)
+    assert any(expected in v for v in _restricted_violations(pod)), _restricted_violations(pod)
+
+
+METADATA_IP = "169.254.169.254"
+PUBLIC_IP = "93.184.215.14"
+API_SERVER_IPS = ("10.96.0.1", "172.18.0.2", "192.168.49.2")  # Service VIP, kind, minikube
+KUBE_DNS = {"k8s-app": "kube-dns"}
+WORKER_PORTS = {"http": 8100}
+POD_PORTS = {"pdserve-router": {"http": 8000}, "pdserve-worker": WORKER_PORTS,
+             "pdserve-redis": {"redis": 6379}, "pdserve-autoscaler": {"metrics": 9400}}
+
+
+def _egress_policies(objs: list[dict[str, Any]], source: dict[str, str]) -> list[dict[str, Any]]:
+    return [p for p in objs if p["kind"] == "NetworkPolicy"
+            and "Egress" in p["spec"].get("policyTypes", [])
+            and _labels_selected(p["spec"]["podSelector"], source)]
+
+
+def _port_matches(rule: dict[str, Any], port: int, protocol: str,
+                  named: dict[str, int]) -> bool:
+    if not rule.get("ports"):
+        return True
+    for p in rule["ports"]:
+        if p.get("protocol", "TCP") != protocol:
+            continue
+        want = p.get("port")
+        if want is None or want == port or named.get(str(want)) == port:
+            return True
+    return False
+
+
+def _in_block(ip: str, block: dict[str, Any]) -> bool:
+    import ipaddress
+
+    addr = ipaddress.ip_address(ip)
+    if addr not in ipaddress.ip_network(block["cidr"]):
+        return False
+    return not any(addr in ipaddress.ip_network(e) for e in block.get("except", []))
+
+
+def _egress_allows(objs: list[dict[str, Any]], source: dict[str, str], port: int,
+                   protocol: str = "TCP", *, to_pod: dict[str, str] | None = None,
+                   namespace: str = NAMESPACE, to_ip: str | None = None) -> bool:
+    """Whether the NetworkPolicies in ``objs`` let a pod labelled ``source`` (in ``pdserve``)
+    open ``protocol``/``port`` to a pod labelled ``to_pod`` in ``namespace`` (its named ports:
+    :data:`POD_PORTS`) or to the address ``to_ip`` (not a pod). An ipBlock is matched against
+    addresses only, pod selectors against pods only. Unselected pods allow everything."""
+    policies = _egress_policies(objs, source)
+    if not policies:
+        return True
+    named = POD_PORTS.get((to_pod or {}).get("app.kubernetes.io/name", ""), {})
+    ns_labels = {"kubernetes.io/metadata.name": namespace}
+    for pol in policies:
+        for rule in pol["spec"].get("egress", []):
+            if not _port_matches(rule, port, protocol, named):
+                continue
+            if "to" not in rule:
+                return True
+            for peer in rule["to"]:
+                if "ipBlock" in peer:
+                    if to_ip is not None and _in_block(to_ip, peer["ipBlock"]):
+                        return True
+                    continue
+                if to_pod is None:
+                    continue
+                if "namespaceSelector" in peer:
+                    if not _labels_selected(peer["namespaceSelector"], ns_labels):
+                        continue
+                elif namespace != NAMESPACE:
+                    continue
+                if _labels_selected(peer.get("podSelector", {}), to_pod):
+                    return True
+    return False
+
+
+def test_egress_is_denied_by_default_and_allowed_where_each_component_connects(
+        rendered: tuple[str, list[dict]]) -> None:
+    _, objs = rendered
+    deny = _by(objs, "NetworkPolicy", "pdserve-default-deny-egress")["spec"]
+    assert deny == {"podSelector": {}, "policyTypes": ["Egress"]}
+    worker = {"app.kubernetes.io/name": "pdserve-worker"}
+    prefill, decode = ({**worker, "app.kubernetes.io/component": r} for r in ("prefill", "decode"))
+    sources = {"router": ROUTER, "prefill": prefill, "decode": decode, "redis": REDIS,
+               "autoscaler": AUTOSCALER}
+    for name, source in sources.items():
+        # every pod resolves names, on the cluster DNS only
+        for proto in ("UDP", "TCP"):
+            assert _egress_allows(objs, source, 53, proto, to_pod=KUBE_DNS,
+                                  namespace="kube-system"), name
+        assert not _egress_allows(objs, source, 53, "UDP", to_pod=KUBE_DNS,
+                                  namespace="tenant-a"), name
+        assert not _egress_allows(objs, source, 53, "UDP", to_ip="8.8.8.8"), name
+        # nothing reaches the cloud metadata endpoint or the internet
+        for port in (80, 443):
+            assert not _egress_allows(objs, source, port, to_ip=METADATA_IP), name
+            assert not _egress_allows(objs, source, port, to_ip=PUBLIC_IP), name
+        assert not _egress_allows(objs, source, 8000, to_pod=CLIENT), name
+    allowed = [
+        (ROUTER, REDIS, 6379), (ROUTER, prefill, 8100), (ROUTER, decode, 8100),
+        (prefill, REDIS, 6379), (decode, REDIS, 6379),
+        (decode, prefill, 41234), (prefill, decode, 41234), (decode, prefill, 8100),
+        (AUTOSCALER, REDIS, 6379), (AUTOSCALER, ROUTER, 8000), (AUTOSCALER, prefill, 8100),
+        (AUTOSCALER, decode, 8100),
+    ]
+    for source, dest, port in allowed:
+        assert _egress_allows(objs, source, port, to_pod=dest), (source, dest, port)
+    refused = [
+        (ROUTER, prefill, 41234), (ROUTER, AUTOSCALER, 9400), (ROUTER, ROUTER, 8000),
+        (prefill, ROUTER, 8000), (decode, AUTOSCALER, 9400), (REDIS, prefill, 8100),
+        (REDIS, REDIS, 6379), (AUTOSCALER, prefill, 41234),
+        (ROUTER, REDIS, 6379, "tenant-a"), (prefill, prefill, 8100, "tenant-a"),
+    ]
+    for source, dest, port, *ns in refused:
+        assert not _egress_allows(objs, source, port, to_pod=dest,
+                                  namespace=ns[0] if ns else NAMESPACE), (source, dest, port, ns)
+    # the API server (an address, not a pod): the autoscaler only
+    for ip in API_SERVER_IPS:
+        for port in (443, 6443):
+            assert _egress_allows(objs, AUTOSCALER, port, to_ip=ip), ip
+        for source in (ROUTER, prefill, decode, REDIS):
+            assert not _egress_allows(objs, source, 443, to_ip=ip), (source, ip)
+
+
+def test_no_egress_rule_opens_everywhere_or_the_metadata_endpoint(
+        rendered: tuple[str, list[dict]]) -> None:
+    """No rule without a destination, no /0 block, and no block that holds 169.254.169.254
+    (unless excepted)."""
+    import ipaddress
+
+    _, objs = rendered
+    rules = [r for p in objs if p["kind"] == "NetworkPolicy"
+             for r in p["spec"].get("egress", [])]
+    assert rules
+    for rule in rules:
+        assert rule.get("to"), f"an egress rule without `to` reaches every address: {rule}"
+        for peer in rule["to"]:
+            block = peer.get("ipBlock")
+            if block is None:
+                continue
+            assert ipaddress.ip_network(block["cidr"]).prefixlen > 0, block
+            assert not _in_block(METADATA_IP, block), block
+            assert not _in_block("fd00:ec2::254", block), block  # AWS's IPv6 metadata
+
+
+def test_the_model_download_job_reaches_public_https_only() -> None:
+    """Its own policy (in its file, applied with it) opens HTTPS on public addresses to the
+    Job's pods only: never the metadata endpoints, private ranges or other ports."""
+    pol = _model_job("NetworkPolicy")
+    kv.validate(pol, K8S_VERSION, strict=True)
+    job_pod = _model_job("Job")["spec"]["template"]["metadata"]["labels"]
+    assert _labels_selected(pol["spec"]["podSelector"], job_pod)
+    for other in (ROUTER, REDIS, AUTOSCALER, {"app.kubernetes.io/name": "pdserve-worker"}):
+        assert not _labels_selected(pol["spec"]["podSelector"], other)
+    assert _egress_allows([pol], job_pod, 443, to_ip=PUBLIC_IP)
+    assert not _egress_allows([pol], job_pod, 80, to_ip=PUBLIC_IP)
+    for ip in (METADATA_IP, "100.100.100.200", "10.0.0.1", "172.16.5.4", "192.168.1.1",
+               "127.0.0.1"):
+        assert not _egress_allows([pol], job_pod, 443, to_ip=ip), ip
