@@ -291,7 +291,6 @@ def _ingress_allows(objs: list[dict[str, Any]], target: dict[str, str], source: 
     one labelled ``target`` in ``pdserve`` (on the named ``port``; None = any). Unselected pods
     allow everything. A namespace carries only the label Kubernetes sets on every namespace,
     ``kubernetes.io/metadata.name``."""
-    ns_labels = {"kubernetes.io/metadata.name": namespace}
     policies = [p for p in objs if p["kind"] == "NetworkPolicy"
                 and _labels_selected(p["spec"]["podSelector"], target)
                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
@@ -306,14 +305,22 @@ def _ingress_allows(objs: list[dict[str, Any]], target: dict[str, str], source: 
                 return True
             for peer in rule["from"]:
                 assert "ipBlock" not in peer, "ipBlock peers would bypass the label rules"
-                if "namespaceSelector" in peer:  # {} = any namespace
-                    if not _labels_selected(peer["namespaceSelector"], ns_labels):
-                        continue
-                elif namespace != NAMESPACE:
-                    continue
-                if _labels_selected(peer.get("podSelector", {}), source):
+                if _peer_selects(peer, source, namespace):
                     return True
     return False
+
+
+def _peer_selects(peer: dict[str, Any], labels: dict[str, str], namespace: str) -> bool:
+    """Whether a NetworkPolicy peer's selectors pick a pod labelled ``labels`` in ``namespace``
+    (which carries only the label Kubernetes sets on every namespace); a peer without a
+    namespaceSelector picks pods of the policy's own namespace only."""
+    if "namespaceSelector" in peer:  # {} = any namespace
+        if not _labels_selected(peer["namespaceSelector"],
+                                {"kubernetes.io/metadata.name": namespace}):
+            return False
+    elif namespace != NAMESPACE:
+        return False
+    return _labels_selected(peer.get("podSelector", {}), labels)
 
 
 def test_every_workload_has_a_disruption_budget_selecting_exactly_it(
@@ -790,7 +797,6 @@ def _egress_allows(objs: list[dict[str, Any]], source: dict[str, str], port: int
     if not policies:
         return True
     named = POD_PORTS.get((to_pod or {}).get("app.kubernetes.io/name", ""), {})
-    ns_labels = {"kubernetes.io/metadata.name": namespace}
     for pol in policies:
         for rule in pol["spec"].get("egress", []):
             if not _port_matches(rule, port, protocol, named):
@@ -802,14 +808,7 @@ def _egress_allows(objs: list[dict[str, Any]], source: dict[str, str], port: int
                     if to_ip is not None and _in_block(to_ip, peer["ipBlock"]):
                         return True
                     continue
-                if to_pod is None:
-                    continue
-                if "namespaceSelector" in peer:
-                    if not _labels_selected(peer["namespaceSelector"], ns_labels):
-                        continue
-                elif namespace != NAMESPACE:
-                    continue
-                if _labels_selected(peer.get("podSelector", {}), to_pod):
+                if to_pod is not None and _peer_selects(peer, to_pod, namespace):
                     return True
     return False
 

@@ -117,6 +117,13 @@ class _Reader:
         return out
 
 
+def _assert_still_open(sock: socket.socket) -> None:
+    """A control's connection: open now (after the strict router closed its twin), and still
+    open two deadlines later, with nothing sent to it."""
+    assert _is_open(sock)
+    assert _wait_closed(sock, 2 * DEADLINE_S) == (False, b"")
+
+
 def _read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     """One HTTP/1.1 response (Content-Length or chunked): status, headers (lower-cased), body.
     Nothing after it is read (kept-alive connections are reused)."""
@@ -175,8 +182,7 @@ def test_a_connection_without_a_complete_head_is_closed_unanswered_and_counted(
         kept.sendall(partial)
         assert _wait_closed(late, BOUND_S) == (True, b"")
         assert _wait_closed(idle, BOUND_S) == (True, b"")
-        assert _is_open(kept)
-        assert _wait_closed(kept, 2 * DEADLINE_S) == (False, b"")
+        _assert_still_open(kept)
         kept.sendall(b"1\r\n\r\n")
         assert _read_response(kept)[0] == 200
     eventually(lambda: _closes(strict, "head_timeout"), lambda n: n >= before + 2,
@@ -204,8 +210,7 @@ def test_a_kept_alive_connection_gets_its_deadline_from_the_next_requests_first_
         for sock in (conn, kept):
             sock.sendall(b"GET /health HTTP/1.1\r\nHo")
         assert _wait_closed(conn, BOUND_S) == (True, b"")
-        assert _is_open(kept)
-        assert _wait_closed(kept, 2 * DEADLINE_S) == (False, b"")
+        _assert_still_open(kept)
         kept.sendall(b"st: router\r\n\r\n")
         assert _read_response(kept)[0] == 200
     eventually(lambda: _closes(strict, "head_timeout"), lambda n: n >= before + 1,
@@ -262,8 +267,7 @@ def test_a_body_trickled_after_its_answer_is_cut_at_the_body_deadline(
         trickles = [Trickle(conn, b" " * 200), Trickle(kept, b" " * 200)]
         try:
             assert _wait_closed(conn, BOUND_S) == (True, b"")
-            assert _is_open(kept)
-            assert _wait_closed(kept, 2 * DEADLINE_S) == (False, b"")
+            _assert_still_open(kept)
         finally:
             for t in trickles:
                 t.stop()
