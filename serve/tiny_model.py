@@ -151,6 +151,11 @@ def build_tiny_model(out_dir: str | os.PathLike[str] | None = None, *, seed: int
         _build_weights(tmp, vocab, seed)
         (tmp / MARKER).write_text(json.dumps({"version": TINY_MODEL_VERSION,
                                                           "seed": seed, "vocab_size": vocab}))
+        # readable by every user, as a model is (mkdtemp makes 0700, the weights' writer 0600):
+        # an image's unprivileged user serves the model root built
+        tmp.chmod(0o755)
+        for path in tmp.iterdir():
+            path.chmod(0o644)
         if target.exists():
             shutil.rmtree(target)
         try:

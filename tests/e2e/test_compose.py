@@ -269,6 +269,11 @@ def test_secrets_are_generated_and_each_service_gets_only_its_own() -> None:
     for name in ("prometheus", "grafana"):
         mounts = " ".join(services[name].get("volumes", []))
         assert "pdserve-secrets" not in mounts, name
+    # unprivileged, reading secrets made theirs; root only where the socket or a GPU needs it
+    for name in ("router", "prefill", "decode", "flex"):
+        assert services[name]["user"] == "10001:10001", name
+    assert "chown 10001:10001" in secrets["command"][0]
+    assert "user" not in services["autoscaler"]
     assert "--web.enable-lifecycle" not in services["prometheus"]["command"]
 
 
@@ -391,6 +396,34 @@ def test_redis_and_worker_apis_refuse_callers_without_the_secrets(cluster: Clust
                          )[0]["Config"]["Env"]
         assert not [e for e in env if e.startswith(("PDSERVE_CLUSTER_SECRET=",
                                                     "PDSERVE_REDIS_URL="))], env
+
+
+def test_router_and_workers_run_unprivileged_and_trust_no_build_ca(cluster: Cluster) -> None:
+    """Review finding 22: the router's and the workers' processes run as the image's user
+    10001, not root (the secrets they read are its own), and the CAs staged for the build's
+    downloads (this machine's, `stage_build_inputs`) are not in the image's trust store.
+    Controls: Redis's entrypoint runs as root before it drops to `redis`; the build was given
+    those CAs."""
+    for service in ("router", "prefill", "decode"):
+        for cid in cluster.containers(service):
+            assert cluster.exec_sh(cid, "id -u").strip() == "10001", service
+            # the process tree itself (docker-init and pdserve under it), not only exec's user
+            owners = cluster.exec_sh(cid, "stat -c %u /proc/[0-9]*").split()
+            assert owners and set(owners) == {"10001"}, (service, owners)
+    (redis,) = cluster.containers("redis")
+    assert cluster.exec_sh(redis, "stat -c %u /proc/1").strip() == "0"  # control
+    (router,) = cluster.containers("router")
+    assert cluster.exec_sh(
+        router, "ls /usr/local/share/ca-certificates/pdserve-extra 2>/dev/null | wc -l"
+    ).strip() == "0"
+    bundle = cluster.exec_sh(router, "cat /etc/ssl/certs/ca-certificates.crt")
+    staged = sorted((c.DEPLOY / "ca-certs").glob("*.crt"))
+    for crt in staged:  # each one's body (base64 lines) is absent from the bundle
+        body = [line for line in crt.read_text().splitlines()
+                if line and not line.startswith("-----")]
+        assert body and body[1] not in bundle, crt.name
+    if not staged:
+        pytest.skip("no CA was staged for the build here: the control cannot run")
 
 
 def _prom(cluster: Cluster, query: str) -> list[dict]:
