@@ -109,17 +109,17 @@ class WorkerSettings:
         if self.role not in ("prefill", "decode", "aggregated", "flex"):
             raise ValueError("--role must be prefill, decode, aggregated or flex, got "
                              f"{self.role!r}")
-        if self.kv_events_port:
-            check_kv_events_args(self.kv_events_port, self.extra_vllm_args)
-        if self.kv_events_replay_port and not 0 < self.kv_events_replay_port < 65536:
-            raise ValueError("--kv-events-replay-port must be in 1..65535, got "
-                             f"{self.kv_events_replay_port}")
+        for flag, port in (("--kv-events-port", self.kv_events_port),
+                           ("--kv-events-replay-port", self.kv_events_replay_port)):
+            if port and not 0 < port < 65536:
+                raise ValueError(f"{flag} must be in 1..65535, got {port}")
         if self.kv_events_replay_port and not self.kv_events_port:
             raise ValueError("--kv-events-replay-port needs --kv-events-port")
-        if self.kv_events_ipc:
-            if self.kv_events_port:
-                raise ValueError("--kv-events-ipc and --kv-events-port: give one or the other")
-            check_kv_events_args(1, self.extra_vllm_args)
+        if self.kv_events_ipc and self.kv_events_port:
+            raise ValueError("--kv-events-ipc and --kv-events-port: give one or the other")
+        if self.kv_events_port or self.kv_events_ipc:
+            check_kv_events_args(self.extra_vllm_args,
+                                 "--kv-events-ipc" if self.kv_events_ipc else "--kv-events-port")
 
     def check_secure(self) -> None:
         """Fail closed: a prefill or decode worker without the cluster secret is refused
@@ -173,21 +173,19 @@ def kv_events_config(port: int, replay_port: int = 0, ipc: str = "") -> dict[str
     return config
 
 
-def check_kv_events_args(port: int, extra: tuple[str, ...]) -> None:
-    """Refuse ``--kv-events-port`` with arguments that defeat it: a port out of range, an own
-    ``--kv-events-config``, or a ``--block-size`` the router cannot map onto its blocks."""
-    if not 0 < port < 65536:
-        raise ValueError(f"--kv-events-port must be in 1..65535, got {port}")
+def check_kv_events_args(extra: tuple[str, ...], flag: str = "--kv-events-port") -> None:
+    """Refuse KV events (``flag``: the option that turned them on) with vLLM arguments that
+    defeat them: an own ``--kv-events-config``, or a ``--block-size`` the router cannot map onto
+    its blocks."""
     for i, arg in enumerate(extra):
         name, _, value = arg.partition("=")
         if name == "--kv-events-config":
-            raise ValueError("--kv-events-port sets vLLM's --kv-events-config; give one or the "
-                             "other")
+            raise ValueError(f"{flag} sets vLLM's --kv-events-config; give one or the other")
         if name == "--block-size":
             value = value or (extra[i + 1] if i + 1 < len(extra) else "")
             if not value.isdigit() or int(value) % ROUTER_BLOCK_TOKENS:
                 raise ValueError(
-                    f"--kv-events-port: vLLM's --block-size {value} is not a multiple of the "
+                    f"{flag}: vLLM's --block-size {value} is not a multiple of the "
                     f"router's {ROUTER_BLOCK_TOKENS}-token blocks, so routers could not map its "
                     "KV events onto their prefix hashes")
 
