@@ -26,6 +26,10 @@ def test_router_counts_a_generation_it_did_not_send(cluster: Cluster,
     for role in ("prefill", "decode"):  # real vLLM's gauges parse for both pools
         eventually(lambda r=role: _entry(cluster, r), lambda e: e["reported"] is not None,
                    timeout_s=30)
+    # the cluster is shared: let an earlier test's last stream finish on both sides (vLLM and
+    # this router's accounting) so the one sequence below is the only one either side counts
+    eventually(lambda: _entry(cluster, "decode"),
+               lambda e: e["in_flight"] == 0 and e["reported"]["running"] == 0, timeout_s=30)
     body = {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 3000, "ignore_eos": True,
             "temperature": 0, "stream": True}
     started, stop = threading.Event(), threading.Event()
@@ -43,8 +47,11 @@ def test_router_counts_a_generation_it_did_not_send(cluster: Cluster,
     client.start()
     try:
         assert started.wait(60), "the generation never started"
+        # a scrape pairs vLLM's gauge with this router's in-flight count at the moment it
+        # lands; the next scrape (1 s) converges if the two were read across a stream's end
         busy = eventually(lambda: _entry(cluster, "decode"),
-                          lambda e: e["reported"]["running"] == 1, timeout_s=30)
+                          lambda e: e["reported"]["running"] == 1 and e["running"] == 1,
+                          timeout_s=30)
     finally:
         stop.set()
         client.join(timeout=60)
