@@ -213,6 +213,12 @@ static PyObject *engine_get_failed_replies(EngineObject *self, void *Py_UNUSED(c
     return locked_counter(self, &self->failed_replies);
 }
 
+static PyObject *engine_get_unanswered_strangers(EngineObject *self,
+                                                 void *Py_UNUSED(closure))
+{
+    return locked_counter(self, &self->unanswered_strangers);
+}
+
 static PyObject *engine_get_reply_peers(EngineObject *self, void *Py_UNUSED(closure))
 {
     unsigned long n = 0, failed = 0;
@@ -418,7 +424,8 @@ static PyObject *engine_reply(EngineObject *self, PyObject *args)
 {
     unsigned long long req_id;
     Py_buffer sender, view;
-    if (!PyArg_ParseTuple(args, "y*Ky*", &sender, &req_id, &view)) return NULL;
+    int vouched = 1;
+    if (!PyArg_ParseTuple(args, "y*Ky*|p", &sender, &req_id, &view, &vouched)) return NULL;
     if (sender.len == 0 || sender.len > SENDER_ADDR_MAX) {
         PyBuffer_Release(&sender);
         PyBuffer_Release(&view);
@@ -443,14 +450,15 @@ static PyObject *engine_reply(EngineObject *self, PyObject *args)
         return NULL;
     }
     ucs_status_t st;
+    int stranger = 0;
     const char *what = "";
     Py_BEGIN_ALLOW_THREADS
-    st = ucx_reply(self, sender.buf, (size_t)sender.len, c, &what);
+    st = ucx_reply(self, sender.buf, (size_t)sender.len, vouched, c, &stranger, &what);
     Py_END_ALLOW_THREADS
     use_end(self);
     PyBuffer_Release(&sender);
     if (st != UCS_OK && st != UCS_INPROGRESS) return raise_status(what, st);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(!stranger);
 }
 
 static PyObject *engine_context_info(EngineObject *self, PyObject *Py_UNUSED(ignored))
@@ -481,8 +489,10 @@ static PyObject *engine_get_memory_types(EngineObject *self, void *Py_UNUSED(clo
 
 static PyMethodDef engine_methods[] = {
     {"reply", (PyCFunction)engine_reply, METH_VARARGS,
-     "reply(sender, req_id, payload): answer a request over this engine's own endpoint to\n"
-     "the sender's worker address (created on first use, kept for later replies)."},
+     "reply(sender, req_id, payload, vouched=True) -> bool: answer a request over this\n"
+     "engine's own endpoint to the sender's worker address (created on first use when\n"
+     "vouched, kept for later replies); False: not sent, the requester has no endpoint here\n"
+     "and was not vouched for (counted in unanswered_strangers)."},
     {"register", (PyCFunction)(void (*)(void))engine_register, METH_VARARGS | METH_KEYWORDS,
      "register(addr, length, memory_type=None) -> (index, packed_rkey, memory_type):\n"
      "ucp_mem_map existing memory; memory_type None lets UCX detect it, 'cuda' asks for\n"
@@ -507,6 +517,8 @@ static PyGetSetDef engine_getset[] = {
     {"dropped_messages", (getter)engine_get_dropped, NULL, "malformed or late AMs", NULL},
     {"failed_replies", (getter)engine_get_failed_replies, NULL,
      "replies that could not be sent or delivered", NULL},
+    {"unanswered_strangers", (getter)engine_get_unanswered_strangers, NULL,
+     "replies dropped: the requester had no endpoint here and was not vouched for", NULL},
     {"reply_peers", (getter)engine_get_reply_peers, NULL,
      "(endpoints kept to requesters for replies, how many of them failed)", NULL},
     {"memory_types", (getter)engine_get_memory_types, NULL,

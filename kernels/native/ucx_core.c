@@ -746,10 +746,11 @@ static void reply_peers_drop(peer_t **victims, int n)
     }
 }
 
-/* Our reply peer for `addr`, created when there is none or the one we had failed (replylock
- * held, GIL released).  NULL with *st and *what set when no endpoint could be created. */
-static peer_t *reply_peer(EngineObject *e, const void *addr, size_t len, ucs_status_t *st,
-                          const char **what)
+/* Our reply peer for `addr`, created when there is none or the one we had failed and `vouched`
+ * (replylock held, GIL released).  NULL with *st and *what set when no endpoint could be
+ * created; NULL with *st == UCS_OK for a requester not vouched for that has no live one. */
+static peer_t *reply_peer(EngineObject *e, const void *addr, size_t len, int vouched,
+                          ucs_status_t *st, const char **what)
 {
     peer_t *victims[2] = {NULL, NULL};
     size_t n = 0;
@@ -765,6 +766,12 @@ static peer_t *reply_peer(EngineObject *e, const void *addr, size_t len, ucs_sta
         found->last_used = ++e->reply_clock;
         pthread_mutex_unlock(&e->lock);
         return found;
+    }
+    if (!vouched) { /* open no endpoint to an address only the request named (finding 15) */
+        pthread_mutex_unlock(&e->lock);
+        *st = UCS_OK;
+        *what = "reply to a requester not vouched for";
+        return NULL;
     }
     if (found != NULL) { /* failed: close it, and try a new endpoint (a new connection) */
         peer_detach_locked(found);
@@ -813,13 +820,23 @@ static peer_t *reply_peer(EngineObject *e, const void *addr, size_t len, ucs_sta
     return p;
 }
 
-ucs_status_t ucx_reply(EngineObject *e, const void *addr, size_t addr_len, send_ctx_t *c,
-                       const char **what)
+ucs_status_t ucx_reply(EngineObject *e, const void *addr, size_t addr_len, int vouched,
+                       send_ctx_t *c, int *stranger, const char **what)
 {
     ucs_status_t st = UCS_OK;
     *what = "reply send";
+    *stranger = 0;
     pthread_mutex_lock(&e->replylock);
-    peer_t *p = reply_peer(e, addr, addr_len, &st, what);
+    peer_t *p = reply_peer(e, addr, addr_len, vouched, &st, what);
+    if (p == NULL && st == UCS_OK) {
+        free(c);
+        pthread_mutex_unlock(&e->replylock);
+        pthread_mutex_lock(&e->lock);
+        e->unanswered_strangers++;
+        pthread_mutex_unlock(&e->lock);
+        *stranger = 1;
+        return UCS_OK;
+    }
     if (p != NULL) {
         pthread_mutex_lock(&p->oplock);
         pthread_mutex_lock(&e->lock);

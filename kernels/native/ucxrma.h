@@ -39,7 +39,10 @@
  *           name freed memory (security review finding 17).  ucp_ep_create to the requester's
  *           address may pair with the requester's own ep to us (UCX's connection matching), else
  *           it connects anew; either way the ep is ours until we close it: a dead requester fails
- *           our send through the error callback instead.
+ *           our send through the error callback instead.  A reply peer is created only for a
+ *           reply the caller vouches for (the requester proved a lease): others are sent only
+ *           over a live one we hold, or dropped, so a request cannot make us connect to an
+ *           address it merely names (security review finding 15).
  *
  * Threads and locks (nothing relies on the GIL to guard C state)
  *   Engine.uselock (rwlock)  every call that uses the worker or context (register, connect,
@@ -239,6 +242,8 @@ struct EngineObject {
     size_t address_len;
     uint64_t dropped_am;
     uint64_t failed_replies;
+    uint64_t unanswered_strangers; /* eng->lock: replies not sent: no reply peer for the
+                                      requester and the request was not vouched for */
     uint64_t reply_clock;      /* eng->lock: orders reply peers by last use */
     /* same-host path */
     volatile uint8_t nonce[NONCE_LEN]; /* read by peers through process_vm_readv */
@@ -312,9 +317,12 @@ ucs_status_t post_am(EngineObject *e, ucp_ep_h ep, unsigned id, send_ctx_t *c, s
                      uint32_t flags);
 ucs_status_t ucx_ep_create(EngineObject *e, peer_t *p, const void *address);
 /* Send a reply (GIL released, uselock held) over our reply peer for `addr`; c is freed here or
- * by am_send_cb.  A failure is counted in failed_replies; `what` names it. */
-ucs_status_t ucx_reply(EngineObject *e, const void *addr, size_t addr_len, send_ctx_t *c,
-                       const char **what);
+ * by am_send_cb.  A failure is counted in failed_replies; `what` names it.  Unless `vouched`
+ * (the responder saw the requester prove a lease), only a live reply peer we already hold is
+ * used: no endpoint is created, and a reply without one is dropped (UCS_OK, *stranger set,
+ * counted in unanswered_strangers). */
+ucs_status_t ucx_reply(EngineObject *e, const void *addr, size_t addr_len, int vouched,
+                       send_ctx_t *c, int *stranger, const char **what);
 int peer_close(peer_t *p, double timeout_s);
 void peer_unref(peer_t *p);
 void peer_detach_locked(peer_t *p);

@@ -26,6 +26,7 @@ import torch
 from kvtransfer.blocks import build_read_ops, coalesce_runs
 from kvtransfer.config import ConnectorConfig
 from kvtransfer.connector.metadata import PdserveMetadata, PullSpec
+from kvtransfer.connector.responder import answer_requests
 from kvtransfer.errors import HandshakeError, KVTransferError
 from kvtransfer.leases import LeaseTable
 from kvtransfer.protocol import (
@@ -35,8 +36,6 @@ from kvtransfer.protocol import (
     RegionSpec,
     RemotePrefill,
     compat_hash,
-    parse_release,
-    parse_renew,
     release_message,
     renew_message,
 )
@@ -180,23 +179,9 @@ class WorkerHalf:
             if not incoming:
                 self._engine.wait_requests(0.05)  # blocks in C with the GIL released
                 continue
-            for msg in incoming:
-                renewed = parse_renew(msg.payload)
-                if renewed is not None:
-                    held = self.leases.renew(*renewed, time.monotonic() + self.config.lease_s)
-                    msg.reply(RELEASE_OK if held else RELEASE_EXPIRED)
-                    continue
-                released = parse_release(msg.payload)
-                if released is None:
-                    # not a warning: any peer on the control channel could fill the log
-                    logger.debug("unknown message of %d bytes ignored", len(msg.payload))
-                    continue
-                request_id, token = released
-                valid = self.leases.release(request_id, token, time.monotonic())
-                if valid:
-                    self._release_events.append((request_id, time.time()))
-                logger.debug("release of %s: %s", request_id, "ok" if valid else "expired")
-                msg.reply(RELEASE_OK if valid else RELEASE_EXPIRED)
+            now = time.time()
+            for request_id in answer_requests(incoming, self.leases, self.config.lease_s):
+                self._release_events.append((request_id, now))
 
     # ---------------------------------------------------------------- per step
     def start_step(self, meta: PdserveMetadata) -> None:

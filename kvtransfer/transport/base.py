@@ -69,8 +69,16 @@ class Incoming(Protocol):
 
     payload: bytes
 
-    def reply(self, payload: bytes) -> None:
-        """Send the answer; a requester that is gone is logged, not raised."""
+    def reply(self, payload: bytes, *, vouched: bool = True) -> None:
+        """Send the answer; a requester that is gone is logged, not raised.
+
+        ``vouched`` says the request proved itself (it carried the token of a lease this engine
+        granted), so the transport may open a connection to the requester to answer it. When
+        False, a transport whose reply goes to an address the request itself names (ucx, nixl)
+        answers only a requester it is already connected to and otherwise drops the reply
+        (counted): an unproven request must not make the engine connect anywhere (security
+        review finding 15). A transport answering on the request's own connection (tcp)
+        ignores it."""
         ...
 
 

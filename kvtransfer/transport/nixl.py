@@ -9,8 +9,24 @@ second transport: one UCX stack per process (NIXL's bundled UCX and the libucx w
 otherwise both run in every worker), one wire to configure, and no dependency on our native
 extension where NIXL is chosen (e.g. GPU nodes). A request is ``Q | id | requester address |
 payload``; the requester's address is its NIXL agent metadata (~0.5 KiB), so the answering
-engine can load it once and reply ``R | id | payload`` with ``send_notif``. The prefill keeps
-the decision: it answers "ok" or "expired" from its lease table exactly as over UCX.
+engine can load it and reply ``R | id | payload`` with ``send_notif``. The prefill keeps
+the decision: it answers "ok" or "expired" from its lease table exactly as over UCX. Request
+ids are 64 random bits (a peer cannot answer a pending request by guessing its id).
+
+Who is answered (security review finding 15). Loading an agent's metadata opens UCX
+endpoints to wherever that metadata points, so a request must not make the engine load what
+it merely carries. A request is kept only when its address names the agent NIXL says sent it
+(``get_new_notifs`` is keyed by the sender's name; others are dropped and counted in
+``foreign_messages``), and a reply is taken only from the agent its request went to. The
+answer goes out only to an agent already loaded, or when the responder vouches for the
+request (``NixlIncoming.reply(vouched=True)``: the connector's responder vouches only for a
+request that echoed the token of a lease it granted); otherwise it is dropped and counted in
+``unanswered_strangers``. The sender's name is what the sending NIXL agent wrote into its
+message, not authenticated: the lease token is what vouches, the binding only stops an honest
+agent's requests being answered to a third one. At most ``MAX_LOADED_AGENTS`` remote agents
+stay loaded; past that the least recently used without a READ in flight is unloaded
+(``remove_remote_agent``, counted in ``evicted_agents``) and loaded again on its next use: a
+link keeps its peer's address, a requester sends its own with every request.
 
 Progress. NIXL's own progress thread is off. Its Python API hard-codes the thread's poll
 delay to 0 (``nixl_agent.__init__`` sets ``pthrDelay = 0``), and in NIXL 1.4-1.5 the UCX
@@ -32,7 +48,10 @@ and removes the remote agent (its endpoints close). That is NIXL's strongest gua
 weaker than ``UcxEngine``'s, which waits for the forced endpoint close to complete.
 
 Parameters: ``HOT_POLL_S`` = 0.001, ``COLD_POLL_S`` = 0.05 (seconds between notification
-polls of ``wait_requests``).
+polls of ``wait_requests``); ``MAX_LOADED_AGENTS`` = 1,024 (remote agents kept loaded, least
+recently used unloaded first; ``NixlEngine(max_loaded_agents=)``); ``MAX_QUEUED_REQUESTS`` =
+16,384 (requests received and not yet taken by ``poll_requests``; more are dropped, counted in
+``dropped_messages``, as the UCX engine's queue).
 """
 
 from __future__ import annotations
@@ -40,6 +59,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import secrets
 import struct
 import threading
 import time
@@ -61,6 +81,8 @@ logger = logging.getLogger(__name__)
 
 HOT_POLL_S = 0.001
 COLD_POLL_S = 0.05
+MAX_LOADED_AGENTS = 1024
+MAX_QUEUED_REQUESTS = 16384
 _ADDRESS_MAGIC = b"pdnixl1"
 _REQUEST, _REPLY = b"Q", b"R"
 _REQ_HEAD = struct.Struct("!QI")  # request id, length of the requester's address
@@ -88,7 +110,10 @@ def decode_address(address: bytes) -> tuple[str, bytes]:
     if not address.startswith(_ADDRESS_MAGIC) or len(address) < head + 2:
         raise TransportError("not a NIXL engine address (is the peer on another transport?)")
     (n,) = struct.unpack_from("!H", address, head)
-    name = address[head + 2:head + 2 + n].decode()
+    try:
+        name = address[head + 2:head + 2 + n].decode()
+    except UnicodeDecodeError as exc:
+        raise TransportError("NIXL engine address with a malformed agent name") from exc
     return name, address[head + 2 + n:]
 
 
@@ -161,6 +186,7 @@ class NixlGet:
             self._link._engine._agent_call("release_xfer_handle", handle)
         except Exception as exc:  # NIXL refused to cancel: log, the link is given up anyway
             logger.warning("releasing a NIXL READ failed: %s", exc)
+        self._link._engine._read_settled(self._link.name)
 
     def poll(self) -> TransferState:
         """Non-blocking: "pending", "done" or "error"."""
@@ -210,24 +236,39 @@ class NixlReply:
         return self._reply
 
 
+class _Awaited:
+    """A request of ours waiting for its reply, and the agent that may send it."""
+
+    __slots__ = ("agent", "reply")
+
+    def __init__(self, agent: str) -> None:
+        self.agent = agent
+        self.reply: bytes | None = None
+
+
 class NixlIncoming:
     """A request received as a notification; ``reply`` answers with one."""
 
-    __slots__ = ("payload", "_engine", "_sender", "_req_id", "_replied")
+    __slots__ = ("payload", "sender", "_engine", "_address", "_req_id", "_replied")
 
-    def __init__(self, payload: bytes, engine: NixlEngine, sender: bytes, req_id: int) -> None:
+    def __init__(self, payload: bytes, engine: NixlEngine, sender: str, address: bytes,
+                 req_id: int) -> None:
         self.payload = payload
+        self.sender = sender
+        """The requester's NIXL agent name (the one NIXL says sent it; its address names it)."""
         self._engine = engine
-        self._sender = sender
+        self._address = address
         self._req_id = req_id
         self._replied = False
 
-    def reply(self, payload: bytes) -> None:
-        """Send the reply (once); logged and dropped when the requester cannot be reached."""
+    def reply(self, payload: bytes, *, vouched: bool = True) -> None:
+        """Send the reply (once); logged and dropped when the requester cannot be reached.
+        Not ``vouched``: sent only if the requester's agent is already loaded (its address is
+        never loaded for it), else dropped and counted in ``unanswered_strangers``."""
         if self._replied:
             raise TransportError("request already answered")
         self._replied = True
-        self._engine._reply(self._sender, self._req_id, payload)
+        self._engine._reply(self.sender, self._address, self._req_id, payload, vouched)
 
 
 class NixlLink:
@@ -236,9 +277,10 @@ class NixlLink:
     path = "nixl"
     path_reason: str | None = None
 
-    def __init__(self, engine: NixlEngine, name: str) -> None:
+    def __init__(self, engine: NixlEngine, name: str, address: bytes) -> None:
         self._engine = engine
         self.name = name
+        self._address = address  # to load the agent again after an eviction
         self._regions: list[tuple[str, int, int | None, int | None]] = []
         self._gets: weakref.WeakSet[NixlGet] = weakref.WeakSet()
         self._failed: str | None = None
@@ -283,7 +325,7 @@ class NixlLink:
         remote_descs = np.stack([rows[:, 1], rows[:, 2],
                                  np.full(len(rows), remote_device, np.uint64)], axis=1)
         handle, state = self._engine._post_read(local, local_type, remote_descs, remote_type,
-                                                self.name)
+                                                self.name, self._address)
         if state == "ERR":
             self._mark_failed("posting the READ failed")
         pending = NixlGet(self, handle, state)
@@ -314,10 +356,19 @@ class NixlLink:
 
 
 class NixlEngine:
-    """One NIXL agent (UCX backend, no progress thread, NIXL-level locking) per engine."""
+    """One NIXL agent (UCX backend, no progress thread, NIXL-level locking) per engine.
+
+    Locks: ``_agents_lock`` (reentrant) serialises loading, unloading and every use of a
+    remote agent (posting a READ, sending a notification), so an agent is never unloaded
+    between its check and its use; ``_lock`` guards the tables and is taken inside it, never
+    around a NIXL call.
+    """
 
     def __init__(self, *, name: str = "pdserve",
-                 reads_expected: Callable[[], bool] | None = None) -> None:
+                 reads_expected: Callable[[], bool] | None = None,
+                 max_loaded_agents: int = MAX_LOADED_AGENTS) -> None:
+        if max_loaded_agents < 1:
+            raise ValueError(f"max_loaded_agents must be at least 1, got {max_loaded_agents}")
         api = _nixl_api()
         self.agent_name = f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
@@ -331,18 +382,29 @@ class NixlEngine:
         if "UCX" not in self._agent.backends:
             raise TransportError("NIXL's UCX plugin is unavailable")
         self._reads_expected = reads_expected or (lambda: False)
+        self._max_loaded = max_loaded_agents
         self._lock = threading.Lock()
+        self._agents_lock = threading.RLock()
         self._pump_lock = threading.Lock()
         self._regions: list[NixlRegion] = []
-        self._loaded: set[str] = set()
+        self._loaded: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """Remote agents loaded, least recently used first."""
+        self._reads: collections.Counter[str] = collections.Counter()
+        """READs posted and not yet settled, per remote agent (never unloaded meanwhile)."""
         self._requests: collections.deque[NixlIncoming] = collections.deque()
-        self._replies: dict[int, bytes | None] = {}
-        self._next_id = 1
+        self._replies: dict[int, _Awaited] = {}
         self._address: bytes | None = None
         self.dropped_messages = 0
-        """Malformed notifications and replies nobody waits for."""
+        """Malformed notifications, replies nobody waits for, requests past the queue cap."""
         self.failed_replies = 0
         """Replies that could not be sent (requester unreachable)."""
+        self.unanswered_strangers = 0
+        """Replies dropped: not vouched for, and the requester's agent was not loaded."""
+        self.foreign_messages = 0
+        """Requests whose address names another agent than their sender, and replies from
+        another agent than the one the request went to: dropped."""
+        self.evicted_agents = 0
+        """Remote agents unloaded to stay within ``max_loaded_agents``."""
 
     # ------------------------------------------------------------ Transport
     @property
@@ -359,6 +421,12 @@ class NixlEngine:
         """Always b"": NIXL picks same-host transports (cma, shm) inside UCX itself."""
         return b""
 
+    @property
+    def loaded_agents(self) -> list[str]:
+        """Names of the remote agents loaded now, least recently used first."""
+        with self._lock:
+            return list(self._loaded)
+
     def register(self, addr: int, length: int, *, keepalive: object = None) -> NixlRegion:
         """Register memory with the UCX backend (DRAM, or VRAM for a CUDA ``keepalive``)."""
         mem_type, device = _mem_kind(keepalive)
@@ -371,12 +439,15 @@ class NixlEngine:
         return region
 
     def connect(self, peer_address: bytes, locality: bytes | None = None) -> NixlLink:
-        """Load the peer's agent metadata (once per agent name); ``locality`` is ignored."""
+        """Load the peer's agent metadata (once per agent name while it stays loaded);
+        ``locality`` is ignored."""
         try:
-            name = self._ensure_loaded(peer_address)
+            name, _ = decode_address(peer_address)
+            with self._agents_lock:
+                self._load(name, peer_address)
         except TransportError as exc:
             raise PeerUnreachable(f"cannot connect: {exc}") from exc
-        return NixlLink(self, name)
+        return NixlLink(self, name, peer_address)
 
     def poll_requests(self) -> list[NixlIncoming]:
         """Requests received so far (pumps notifications)."""
@@ -432,29 +503,70 @@ class NixlEngine:
         except Exception as exc:  # nixl's bindings raise their own exception types
             raise TransportError(f"NIXL {method} failed: {exc}") from exc
 
-    def _ensure_loaded(self, address: bytes) -> str:
-        name, metadata = decode_address(address)
+    def _touch(self, name: str) -> bool:
+        """True when ``name`` is loaded (it becomes the most recently used)."""
         with self._lock:
-            if name in self._loaded:
-                return name
+            if name not in self._loaded:
+                return False
+            self._loaded.move_to_end(name)
+            return True
+
+    def _load(self, name: str, address: bytes) -> None:
+        """Make ``name`` loaded from ``address`` unless it is (``_agents_lock`` held)."""
+        if self._touch(name):
+            return
+        named, metadata = decode_address(address)
+        if named != name:
+            raise TransportError(f"address of agent {named} given for agent {name}")
+        self._make_room()
         loaded = self._agent_call("add_remote_agent", metadata)
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded != name:
+            with self._lock:
+                ours = loaded in self._loaded
+            if not ours:  # do not keep endpoints to an agent nobody asked for
+                self._unload(loaded)
             raise TransportError(f"address names agent {name} but its metadata {loaded}")
         with self._lock:
-            self._loaded.add(name)
-        return name
+            self._loaded[name] = None
 
-    def _forget(self, name: str) -> None:
-        """Unload a failed or aborted peer so a later ``connect`` loads it afresh."""
-        with self._lock:
-            if name not in self._loaded:
-                return
-            self._loaded.discard(name)
+    def _make_room(self) -> None:
+        """Unload least recently used agents without a READ in flight until one more fits
+        (``_agents_lock`` held)."""
+        while True:
+            with self._lock:
+                if len(self._loaded) < self._max_loaded:
+                    return
+                victim = next((n for n in self._loaded if not self._reads[n]), None)
+                if victim is None:
+                    break
+                del self._loaded[victim]
+                self.evicted_agents += 1
+            logger.debug("unloading NIXL agent %s (least recently used)", victim)
+            self._unload(victim)
+        logger.warning("all %d loaded NIXL agents have READs in flight; loading one more",
+                       self._max_loaded)
+
+    def _unload(self, name: str) -> None:
         try:
             self._agent_call("remove_remote_agent", name)
         except TransportError as exc:
             logger.debug("unloading NIXL agent %s: %s", name, exc)
+
+    def _forget(self, name: str) -> None:
+        """Unload a failed or aborted peer so a later ``connect`` loads it afresh."""
+        with self._agents_lock:
+            with self._lock:
+                if name not in self._loaded:
+                    return
+                del self._loaded[name]
+            self._unload(name)
+
+    def _read_settled(self, name: str) -> None:
+        with self._lock:
+            self._reads[name] -= 1
+            if self._reads[name] <= 0:
+                del self._reads[name]
 
     def _local_kind(self, rows: NDArray[np.uint64]) -> tuple[str, int]:
         with self._lock:
@@ -470,39 +582,75 @@ class NixlEngine:
         return kinds.pop()
 
     def _post_read(self, local: NDArray[np.uint64], local_type: str,
-                   remote: NDArray[np.uint64], remote_type: str, peer: str) -> tuple[Any, str]:
-        local_descs = self._agent_call("get_xfer_descs", local, local_type)
-        remote_descs = self._agent_call("get_xfer_descs", remote, remote_type)
-        handle = self._agent_call("initialize_xfer", "READ", local_descs, remote_descs, peer)
-        return handle, self._agent_call("transfer", handle)
+                   remote: NDArray[np.uint64], remote_type: str, peer: str,
+                   address: bytes) -> tuple[Any, str]:
+        """Post a READ from ``peer`` (loaded again from ``address`` if it was unloaded); the
+        handle counts as in flight until ``_read_settled``."""
+        with self._agents_lock:
+            self._load(peer, address)
+            local_descs = self._agent_call("get_xfer_descs", local, local_type)
+            remote_descs = self._agent_call("get_xfer_descs", remote, remote_type)
+            handle = self._agent_call("initialize_xfer", "READ", local_descs, remote_descs,
+                                      peer)
+            with self._lock:
+                self._reads[peer] += 1
+        try:
+            return handle, self._agent_call("transfer", handle)
+        except TransportError:
+            try:
+                self._agent_call("release_xfer_handle", handle)
+            except TransportError as exc:
+                logger.debug("releasing a READ that failed to post: %s", exc)
+            self._read_settled(peer)
+            raise
+
+    def _new_request_id(self) -> int:
+        """64 random bits, not pending now (``_lock`` held)."""
+        while True:
+            req_id = secrets.randbits(64)
+            if req_id and req_id not in self._replies:
+                return req_id
 
     def _request(self, link: NixlLink, payload: bytes) -> NixlReply:
         with self._lock:
-            req_id, self._next_id = self._next_id, self._next_id + 1
-            self._replies[req_id] = None
+            req_id = self._new_request_id()
+            self._replies[req_id] = _Awaited(link.name)
         me = self.address
         message = _REQUEST + _REQ_HEAD.pack(req_id, len(me)) + me + payload
         reply = NixlReply(self, req_id)
+        # A reply that never comes (its requester gave the request up) must not stay awaited
+        # forever; dict.pop is atomic, and a finalizer must not take a lock it may run under.
+        weakref.finalize(reply, self._replies.pop, req_id, None)
         try:
-            self._agent_call("send_notif", link.name, message)
+            with self._agents_lock:
+                self._load(link.name, link._address)
+                self._agent_call("send_notif", link.name, message)
         except TransportError as exc:
-            with self._lock:
-                self._replies.pop(req_id, None)
+            self._replies.pop(req_id, None)
             link._mark_failed(str(exc))
             raise PeerUnreachable(str(exc)) from exc
         return reply
 
     def _take_reply(self, req_id: int) -> bytes | None:
         with self._lock:
-            reply = self._replies.get(req_id)
-            if reply is not None:
-                del self._replies[req_id]
-            return reply
+            awaited = self._replies.get(req_id)
+            if awaited is None or awaited.reply is None:
+                return None
+            del self._replies[req_id]
+            return awaited.reply
 
-    def _reply(self, sender: bytes, req_id: int, payload: bytes) -> None:
+    def _reply(self, sender: str, address: bytes, req_id: int, payload: bytes,
+               vouched: bool) -> None:
         try:
-            name = self._ensure_loaded(sender)
-            self._agent_call("send_notif", name, _REPLY + _REP_HEAD.pack(req_id) + payload)
+            with self._agents_lock:
+                if not self._touch(sender):
+                    if not vouched:
+                        self.unanswered_strangers += 1
+                        logger.debug("reply dropped: agent %s is not loaded and the request "
+                                     "was not vouched for", sender)
+                        return
+                    self._load(sender, address)
+                self._agent_call("send_notif", sender, _REPLY + _REP_HEAD.pack(req_id) + payload)
         except TransportError as exc:
             self.failed_replies += 1
             logger.warning("reply dropped: requester unreachable: %s", exc)
@@ -517,28 +665,51 @@ class NixlEngine:
             except TransportError as exc:
                 logger.debug("notification poll failed: %s", exc)
                 return
-            for messages in notifs.values():
+            for sender, messages in notifs.items():
+                name = sender.decode() if isinstance(sender, bytes) else str(sender)
                 for message in messages:
-                    self._sort(bytes(message))
+                    self._sort(name, bytes(message))
         finally:
             self._pump_lock.release()
 
-    def _sort(self, message: bytes) -> None:
+    def _sort(self, sender: str, message: bytes) -> None:
+        """File one notification from agent ``sender`` (``_pump_lock`` held)."""
         kind, body = message[:1], message[1:]
         try:
             if kind == _REQUEST:
                 req_id, n = _REQ_HEAD.unpack_from(body)
                 start = _REQ_HEAD.size
-                incoming = NixlIncoming(body[start + n:], self, body[start:start + n], req_id)
-                with self._lock:
-                    self._requests.append(incoming)
-                return
-            if kind == _REPLY:
+                address = body[start:start + n]
+                if len(address) == n and self._queue_request(sender, address, req_id,
+                                                             body[start + n:]):
+                    return
+            elif kind == _REPLY:
                 (req_id,) = _REP_HEAD.unpack_from(body)
                 with self._lock:
-                    if req_id in self._replies:
-                        self._replies[req_id] = body[_REP_HEAD.size:]
+                    awaited = self._replies.get(req_id)
+                    if awaited is not None and awaited.agent != sender:
+                        self.foreign_messages += 1
+                        return
+                    if awaited is not None and awaited.reply is None:
+                        awaited.reply = body[_REP_HEAD.size:]
                         return
         except struct.error:
             pass
         self.dropped_messages += 1
+
+    def _queue_request(self, sender: str, address: bytes, req_id: int, payload: bytes) -> bool:
+        """Queue a request whose address names its sender (one naming another agent is
+        counted in ``foreign_messages``); False when it is to be counted dropped (a malformed
+        address, or the queue is full)."""
+        try:
+            named, _ = decode_address(address)
+        except TransportError:
+            return False
+        if named != sender:
+            self.foreign_messages += 1
+            return True
+        with self._lock:
+            if len(self._requests) >= MAX_QUEUED_REQUESTS:
+                return False
+            self._requests.append(NixlIncoming(payload, self, sender, address, req_id))
+        return True

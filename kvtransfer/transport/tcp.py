@@ -115,8 +115,10 @@ class _Incoming:
         self._conn = conn
         self._ident = ident
 
-    def reply(self, payload: bytes) -> None:
-        """Send the answer; a requester that is gone is logged, not raised."""
+    def reply(self, payload: bytes, *, vouched: bool = True) -> None:
+        """Send the answer; a requester that is gone is logged, not raised. ``vouched`` does not
+        matter here: the answer goes back on the authenticated connection the request came
+        on, never to an address the request names."""
         self._conn.send_frame(wire.REP, self._ident, payload)
 
 

@@ -22,10 +22,15 @@ Contract for callers (the KV connector):
   - `IncomingRequest.reply` answers over an endpoint this engine creates to the requester's
     worker address (`IncomingRequest.sender`) and keeps for later replies (up to 1,024
     requesters; UCX's connection matching may pair it with the requester's own endpoint to us,
-    else it connects anew). UCX's reply endpoint is never kept past the message's callback:
-    UCX destroys it when the requester fails, so a handle kept for a later reply could name
-    freed memory (security review finding 17). If the requester is gone the send fails and
-    the reply is dropped (counted in `failed_replies`).
+    else it connects anew). That endpoint is created only for a reply the caller vouches for
+    (`vouched=True`: the connector's responder passes False unless the requester proved a
+    lease); a reply not vouched for goes out only over an endpoint we already hold to that
+    address, else it is dropped and counted in `unanswered_strangers`, so a request cannot
+    make the engine connect to an address it merely names (security review finding 15).
+    UCX's reply endpoint is never kept past the message's callback: UCX destroys it when the
+    requester fails, so a handle kept for a later reply could name freed memory (security
+    review finding 17). If the requester is gone the send fails and the reply is dropped
+    (counted in `failed_replies`).
 
 Same-host path ("pvm"). When the peer's locality shows the same kernel boot and pid namespace,
 `connect` probes it with one process_vm_readv(2) of a random nonce inside the peer's engine. If
@@ -292,13 +297,14 @@ class IncomingRequest:
         self._req_id = req_id
         self._replied = False
 
-    def reply(self, payload: bytes) -> None:
+    def reply(self, payload: bytes, *, vouched: bool = True) -> None:
         """Send the reply (once), from any thread, however long after the request came; a no-op
-        that logs when the requester is gone."""
+        that logs when the requester is gone. Not ``vouched``: sent only over an endpoint the
+        engine already holds to the sender (never a new connection), else dropped."""
         if self._replied:
             raise TransportError("request already answered")
         self._replied = True
-        self._engine._reply(self.sender, self._req_id, payload)
+        self._engine._reply(self.sender, self._req_id, payload, vouched)
 
 
 def _close_quietly(c: Any) -> None:
@@ -417,6 +423,11 @@ class UcxEngine:
         return int(self._c.failed_replies)
 
     @property
+    def unanswered_strangers(self) -> int:
+        """Replies not vouched for and dropped: we held no endpoint to their requester."""
+        return int(self._c.unanswered_strangers)
+
+    @property
     def reply_peers(self) -> tuple[int, int]:
         """(endpoints kept to requesters for replies, how many of them UCX reported failed)."""
         total, failed = self._c.reply_peers
@@ -452,11 +463,12 @@ class UcxEngine:
         err: type[Exception] = _load_native().NativeTransportError
         return err
 
-    def _reply(self, sender: bytes, req_id: int, payload: bytes) -> None:
+    def _reply(self, sender: bytes, req_id: int, payload: bytes, vouched: bool) -> None:
         if self._closed:
             logger.warning("reply dropped: engine %s is closed", self._name)
             return
         try:
-            self._c.reply(sender, req_id, payload)
+            if not self._c.reply(sender, req_id, payload, vouched):
+                logger.debug("reply dropped: requester not vouched for and not connected")
         except self._native_error() as exc:
             logger.warning("reply dropped: requester gone: %s", exc)

@@ -479,3 +479,42 @@ def test_a_request_flood_is_dropped_past_the_queue_cap(tls: str) -> None:
         assert len(server.poll_requests()) == cap
         peer.abort()
         del transfers
+
+
+def _take_requests(server: UcxEngine, n: int) -> list[Any]:
+    got: list[Any] = []
+    deadline = time.monotonic() + DEADLINE_S
+    while len(got) < n and time.monotonic() < deadline:
+        server.wait_requests(0.1)
+        got += server.poll_requests()
+    assert len(got) == n
+    return got
+
+
+def test_a_reply_not_vouched_for_opens_no_endpoint(tls: str) -> None:
+    """Security review finding 15: the prefill answers over an endpoint it creates to the
+    address the request names, so a reply the responder does not vouch for (no lease proven)
+    goes out only over an endpoint it already holds to that address, else it is dropped and
+    counted: an unproven request cannot make it connect anywhere. Control: vouched, the same
+    requester is answered and its endpoint kept; then unvouched replies reach it too."""
+    with UcxEngine(name="test-vouch-server") as server, \
+            UcxEngine(name="test-vouch-client") as client:
+        peer = client.connect(server.address)
+        stranger = peer.request(b"done made-up")
+        (request,) = _take_requests(server, 1)
+        request.reply(b"ok", vouched=False)
+        assert server.unanswered_strangers == 1 and server.reply_peers == (0, 0)
+        assert server.failed_replies == 0
+
+        proven = peer.request(b"done real")  # control
+        (request,) = _take_requests(server, 1)
+        request.reply(b"ok", vouched=True)
+        proven.wait(DEADLINE_S)
+        assert proven.result() == b"ok" and server.reply_peers == (1, 0)
+        known = peer.request(b"done made-up-2")
+        (request,) = _take_requests(server, 1)
+        request.reply(b"expired", vouched=False)
+        known.wait(DEADLINE_S)
+        assert known.result() == b"expired" and server.unanswered_strangers == 1
+        assert stranger.poll() == "pending"
+        peer.abort()
