@@ -37,6 +37,7 @@ them up; the oldest is forgotten first).
 
 from __future__ import annotations
 
+import collections
 import enum
 import hmac
 import threading
@@ -96,6 +97,12 @@ class LeaseTable:
         self._ended: dict[str, tuple[float, str]] = {}  # released or expired id -> when, token
         self._early: dict[tuple[str, str], float] = {}  # (id, token) released before granted
         self._finished: set[str] = set()                # blocks may be freed now
+        # (id, wall clock) of "ok" releases; bounded as the early ones (made-up ids are "ok")
+        self._released: collections.deque[tuple[str, float]] = collections.deque(
+            maxlen=max_early)
+        # (id, token) of early releases their grant just vouched for (take_granted_early)
+        self._granted_early: collections.deque[tuple[str, str]] = collections.deque(
+            maxlen=max_early)
         self.num_released = 0
         self.num_expired = 0
         self.num_renewed = 0
@@ -107,6 +114,7 @@ class LeaseTable:
         time: the lease never outlives ``now + life_factor * (expires_at - now)``)."""
         with self._lock:
             if self._early.pop((request_id, token), None) is not None:
+                self._granted_early.append((request_id, token))
                 self._finished.add(request_id)
                 self._ended[request_id] = (now, token)
                 self.num_released += 1
@@ -114,10 +122,13 @@ class LeaseTable:
             life = max(expires_at - now, 0.0) * self._life_factor
             self._active[request_id] = _Lease(expires_at, now + life, token)
 
-    def release(self, request_id: str, token: str, now: float) -> LeaseAnswer:
+    def release(self, request_id: str, token: str, now: float,
+                wall_s: float = 0.0) -> LeaseAnswer:
         """A decode finished reading; ``ok`` when its read is valid (the lease was held and the
         token is its own: HELD, or EARLY before the grant). Every later release of the id is
-        ENDED (its own token) or REFUSED."""
+        ENDED (its own token) or REFUSED. An ``ok`` release is kept with ``wall_s`` (its
+        wall-clock time) for :meth:`take_released`, in the same critical section that lets
+        :meth:`take_finished` free the blocks, so the stamp is there before the blocks go."""
         with self._lock:
             lease = self._active.get(request_id)
             if lease is not None:
@@ -127,6 +138,7 @@ class LeaseTable:
                 del self._active[request_id]
                 self._ended[request_id] = (now, token)
                 self._finished.add(request_id)
+                self._released.append((request_id, wall_s))
                 self.num_released += 1
                 return LeaseAnswer.HELD
             ended = self._ended.get(request_id)
@@ -139,6 +151,7 @@ class LeaseTable:
             if len(self._early) >= self._max_early:  # a flood of made-up ids: oldest go first
                 del self._early[next(iter(self._early))]
             self._early[(request_id, token)] = now
+            self._released.append((request_id, wall_s))
             return LeaseAnswer.EARLY
 
     def renew(self, request_id: str, token: str, expires_at: float) -> LeaseAnswer:
@@ -176,6 +189,21 @@ class LeaseTable:
         """Ids whose blocks may be freed now (released or expired); clears the set."""
         with self._lock:
             done, self._finished = self._finished, set()
+            return done
+
+    def take_granted_early(self) -> list[tuple[str, str]]:
+        """(id, token) of the early releases granted since the last call: the grant carried
+        their token, so the release is now vouched for (its answer may go out)."""
+        with self._lock:
+            done = list(self._granted_early)
+            self._granted_early.clear()
+            return done
+
+    def take_released(self) -> list[tuple[str, float]]:
+        """(id, wall clock) of every release answered "ok" since the last call, in order."""
+        with self._lock:
+            done = list(self._released)
+            self._released.clear()
             return done
 
     @property

@@ -10,7 +10,6 @@ moves bytes and messages; leases, expiry and the recompute fallback are the same
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import enum
 import logging
@@ -26,7 +25,7 @@ import torch
 from kvtransfer.blocks import build_read_ops, coalesce_runs
 from kvtransfer.config import ConnectorConfig
 from kvtransfer.connector.metadata import PdserveMetadata, PullSpec
-from kvtransfer.connector.responder import answer_requests
+from kvtransfer.connector.responder import LeaseResponder
 from kvtransfer.errors import HandshakeError, KVTransferError
 from kvtransfer.leases import LeaseTable
 from kvtransfer.protocol import (
@@ -129,8 +128,6 @@ class WorkerHalf:
         self._responder: threading.Thread | None = None
         self._reported_leases = (0, 0, 0, 0)
         self._next_prune = 0.0
-        # lease_released stamps from the responder thread (deque: thread-safe append/pop)
-        self._release_events: collections.deque[tuple[str, float]] = collections.deque()
 
     # ---------------------------------------------------------------- setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -170,18 +167,24 @@ class WorkerHalf:
     # ---------------------------------------------------------------- prefill side
     def _serve_releases(self) -> None:
         assert self._engine is not None
+        responder = LeaseResponder(self.leases, self.config.lease_s)
         while not self._stop.is_set():
             try:
                 incoming = self._engine.poll_requests()
             except KVTransferError:
                 logger.exception("release responder stopped")
                 return
+            responder.answer_granted()
             if not incoming:
-                self._engine.wait_requests(0.05)  # blocks in C with the GIL released
+                # blocks in C with the GIL released; a grant does not wake it, so look again
+                # soon while a recent early release waits for one
+                soon = responder.expects_grant(time.monotonic())
+                self._engine.wait_requests(0.002 if soon else 0.05)
                 continue
-            now = time.time()
-            for request_id in answer_requests(incoming, self.leases, self.config.lease_s):
-                self._release_events.append((request_id, now))
+            # the lease_released stamps wait in the table (take_stats): kept there with the
+            # release itself, they reach the step that frees the blocks, which may be the
+            # engine's last step for a while
+            responder.answer(incoming)
 
     # ---------------------------------------------------------------- per step
     def start_step(self, meta: PdserveMetadata) -> None:
@@ -387,8 +390,7 @@ class WorkerHalf:
         self.stats.record_leases(released - last_released, expired - last_expired,
                                  renewed - last_renewed, refused - last_refused)
         self._reported_leases = (released, expired, renewed, refused)
-        while self._release_events:
-            request_id, at = self._release_events.popleft()
+        for request_id, at in self.leases.take_released():
             self.stats.record_event(request_id, "lease_released", at)
         if self.stats.is_empty():
             return None

@@ -1,7 +1,7 @@
 """Whom a NIXL engine answers and loads (security review finding 15), between real processes.
 
 A spawned prefill runs a ``NixlEngine`` and the connector's own responder decision
-(``kvtransfer.connector.responder.answer_requests`` over a ``LeaseTable``, as the worker's
+(``kvtransfer.connector.responder.LeaseResponder`` over a ``LeaseTable``, as the worker's
 responder thread runs it); the pytest process holds the decodes and the attackers, each a NIXL
 agent of its own. Loading an agent's metadata opens endpoints to wherever it points, so the
 prefill must load only requesters that proved a lease. Each attack has its control: the same
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtransfer.connector.responder import answer_requests
+from kvtransfer.connector.responder import LeaseResponder
 from kvtransfer.leases import LeaseTable
 from kvtransfer.protocol import new_lease_token, release_message, renew_message
 from kvtransfer.transport.base import Pending
@@ -44,6 +44,7 @@ def _prefill(conn: Any, max_loaded: int) -> None:
     engine = NixlEngine(name="test-prefill", reads_expected=lambda: True,
                         max_loaded_agents=max_loaded)
     leases = LeaseTable()
+    responder = LeaseResponder(leases, LEASE_S)
     handled = 0
     conn.send(engine.address)
     while True:
@@ -61,9 +62,10 @@ def _prefill(conn: Any, max_loaded: int) -> None:
                            "strangers": engine.unanswered_strangers,
                            "foreign": engine.foreign_messages, "evicted": engine.evicted_agents,
                            "failed": engine.failed_replies, "dropped": engine.dropped_messages})
+        responder.answer_granted()
         if engine.wait_requests(0.005):
             requests = engine.poll_requests()
-            answer_requests(requests, leases, LEASE_S)
+            responder.answer(requests)
             handled += len(requests)
 
 
@@ -202,15 +204,44 @@ def test_a_stranger_is_not_answered_and_never_loaded(
                link.request(release_message("r-held", new_lease_token())),
                link.request(renew_message("r-held", new_lease_token()))]
     stats = prefill.wait_stats(lambda s: s["handled"] == 3, stranger)
-    assert stats["strangers"] == 3 and stats["loaded"] == [] and stats["failed"] == 0
+    # the made-up release waits for a grant that never comes; the other two are refused and
+    # their answers dropped
+    assert stats["strangers"] == 2 and stats["loaded"] == [] and stats["failed"] == 0
 
     assert _answer(link.request(release_message("r-held", TOKEN))) == b"ok"  # control
     stats = prefill.stats()
-    assert stats["loaded"] == [stranger.agent_name] and stats["strangers"] == 3
+    assert stats["loaded"] == [stranger.agent_name] and stats["strangers"] == 2
     assert [p.poll() for p in attacks] == ["pending"] * 3  # their answers would have come first
-    # Once loaded (it proved a lease), the agent is answered as before, proof or not.
-    assert _answer(link.request(release_message("made-up-2", new_lease_token()))) == b"ok"
+    # Once loaded (it proved a lease), a refusal reaches the agent; an early release is
+    # answered when its grant carries its token, the made-up one still never.
     assert _answer(link.request(release_message("r-held", TOKEN))) == b"expired"
+    early_token = new_lease_token()
+    early = link.request(release_message("r-early", early_token))
+    prefill.wait_stats(lambda s: s["handled"] == 6, stranger)
+    assert early.poll() == "pending"
+    prefill.grant("r-early", early_token)
+    assert _answer(early) == b"ok"
+    assert attacks[0].poll() == "pending"
+
+
+def test_a_new_decodes_early_release_is_answered_at_its_grant(
+        start_prefill: Callable[..., Prefill], agents: Callable[..., NixlEngine]) -> None:
+    """A decode that pulled and released before the prefill's grant, and was never answered
+    before (its agent not loaded), gets its "ok" once the grant carries its token: the grant
+    vouches for it, so the prefill loads it to answer. Control: the same early release with
+    another token than the grant's is never answered and nothing is loaded."""
+    prefill = start_prefill()
+    decode, liar = agents("decode"), agents("liar")
+    token = new_lease_token()
+    early = decode.connect(prefill.address).request(release_message("r-new", token))
+    forged = liar.connect(prefill.address).request(release_message("r-new", new_lease_token()))
+    prefill.wait_stats(lambda s: s["handled"] == 2, decode, liar)
+    assert early.poll() == forged.poll() == "pending" and prefill.stats()["loaded"] == []
+    prefill.grant("r-new", token)
+    assert _answer(early) == b"ok"
+    stats = prefill.stats()
+    assert stats["loaded"] == [decode.agent_name] and stats["strangers"] == 0
+    assert forged.poll() == "pending"
 
 
 def test_a_request_naming_another_agent_than_its_sender_is_dropped(
@@ -309,7 +340,7 @@ def test_past_the_cap_the_oldest_agent_is_unloaded_and_reloads_when_vouched(
     stats = prefill.stats()
     assert stats["loaded"] == names[1:] and stats["evicted"] == 1
 
-    stray = links[0].request(release_message("made-up", new_lease_token()))
+    stray = links[0].request(renew_message("r0", new_lease_token()))  # refused: not vouched
     stats = prefill.wait_stats(lambda s: s["handled"] == 4, decodes[0])
     assert stats["strangers"] == 1 and stats["loaded"] == names[1:]
     assert renew(0) == b"ok"  # proven again: loaded again, decode1 (least recent) goes

@@ -123,6 +123,26 @@ def test_early_releases_are_bounded() -> None:
     assert len(t._early) == 3
     t.grant("made-up-9", 30.0, TOK, 10.0)  # the newest is still remembered
     assert t.take_finished() == {"made-up-9"}
+    # their timeline stamps too, while no engine step takes them
+    assert [rid for rid, _ in t.take_released()] == ["made-up-7", "made-up-8", "made-up-9"]
+
+
+def test_a_released_lease_is_stamped_before_its_blocks_can_be_freed() -> None:
+    """The lease_released stamp of the timeline is kept with the release itself: the engine
+    step that frees the blocks (``take_finished``) may be its last for a while, and it takes
+    the stamps after the finished ids, so a stamp added after the release would be left
+    behind (what `test_pd_timeline` caught). Only "ok" releases are stamped."""
+    t = LeaseTable()
+    t.grant("held", 30.0, TOK, 0.0)
+    assert t.release("held", TOK, now=1.0, wall_s=101.0) is LeaseAnswer.HELD
+    assert t.take_finished() == {"held"}
+    assert t.take_released() == [("held", 101.0)]
+    assert t.release("early", TOK, now=2.0, wall_s=102.0) is LeaseAnswer.EARLY
+    # control: refused and repeated releases are not stamped
+    assert t.release("held", TOK, now=3.0, wall_s=103.0) is LeaseAnswer.ENDED
+    assert t.release("early", TOK, now=3.0, wall_s=103.0) is LeaseAnswer.REFUSED
+    assert t.take_released() == [("early", 102.0)]
+    assert t.take_released() == []
 
 
 @pytest.mark.parametrize(("answer", "ok", "vouched"), [

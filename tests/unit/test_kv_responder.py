@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvtransfer.connector.responder import answer_requests
+from kvtransfer.connector.responder import LeaseResponder
 from kvtransfer.leases import LeaseTable
 from kvtransfer.protocol import release_message, renew_message
 
@@ -35,10 +35,50 @@ def test_each_message_is_answered_and_vouched_for_only_with_a_granted_token() ->
         (release_message("held", TOK), (b"ok", True)),
         (release_message("held", TOK), (b"expired", True)),  # a repeat by the holder
         (renew_message("held", TOK), (b"expired", True)),
-        (release_message("never-granted", TOK), (b"ok", False)),  # early: proves nothing
+        (release_message("never-granted", TOK), None),  # early: proves nothing, not answered
+        (release_message("never-granted", TOK), (b"expired", False)),  # a repeat: refused
         (renew_message("never-granted", TOK), (b"expired", False)),
         (b"not a lease message", None),  # never answered
     ]
     requests = [_Request(payload) for payload, _ in cases]
-    assert answer_requests(requests, leases, lease_s=60.0) == ["held", "never-granted"]
+    responder = LeaseResponder(leases, lease_s=60.0)
+    assert responder.answer(requests) == ["held", "never-granted"]
     assert [r.replies for r in requests] == [[want] if want else [] for _, want in cases]
+    assert responder.waiting == 1 and responder.answer_granted() == 0
+
+
+def test_an_early_release_is_answered_ok_and_vouched_once_its_grant_carries_its_token() -> None:
+    """A decode that pulled and released before the prefill's grant gets its "ok" when the
+    grant comes, vouched for (so a transport may connect to it: a new decode is answered, not
+    left to recompute after its pull timeout). Controls: a grant with another token, and one of
+    another id, answer nothing."""
+    leases = LeaseTable()
+    responder = LeaseResponder(leases, lease_s=60.0)
+    early, forged, other = (_Request(release_message("r1", TOK)),
+                            _Request(release_message("r2", "forged")),
+                            _Request(release_message("r3", TOK)))
+    assert responder.answer([early, forged, other]) == ["r1", "r2", "r3"]
+    now = time.monotonic()
+    assert responder.expects_grant(now) and not responder.expects_grant(now + 5.0)
+    leases.grant("r2", now + 60.0, TOK, now)  # the real token is not the one released early
+    leases.grant("r9", now + 60.0, TOK, now)
+    assert responder.answer_granted() == 0
+    assert early.replies == forged.replies == other.replies == []
+    leases.grant("r1", now + 60.0, TOK, now)
+    assert responder.answer_granted() == 1
+    assert early.replies == [(b"ok", True)] and forged.replies == other.replies == []
+    assert leases.take_finished() == {"r1"}  # the early release ended its lease at the grant
+    assert responder.waiting == 2
+
+
+def test_early_releases_waiting_for_a_grant_are_bounded() -> None:
+    leases = LeaseTable()
+    responder = LeaseResponder(leases, lease_s=60.0, max_waiting=3)
+    requests = [_Request(release_message(f"made-up-{i}", TOK)) for i in range(10)]
+    responder.answer(requests)
+    assert responder.waiting == 3
+    now = time.monotonic()
+    leases.grant("made-up-0", now + 60.0, TOK, now)  # dropped from the waiting ones: unanswered
+    leases.grant("made-up-9", now + 60.0, TOK, now)
+    assert responder.answer_granted() == 1
+    assert requests[9].replies == [(b"ok", True)] and requests[0].replies == []
