@@ -43,6 +43,7 @@ from router.api.timeline import PhaseClock
 from router.api.token_budget import Charge, TokenBudgets, settled_output
 from router.api.tokenization import TokenizerCache, approximate_ids
 from router.api.tracing import RequestTracer
+from router.api.transport import UpstreamTransport
 from router.api.untrusted import read_capped_body, refuse_worker_only_fields
 from router.api.upstream import no_workers
 from router.api.version import versions
@@ -133,8 +134,10 @@ class RouterService:
                               # below uvicorn's 5 s keep-alive, so we rarely reuse a connection
                               # the worker is closing at that moment
                               keepalive_expiry=3.0)
-        # trust_env=False: workers are reached directly, never through an HTTP(S)_PROXY.
-        self.client = httpx.AsyncClient(limits=limits, trust_env=False)
+        # trust_env=False: workers are reached directly, never through an HTTP(S)_PROXY; the
+        # wire is router.api.transport's (httpcore's costs more CPU than the rest of a relay)
+        self.client = httpx.AsyncClient(limits=limits, trust_env=False,
+                                        transport=UpstreamTransport(limits))
         self.proxy = PDProxy(self.settings, self.cluster, self.metrics, self.placement,
                              self.tracker, self.client,
                              self.loads.loads if self.loads is not None else dict,
