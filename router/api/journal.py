@@ -21,10 +21,10 @@ counts the carried ids as output, not prompt. Pure: no I/O.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from router.api.fastjson import dumps, loads
 from router.api.schemas import Endpoint
 
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop_token_ids",
@@ -67,8 +67,7 @@ def continuation_body(body: Mapping[str, Any], prompt_ids: Sequence[int],
 
 def sse_event(data: dict[str, Any]) -> bytes:
     """One compact SSE ``data:`` event."""
-    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + \
-        b"\n\n"
+    return b"data: " + dumps(data) + b"\n\n"
 
 
 def _text(choice: Mapping[str, Any]) -> str:
@@ -108,6 +107,9 @@ class StreamJournal:
         self.exact = True
         """Every text the client was shown came with its ids (a worker that ignores
         ``return_token_ids`` sends none: its stream cannot be continued)."""
+        self.relayed: list[dict[str, Any]] = []
+        """The decoded events the last ``feed`` or ``flush`` returned, as the client gets them
+        (so a reader of the stream need not parse them again); ``[DONE]`` is ``done``."""
         self._buf = b""
         self._carried = 0
         self._native = True
@@ -141,11 +143,13 @@ class StreamJournal:
         """Rewrite every complete event in ``chunk`` (a partial event waits for the rest)."""
         self._buf += chunk.replace(b"\r\n", b"\n")
         *events, self._buf = self._buf.split(b"\n\n")
+        self.relayed = []
         return b"".join(self._rewrite(e) for e in events if e.strip())
 
     def flush(self) -> bytes:
         """Whatever is left when the source ends."""
         rest, self._buf = self._buf, b""
+        self.relayed = []
         return self._rewrite(rest) if rest.strip() else b""
 
     def finish_event(self) -> bytes:
@@ -176,7 +180,7 @@ class StreamJournal:
             self.done = True
             return b"data: [DONE]\n\n"
         try:
-            data = json.loads(payload)
+            data = loads(payload)
         except ValueError:
             return event + b"\n\n"
         if not isinstance(data, dict):
@@ -189,6 +193,7 @@ class StreamJournal:
         if self._native:
             if self.response_id is None:
                 self.response_id = str(data.get("id", ""))
+            self.relayed.append(data)
             # an event that carried no ids is relayed byte for byte
             return sse_event(data) if changed else event + b"\n\n"
         return self._continued(data)
@@ -237,7 +242,8 @@ class StreamJournal:
             choices = [c for c in data.get("choices") or [] if isinstance(c, dict)]
             if choices and not any(_text(c) or c.get("finish_reason") for c in choices):
                 return b""  # ids whose text is held back: nothing for a chat client yet
-            return sse_event(_chat_chunk(data, choices))
+            data = _chat_chunk(data, choices)
+        self.relayed.append(data)
         return sse_event(data)
 
 

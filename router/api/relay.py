@@ -3,12 +3,13 @@ and whose first output is detected (the router's TTFT)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from router.api.fastjson import loads
 from router.api.upstream_errors import stable_error_body
 from router.api.usage import has_content, split_events
 
@@ -45,20 +46,32 @@ class FirstOutput:
                     return True
         return False
 
+    def observe(self, data: dict[str, Any]) -> bool:
+        """``feed`` for one event already decoded (its ``[DONE]``: :meth:`ended`)."""
+        if not self.found and _is_output(data):
+            self.found = True
+        return self.found
+
+    def ended(self) -> None:
+        """The stream's ``[DONE]`` was relayed."""
+        self.found = True
+
     @staticmethod
     def _has_output(payload: bytes) -> bool:
         if payload == b"[DONE]":
             return True
         try:
-            data = json.loads(payload)
+            data = loads(payload)
         except ValueError:
             return False
-        if not isinstance(data, dict):
-            return False
-        if "error" in data or has_content(data):
-            return True
-        return any(isinstance(c, dict) and c.get("finish_reason")
-                   for c in data.get("choices") or [])
+        return isinstance(data, dict) and _is_output(data)
+
+
+def _is_output(data: dict[str, Any]) -> bool:
+    """An event with generated output, an error, or a finish."""
+    if "error" in data or has_content(data):
+        return True
+    return any(isinstance(c, dict) and c.get("finish_reason") for c in data.get("choices") or [])
 
 
 class RelayResponse(StreamingResponse):

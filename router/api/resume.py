@@ -137,10 +137,27 @@ class ResumableStream:
         now = time.perf_counter()
         self._watch.feed(out, now)
         if not self._first_output.found and self._first_output.feed(out):
-            self.clock.first_output = now
-            self.proxy.metrics.ttft.labels(endpoint=self.endpoint.name,
-                                           model_name=self.route.model).observe(
-                now - self.clock.started)
+            self._first(now)
+
+    def _saw_relayed(self) -> None:
+        """``_saw`` of what the journal just relayed, from its decoded events."""
+        now = time.perf_counter()
+        found = self._first_output.found
+        for data in self.journal.relayed:
+            self._watch.observe(data, now)
+            if not found:
+                found = self._first_output.observe(data)
+        if not found and self.journal.done:
+            self._first_output.ended()
+            found = True
+        if found and self.clock.first_output is None:
+            self._first(now)
+
+    def _first(self, now: float) -> None:
+        self.clock.first_output = now
+        self.proxy.metrics.ttft.labels(endpoint=self.endpoint.name,
+                                       model_name=self.route.model).observe(
+            now - self.clock.started)
 
     async def _events(self) -> AsyncIterator[bytes]:
         proxy, journal, settings = self.proxy, self.journal, self.proxy.settings
@@ -188,14 +205,14 @@ class ResumableStream:
                         if not self._source_output:
                             self.clock.mark("decode_first_byte")
                         self._source_output = self._relayed = True
-                        self._saw(out)
+                        self._saw_relayed()
                         yield out
                     if journal.error is not None:
                         break
                 if journal.error is None:
                     out = journal.flush()
                     if out:
-                        self._saw(out)
+                        self._saw_relayed()
                         yield out
                 if journal.done:
                     proxy.tracker.mark_ok(source.worker.worker_id)
@@ -247,23 +264,26 @@ class ResumableStream:
         floor = self.proxy.settings.stall_timeout_s
         try:
             while True:
-                bound = None
-                if floor > 0:
-                    recent = self._watch.gaps[-32:]
-                    bound = PROBE_CHECK_S if not self._source_output else \
-                        max(floor, STALL_GAP_FACTOR * statistics.median(recent)) \
-                        if recent else floor
                 try:
-                    async with asyncio.timeout(bound):
-                        item = await queue.get()
-                except TimeoutError:
-                    worker_id = source.worker.worker_id
-                    if self._source_output or self.proxy.unresponsive(worker_id):
-                        raise _Stalled() from None
-                    if self.proxy.cluster.leaving(worker_id) and self._may_move() and \
-                            self.journal.prompt_ids:
-                        raise _Leaving() from None
-                    continue
+                    item = queue.get_nowait()  # already here: no silence to bound
+                except asyncio.QueueEmpty:
+                    bound = None
+                    if floor > 0:
+                        recent = self._watch.gaps[-32:]
+                        bound = PROBE_CHECK_S if not self._source_output else \
+                            max(floor, STALL_GAP_FACTOR * statistics.median(recent)) \
+                            if recent else floor
+                    try:
+                        async with asyncio.timeout(bound):
+                            item = await queue.get()
+                    except TimeoutError:
+                        worker_id = source.worker.worker_id
+                        if self._source_output or self.proxy.unresponsive(worker_id):
+                            raise _Stalled() from None
+                        if self.proxy.cluster.leaving(worker_id) and self._may_move() and \
+                                self.journal.prompt_ids:
+                            raise _Leaving() from None
+                        continue
                 if item is _END:
                     return
                 if isinstance(item, BaseException):

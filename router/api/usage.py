@@ -9,9 +9,10 @@ Pure: the caller passes the arrival time of every chunk.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from router.api.fastjson import loads
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def body_usage(body: bytes) -> Usage | None:
     if b'"usage"' not in body:
         return None
     try:
-        return usage_of(json.loads(body))
+        return usage_of(loads(body))
     except ValueError:
         return None
 
@@ -104,20 +105,24 @@ class StreamWatch:
             if payload == b"[DONE]":
                 continue
             try:
-                data = json.loads(payload)
+                data = loads(payload)
             except ValueError:
                 continue
-            if not isinstance(data, dict):
-                continue
-            usage = usage_of(data)
-            if usage is not None:
-                self.usage = usage  # continuous usage stats: the last one is the total
-            self._choices(data)
-            if has_content(data):
-                self.content_events += 1
-                if self._last_content is not None:
-                    self.gaps.append(now - self._last_content)
-                self._last_content = now
+            if isinstance(data, dict):
+                self.observe(data, now)
+
+    def observe(self, data: dict[str, Any], now: float) -> None:
+        """Take one relayed event already decoded (what ``feed`` does with each event's JSON;
+        for a relay that decodes the events itself, so each is parsed once)."""
+        usage = usage_of(data)
+        if usage is not None:
+            self.usage = usage  # continuous usage stats: the last one is the total
+        self._choices(data)
+        if has_content(data):
+            self.content_events += 1
+            if self._last_content is not None:
+                self.gaps.append(now - self._last_content)
+            self._last_content = now
 
     def _choices(self, data: dict[str, Any]) -> None:
         if not self.head:
