@@ -136,14 +136,14 @@ class RouterService:
                               keepalive_expiry=3.0)
         # trust_env=False: workers are reached directly, never through an HTTP(S)_PROXY; the
         # wire is router.api.transport's (httpcore's costs more CPU than the rest of a relay)
-        self.client = httpx.AsyncClient(limits=limits, trust_env=False,
-                                        transport=UpstreamTransport(limits))
+        transport = UpstreamTransport(limits)
+        self.client = httpx.AsyncClient(limits=limits, trust_env=False, transport=transport)
         self.proxy = PDProxy(self.settings, self.cluster, self.metrics, self.placement,
                              self.tracker, self.client,
                              self.loads.loads if self.loads is not None else dict,
                              on_done=self._timeline_done, keyring=self.keyring,
                              unresponsive=self.loads.unresponsive if self.loads is not None
-                             else lambda worker_id: False)
+                             else lambda worker_id: False, transport=transport)
         await self.cluster.start()
         if self.loads is not None:
             self.loads.start()

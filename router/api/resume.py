@@ -335,12 +335,12 @@ class ResumableStream:
             path = self.endpoint.path
         else:
             content, path = self.journal.continuation(signed), "/v1/completions"
-        request = proxy.client.build_request(
-            "POST", worker.http_url + path, content=encode(content),
-            headers=proxy._headers(self.route, self.incoming), timeout=proxy._decode_timeout)
+        call = proxy.send(worker.http_url + path, encode(content),
+                          proxy._headers(self.route, self.incoming), proxy._decode_timeout,
+                          stream=True)
         proxy.begin(role, self.route, worker)
         try:
-            resp = await proxy.watched(worker, role, proxy.client.send(request, stream=True))
+            resp = await proxy.watched(worker, role, call)
         except httpx.HTTPError as exc:
             proxy.end(role, self.route, worker, ok=False)
             err = upstream_error(role, worker, exc)
