@@ -11,14 +11,36 @@ set is therefore bounded by the fleet's models, never by client input.
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from typing import Any
+
+import prometheus_client
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+
+class _Children:
+    """``labels()`` remembered per call: prometheus_client checks the label names, converts
+    the values and takes a lock on every call, and the router asks a dozen times per request for
+    the same few children (every label set here is bounded, see the module docstring)."""
+
+    def labels(self, *values: Any, **named: Any) -> Any:
+        key = values or tuple(named.items())
+        children: dict[tuple[Any, ...], Any] = self.__dict__.setdefault("_pdserve_children", {})
+        child = children.get(key)
+        if child is None:
+            child = children[key] = super().labels(*values, **named)  # type: ignore[misc]
+        return child
+
+
+class Counter(_Children, prometheus_client.Counter):
+    pass
+
+
+class Gauge(_Children, prometheus_client.Gauge):
+    pass
+
+
+class Histogram(_Children, prometheus_client.Histogram):
+    pass
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                       120.0, 300.0)
