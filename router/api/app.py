@@ -21,6 +21,7 @@ from router.api.auth import ApiKeyMiddleware, ApiKeys, key_id, presented_key
 from router.api.cache_salt import FIELD as CACHE_SALT
 from router.api.cache_salt import KeySalts
 from router.api.context import SCOPE_KEY, RequestIdMiddleware, new_request_id
+from router.api.direct import DirectRoutes
 from router.api.errors import error_response, install_error_handlers
 from router.api.limits import LimitsMiddleware
 from router.api.proxy import PDProxy
@@ -636,6 +637,10 @@ def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None
                   openapi_url=None)
     app.state.router = service
     install_error_handlers(app)
+    # innermost user middleware: keys, limits and the request id still apply to these
+    app.add_middleware(DirectRoutes, routes={
+        COMPLETIONS.path: lambda request: service.handle(COMPLETIONS, request),
+        CHAT_COMPLETIONS.path: lambda request: service.handle(CHAT_COMPLETIONS, request)})
     if settings.max_concurrent_per_key > 0 or settings.answer_deadline_s > 0:
         # inside the key check: only authenticated requests count against a key
         app.add_middleware(LimitsMiddleware, max_concurrent=settings.max_concurrent_per_key,
@@ -647,7 +652,7 @@ def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None
         app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(settings.api_keys), admin=admin)
     app.add_middleware(RequestIdMiddleware)  # outermost: 401s carry x-request-id too
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions")  # answered by DirectRoutes; kept for the routing table
     async def completions(request: Request) -> Response:
         return await service.handle(COMPLETIONS, request)
 
