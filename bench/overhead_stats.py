@@ -4,7 +4,7 @@ A *point* is one setup (``direct``, a router) at one target rate: its latency pe
 for a router the latency it adds, its percentile minus the direct setup's percentile at the same
 rate in the same run (a difference of percentiles, not a percentile of differences: the
 requests are not paired). CPU figures come from ``/proc``: a process's ``utime + stime`` (all its
-threads, exited ones included) and each core's busy time, in clock ticks.
+threads, exited ones included), in clock ticks.
 """
 
 from __future__ import annotations
@@ -37,16 +37,27 @@ def process_cpu_ticks(stat: str) -> int:
     return int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5)
 
 
-def busy_ticks(proc_stat: str, cpus: Iterable[int]) -> int:
-    """Ticks the ``cpus`` spent on anything but idle and iowait, from ``/proc/stat``."""
-    wanted = {f"cpu{c}" for c in cpus}
-    busy = 0
-    for line in proc_stat.splitlines():
-        name, *values = line.split()
-        if name in wanted:
-            ticks = [int(v) for v in values[:8]]  # user nice system idle iowait irq softirq steal
-            busy += sum(ticks) - ticks[3] - ticks[4]
-    return busy
+PF_KTHREAD = 0x00200000
+"""``flags`` bit of a kernel thread (proc(5)): its CPU is the kernel's, often our own traffic's
+(softirq), not another process's."""
+
+
+def user_processes_ticks(stats: Mapping[int, str], ignore: Iterable[int]) -> dict[int, int]:
+    """``utime + stime`` of every user process in ``stats`` (pid -> its ``/proc/<pid>/stat``)
+    but those in ``ignore``."""
+    skip = set(ignore)
+    out = {}
+    for pid, stat in stats.items():
+        fields = stat[stat.rindex(")") + 2:].split()
+        if pid not in skip and not int(fields[6]) & PF_KTHREAD:
+            out[pid] = int(fields[11]) + int(fields[12])
+    return out
+
+
+def others_ticks(before: Mapping[int, int], after: Mapping[int, int]) -> int:
+    """CPU other processes spent between two :func:`user_processes_ticks` (one started since
+    counts whole; one that ended since is lost)."""
+    return sum(t - before.get(pid, 0) for pid, t in after.items())
 
 
 @dataclass(frozen=True)
@@ -61,8 +72,8 @@ class Point:
     router_cpu_s: float | None
     """CPU the setup's router spent over its runs (None: no router)."""
     foreign_cpu_share: float
-    """Busy time of the layout's cores spent by processes not in the benchmark, as a share of
-    their capacity over the runs (0 = nobody else ran)."""
+    """CPU other user processes (not the benchmark's, not kernel threads) took meanwhile, as a
+    share of the machine's cores over the runs (0 = nobody else ran)."""
     load1: float
     """The 1-minute load average after the last run."""
 

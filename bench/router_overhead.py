@@ -11,7 +11,7 @@ schedule to every setup, the setups alternating in ``--rounds`` slices of the po
 byte. The table (``bench.overhead_stats``) gives per setup and rate: the achieved send rate,
 latency percentiles, the p50/p99 a router adds over the direct setup at the same rate, the
 router's CPU per request (its ``/proc`` utime + stime), errors, the client's send lag, the
-share of the layout's cores other processes used meanwhile, and the load average.
+share of the machine's CPU other user processes used meanwhile, and the load average.
 
 Layout (``--client-cpu``, ``--backend-cpu``, ``--router-cpu``): the client, the backend and
 Redis on core 0, the router under test on core 1 (both routers run throughout; the idle one
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -36,7 +37,14 @@ from pathlib import Path
 from bench.fake_openai import event_loop_runner
 from bench.lean_client import LeanClient, Timing, http_request
 from bench.overhead_stack import Layout, Stack, start
-from bench.overhead_stats import Point, busy_ticks, poisson_offsets, process_cpu_ticks, table
+from bench.overhead_stats import (
+    Point,
+    others_ticks,
+    poisson_offsets,
+    process_cpu_ticks,
+    table,
+    user_processes_ticks,
+)
 
 SETUPS = ("direct", "pdserve", "pdserve-base", "vllm-router")
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -51,6 +59,15 @@ def _read(path: str) -> str:
 
 def _cpu_ticks(pids: Sequence[int]) -> dict[int, int]:
     return {pid: process_cpu_ticks(_read(f"/proc/{pid}/stat")) for pid in pids}
+
+
+def _all_stats() -> dict[int, str]:
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError):  # gone meanwhile
+                out[int(name)] = _read(f"/proc/{name}/stat")
+    return out
 
 
 def request_bodies(endpoint: str, model: str, n: int, *, prompt_chars: int,
@@ -82,7 +99,7 @@ class Slice:
     """From the start to the last answer."""
     router_cpu_s: float | None
     foreign_cpu_s: float
-    """CPU the layout's cores gave processes outside the benchmark meanwhile."""
+    """CPU other user processes took meanwhile."""
 
 
 class Bench:
@@ -102,22 +119,23 @@ class Bench:
                                 prompt_chars=self.args.prompt_chars, tokens=self.args.tokens)
         requests = [http_request(host, int(port), self.path, b) for b in bodies]
         client = LeanClient(host, int(port))
-        cores = self.stack.layout.cores
-        before, busy0 = _cpu_ticks(self.ours), busy_ticks(_read("/proc/stat"), cores)
+        before = _cpu_ticks(self.ours)
+        others0 = user_processes_ticks(_all_stats(), self.ours)
         t0 = time.perf_counter()
         try:
             timings = await client.run(requests, offsets, stream=True, tokens=self.args.tokens)
         finally:
             client.close()
         elapsed = time.perf_counter() - t0
-        after, busy1 = _cpu_ticks(self.ours), busy_ticks(_read("/proc/stat"), cores)
+        after = _cpu_ticks(self.ours)
+        others1 = user_processes_ticks(_all_stats(), self.ours)
         spent = {pid: after[pid] - before[pid] for pid in before}
         errors = Counter(t.error for t in timings if not t.ok)
         if errors:
             print(f"{setup}: {sum(errors.values())} errors: {dict(errors.most_common(3))}",
                   file=sys.stderr)
         router = self.stack.pids.get(setup)
-        foreign = max(0, busy1 - busy0 - sum(spent.values())) / TICKS_PER_S
+        foreign = others_ticks(others0, others1) / TICKS_PER_S
         return Slice(timings, max((t.scheduled_s + t.lag_s for t in timings), default=0.0),
                      elapsed, None if router is None else spent[router] / TICKS_PER_S, foreign)
 
@@ -132,7 +150,7 @@ class Bench:
                 got[setup].append(await self.run(setup, offsets))
                 await asyncio.sleep(0.3)  # let the last connections close
         points = []
-        n_cores = len(self.stack.layout.cores)
+        n_cores = os.cpu_count() or 1
         for setup, slices in got.items():
             cpu = [s.router_cpu_s for s in slices if s.router_cpu_s is not None]
             points.append(Point(

@@ -13,10 +13,11 @@ from bench.lean_client import Timing, _Response
 from bench.overhead_stats import (
     Point,
     added_ms,
-    busy_ticks,
+    others_ticks,
     poisson_offsets,
     process_cpu_ticks,
     table,
+    user_processes_ticks,
 )
 
 # What vLLM 0.32 streams, written by its own pydantic models (CompletionStreamResponse /
@@ -146,12 +147,12 @@ def test_proc_stat_parsing() -> None:
     # a process name with a space and a parenthesis: fields count after the last ")"
     stat = "1234 (we (ird) x) S 1 1234 1234 0 -1 4194560 500 0 0 0 250 75 0 0 20 0 3 0 100"
     assert process_cpu_ticks(stat) == 325
-    proc_stat = ("cpu  10 0 10 100 5 0 0 0 0 0\n"
-                 "cpu0 4 1 3 50 2 1 1 0 0 0\n"
-                 "cpu1 6 0 7 50 3 0 0 1 0 0\n"
-                 "intr 1 2 3\n")
-    assert busy_ticks(proc_stat, [0]) == 10  # 4 + 1 + 3 + 1 + 1
-    assert busy_ticks(proc_stat, [0, 1]) == 24  # + 6 + 7 + 1
+    kernel = "2 (ksoftirqd/0) S 2 0 0 0 -1 69238880 0 0 0 0 0 900 0 0 20 0 1 0 10"
+    stats = {1234: stat, 2: kernel, 7: stat.replace("250 75", "10 5")}
+    before = user_processes_ticks(stats, ignore=[7])
+    assert before == {1234: 325}  # the kernel thread (PF_KTHREAD) and ours are left out
+    after = {1234: 400, 99: 20}  # one went on, one started since
+    assert others_ticks(before, after) == 75 + 20
 
 
 def test_poisson_offsets_are_seeded_increasing_and_near_the_rate() -> None:
