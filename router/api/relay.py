@@ -111,9 +111,12 @@ class RelayResponse(StreamingResponse):
     async def _send_watched(self, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.ensure_future(self._watch(receive, task))
         self._sending = True
+        watcher = asyncio.ensure_future(self._watch(receive, task))
         try:
+            # the watcher's first look comes before the body's first upstream call: a client
+            # that left while the handler waited (on its prefill) gets no decode call
+            await asyncio.sleep(0)
             await self.stream_response(send)
         except asyncio.CancelledError:
             if not self._client_left:
