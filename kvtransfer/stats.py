@@ -27,9 +27,23 @@ logger = logging.getLogger(__name__)
 
 _MAX_TRACES = 4096
 
+CONTROL_COUNTERS = {
+    "dropped": ("dropped_messages", "Control messages dropped unread: the prefill's request "
+                "queue was full (a flood)."),
+    "failed_replies": ("failed_replies", "Answers to lease messages that could not be sent "
+                       "(the requester was gone)."),
+    "unanswered": ("unanswered_strangers", "Answers to lease messages dropped: the requester "
+                   "proved no lease and the transport held no connection to it (security "
+                   "review finding 15)."),
+    "foreign": ("foreign_messages", "NIXL control messages not from the agent they name, or "
+                "replies from another agent than the one asked: dropped."),
+}
+"""``pdserve_kv_control_<key>_total`` -> (the transport engine's counter, its meaning); a
+transport without that counter (tcp answers on the request's own connection) reports 0."""
+
 _COUNTERS = ("pulls", "pulls_same_host", "pull_failures", "pulled_bytes", "pulled_blocks",
              "leases_released", "leases_expired", "leases_renewed", "leases_refused",
-             "refused_params")
+             "refused_params", *(f"control_{name}" for name in CONTROL_COUNTERS))
 PULL_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
                         5.0, 10.0)
 
@@ -79,6 +93,10 @@ class TransferStats(KVConnectorStats):
         self.data["leases_expired"] += expired
         self.data["leases_renewed"] += renewed
         self.data["leases_refused"] += refused
+
+    def record_control(self, key: str, n: int) -> None:
+        """``n`` more of the transport's control-channel counter ``key`` (CONTROL_COUNTERS)."""
+        self.data[f"control_{key}"] += n
 
     def record_refused(self) -> None:
         """One request whose ``kv_transfer_params`` were refused (unsigned, forged, stale)."""
@@ -137,6 +155,7 @@ class TransferPromMetrics(KVConnectorPromMetrics):
                               "token, or a lease already released or expired (a repeat).",
             "refused_params": "Requests whose kv_transfer_params were refused (unsigned, forged "
                               "or stale signature): served without lease or pull.",
+            **{f"control_{key}": doc for key, (_, doc) in CONTROL_COUNTERS.items()},
         }
         self._counters: dict[str, dict[int, Any]] = {}
         for key, doc in docs.items():

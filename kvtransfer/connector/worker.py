@@ -38,7 +38,7 @@ from kvtransfer.protocol import (
     release_message,
     renew_message,
 )
-from kvtransfer.stats import TransferStats
+from kvtransfer.stats import CONTROL_COUNTERS, TransferStats
 
 if TYPE_CHECKING:
     from kvtransfer.transport.base import Link, Pending, Transport
@@ -127,6 +127,7 @@ class WorkerHalf:
         self._stop = threading.Event()
         self._responder: threading.Thread | None = None
         self._reported_leases = (0, 0, 0, 0)
+        self._reported_control: dict[str, int] = {}  # CONTROL_COUNTERS key -> last reported
         self._next_prune = 0.0
 
     # ---------------------------------------------------------------- setup
@@ -390,6 +391,12 @@ class WorkerHalf:
         self.stats.record_leases(released - last_released, expired - last_expired,
                                  renewed - last_renewed, refused - last_refused)
         self._reported_leases = (released, expired, renewed, refused)
+        engine = self._engine
+        for key, (attr, _) in CONTROL_COUNTERS.items():
+            now = int(getattr(engine, attr, 0)) if engine is not None else 0
+            if now > self._reported_control.get(key, 0):
+                self.stats.record_control(key, now - self._reported_control.get(key, 0))
+                self._reported_control[key] = now
         for request_id, at in self.leases.take_released():
             self.stats.record_event(request_id, "lease_released", at)
         if self.stats.is_empty():

@@ -109,6 +109,15 @@ def test_a_lease_is_released_once_and_only_with_its_token(cluster: Cluster, plai
         rid = held["remote_request_id"]
         assert _ask(peer, release_message(rid, "guessed")) == RELEASE_EXPIRED
         assert _ask(peer, renew_message(rid, "guessed")) == RELEASE_EXPIRED
+    # A peer that never proved a lease is not answered at all: the prefill opens no connection
+    # to the address it names (finding 15), and counts the dropped answer.
+    with UcxEngine(name="test-stranger", same_host=False) as stranger:
+        unanswered = stranger.connect(hs.ucx_address).request(release_message(rid, "guessed"))
+        eventually(lambda: value(scrape(workers["prefill"]),
+                                 "pdserve_kv_control_unanswered_total"),
+                   lambda n: n > value(p0, "pdserve_kv_control_unanswered_total"),
+                   timeout_s=30)
+        assert unanswered.poll() == "pending"
     # The forged release did not end the lease: its real reader still pulls it.
     d0 = scrape(workers["decode"])
     assert _decode(cluster, workers["decode"], held_prompt, held) == \
@@ -119,7 +128,10 @@ def test_a_lease_is_released_once_and_only_with_its_token(cluster: Cluster, plai
         value(d0, "pdserve_kv_pull_failures_total")
     p1 = scrape(workers["prefill"])
     assert value(p1, "pdserve_kv_leases_refused_total") - \
-        value(p0, "pdserve_kv_leases_refused_total") == 3
+        value(p0, "pdserve_kv_leases_refused_total") == 4
+    # control: the rogue that proved a lease first was answered every time
+    assert value(p1, "pdserve_kv_control_unanswered_total") - \
+        value(p0, "pdserve_kv_control_unanswered_total") == 1
 
 
 def _leave_during_prefill(router_url: str, prompt: str) -> None:
