@@ -10,7 +10,7 @@ from bench.sim.autoscale import (
     autoscale_summary,
     observation,
 )
-from bench.sim.engine import IntervalStats, simulate
+from bench.sim.engine import IntervalStats, Moves, simulate
 from bench.sim.workload import SimRequest
 from router.policy.base import Dispatched, Membership, PolicyEvent
 from router.policy.registry import create_prefill_policy
@@ -23,12 +23,14 @@ class Recorder(RoundRobinPolicy):
     def __init__(self) -> None:
         super().__init__()
         self.where: dict[int, str] = {}
+        self.sent: dict[int, list[str]] = {}
         self.members: list[tuple[str, ...]] = []
 
     def observe(self, event: PolicyEvent) -> None:
         super().observe(event)
         if isinstance(event, Dispatched):
             self.where[int(event.request_id)] = event.worker_id
+            self.sent.setdefault(int(event.request_id), []).append(event.worker_id)
         elif isinstance(event, Membership):
             self.members.append(event.worker_ids)
 
@@ -66,6 +68,54 @@ def test_drained_prefill_gets_no_new_work_and_finishes_its_queue() -> None:
     assert len(res.ttft_s) == 40  # the drained instance's ten requests completed too
     # p0001 ran 10 prompts back to back from 9.05 s; billed until the last one finished
     p1_stop = 9.05 + 10 * (0.02 + 1e-4 * 16_000)
+    billed = [p for p in res.replicas if p.prefill_billed == 1]
+    assert billed[0].t_s == pytest.approx(p1_stop)
+    assert res.instance_s["prefill"] == pytest.approx(res.sim_end_s + p1_stop)
+
+
+def _backlog(moves: Moves | None) -> tuple[Recorder, list[float], dict[str, int]]:
+    """30 long prompts (1.62 s each) from 30 s on, 10 a second, queue on the one prefill
+    instance; a second one, decided at 10 s, serves from 40 s."""
+    reqs = [req(i, 30.0 + 0.1 * i, prompt=16_000) for i in range(30)]
+    policy = Recorder()
+    ctl = ScriptedController((1, 1), [(10.0, 2, 1)], interval_s=10.0)
+    res = simulate(reqs, policy, 0, 0, controller=ctl, start_delay_s=30.0, moves=moves)
+    return policy, res.ttft_s, res.redispatched
+
+
+def test_scale_up_redispatches_waiting_requests_to_the_new_instance() -> None:
+    policy, ttft, moved = _backlog(Moves())
+    # batch i runs from 30 + 1.62 i: at 40 s request 6 is running (39.72 .. 41.34), so 0 .. 6
+    # stay; of the 23 waiting, the rule moves the later ones while a move lowers the total
+    # predicted TTFT: the new instance's tail stays below what each would wait on p0000
+    movers = sorted(i for i, sent in policy.sent.items() if len(sent) == 2)
+    assert all(policy.sent[i] == ["p0000", "p0001"] for i in movers)
+    assert max(len(sent) for sent in policy.sent.values()) == 2  # moved at most once
+    assert min(movers) >= 7 and len(movers) == moved["join"] >= 10
+    assert moved == {"join": len(movers), "tick": 0, "evacuate": 0}
+    assert {policy.where[i] for i in range(7)} == {"p0000"}
+    assert len(ttft) == 30
+    # negative control: without re-dispatch every request stays on p0000 and waits longer
+    stay, stay_ttft, none = _backlog(None)
+    assert all(len(sent) == 1 for sent in stay.sent.values())
+    assert set(stay.where.values()) == {"p0000"} and none == {"join": 0, "tick": 0,
+                                                               "evacuate": 0}
+    assert sum(ttft) < 0.7 * sum(stay_ttft)
+
+
+def test_removed_prefill_hands_its_queue_over_and_stops_after_its_batch() -> None:
+    # the drained-instance scenario above with evacuation: at 10 s p0001 runs the batch it
+    # started at 9.05 s (until 10.67 s) and hands its nine waiting prompts to p0000
+    long = [req(i, 9.0 + 0.05 * i, prompt=16_000) for i in range(20)]
+    late = [req(20 + i, 10.5 + 0.5 * i, prompt=16) for i in range(20)]
+    policy = Recorder()
+    ctl = ScriptedController((2, 1), [(10.0, 1, 1)], interval_s=10.0)
+    res = simulate(long + late, policy, 0, 0, controller=ctl, start_delay_s=30.0,
+                   moves=Moves(on_join=False))
+    assert res.redispatched["evacuate"] == 9
+    assert [policy.sent[i] for i in (1, 3)] == [["p0001"], ["p0001", "p0000"]]
+    assert len(res.ttft_s) == 40
+    p1_stop = 9.05 + (0.02 + 1e-4 * 16_000)
     billed = [p for p in res.replicas if p.prefill_billed == 1]
     assert billed[0].t_s == pytest.approx(p1_stop)
     assert res.instance_s["prefill"] == pytest.approx(res.sim_end_s + p1_stop)
