@@ -12,7 +12,7 @@ from bench.sim.autoscale import (
 )
 from bench.sim.engine import IntervalStats, Moves, simulate
 from bench.sim.workload import SimRequest
-from router.policy.base import Dispatched, Membership, PolicyEvent
+from router.policy.base import CacheChanged, Dispatched, Membership, PolicyEvent
 from router.policy.registry import create_prefill_policy
 from router.policy.round_robin import RoundRobinPolicy
 
@@ -199,3 +199,41 @@ def test_observation_from_interval_stats() -> None:
 def test_settings_validation(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         AutoscaleSettings(**kw)  # type: ignore[arg-type]
+
+
+def _warm_run(warm_blocks: int) -> tuple[list[tuple[str, PolicyEvent]], float, float]:
+    """12 prompts a second for 50 s, each one of 16 shared 64-block prefixes and 64 blocks of
+    its own (2,048 tokens, ~0.1 s of prefill uncached): one prefill instance falls behind;
+    a second one, decided at 10 s, serves from 40 s. Returns the placement events, the
+    prefix-cache hit ratio, and the mean TTFT."""
+    reqs = [SimRequest(i, i / 12, 2048, 1,
+                       PREFIXES[i % 16] + tuple(10**6 + 64 * i + b for b in range(64)))
+            for i in range(600)]
+    log: list[tuple[str, PolicyEvent]] = []
+    ctl = ScriptedController((1, 1), [(10.0, 2, 1)], interval_s=10.0)
+    res = simulate(reqs, create_prefill_policy("dualmap"), 0, 0, controller=ctl,
+                   start_delay_s=30.0, moves=Moves(on_join=False, warm_blocks=warm_blocks),
+                   observer=lambda role, e: log.append((role, e)))
+    return log, res.cached_tokens / res.prompt_tokens, sum(res.ttft_s) / len(res.ttft_s)
+
+
+PREFIXES = [tuple(1000 * k + b for b in range(64)) for k in range(16)]
+
+
+def test_a_joining_instance_is_warmed_with_the_prefixes_placement_will_send_it() -> None:
+    log, hits, _ = _warm_run(warm_blocks=10_000)
+    warmed = [e for role, e in log if isinstance(e, CacheChanged)]
+    assert warmed and {e.worker_id for e in warmed} == {"p0001"}
+    # every chain pulled is the leading blocks of a request placement would send p0001 (the
+    # part p0000 held: a shared prefix, and the request's own blocks once p0000 ran it)
+    sent = {e.request.block_hashes for _, e in log
+            if isinstance(e, Dispatched) and e.request is not None}
+    assert all(e.stored[:64] in PREFIXES and len(e.stored) in (64, 128) for e in warmed)
+    assert all(any(h[:len(e.stored)] == e.stored for h in sent) for e in warmed)
+    # the budget holds (whole chains: at most one chain over)
+    small = [e for role, e in _warm_run(warm_blocks=100)[0] if isinstance(e, CacheChanged)]
+    assert 0 < sum(len(e.stored) for e in small) < 100 + 128
+    # negative control: without warming nothing is pulled, and fewer prompt tokens hit
+    cold_log, cold_hits, _ = _warm_run(warm_blocks=0)
+    assert not any(isinstance(e, CacheChanged) for _, e in cold_log)
+    assert hits > cold_hits
