@@ -110,7 +110,8 @@ def run(reqs: Sequence[SimRequest], policy: str, settings: AutoscaleSettings,
     # the engine only ever moves requests of policies that name an alternate candidate
     return simulate(reqs, make_policy(policy, cfg), settings.max_prefill, settings.max_decode,
                     pp, dp, rebalance_threshold_s=ttft_slo_s,
-                    controller=controller, start_delay_s=settings.start_delay_s)
+                    controller=controller, start_delay_s=settings.start_delay_s,
+                    moves=settings.moves)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,12 @@ disaggregation's cache estimate) and the load ledger the pool's dispatches are c
   reason, alternate), pure: nothing is recorded;
 - ``begin(request, worker_id)``: the request was sent; the policy hears ``Dispatched``, the
   ledger counts it with its uncached prompt tokens (prefill roles), which are returned;
-- ``end(request, worker_id, ok)``: it finished or failed; ``Finished``, and the ledger forgets it.
+- ``end(request, worker_id, ok)``: it finished or failed; ``Finished``, and the ledger forgets it;
+- ``plan_redispatch(sources, targets, load)``: which waiting requests should move to instances
+  that joined or went idle, or off instances being removed (:func:`router.policy.rebalance.
+  plan_redispatch`, with each request's cost on each target from the policy's cache estimate),
+  pure; ``move(request, source, target)`` carries one out in the ledger and the policy's view
+  (``end`` on the source, not ok, then ``begin`` on the target).
 
 The caller owns the candidates' load snapshots and the ledger: the router's
 :class:`~router.state.load.LoadTracker` and its reported worker loads, the simulator's
@@ -19,7 +24,7 @@ instances. Nothing here names a concrete policy; policies come from the registry
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from router.policy.base import (
@@ -35,6 +40,8 @@ from router.policy.base import (
     RouteRequest,
 )
 from router.policy.context import PolicyContext
+from router.policy.load_model import LoadModel
+from router.policy.rebalance import InstanceQueue, Move, QueuedRequest, plan_redispatch
 from router.policy.registry import create_decode_policy, create_prefill_policy
 
 PREFILL_ROLES = ("prefill", "aggregated", "flex")
@@ -112,6 +119,31 @@ class Pool:
         """``worker_id`` finished (``ok``) or failed/gave up ``request``."""
         self._tell(Finished(request.request_id, worker_id, request.model, ok))
         self.ledger.finish(worker_id, request.request_id)
+
+
+    def plan_redispatch(self, sources: Sequence[tuple[str, int, Sequence[tuple[RouteRequest,
+                                                                            int]]]],
+                        targets: Mapping[str, int], load: LoadModel,
+                        evacuate: Collection[str] = (), max_moves: int = 64) -> list[Move]:
+        """Moves of waiting requests (pure: nothing is recorded). ``sources`` are ``(worker_id,
+        running tokens, [(request, its uncached tokens there)] waiting FIFO)``; ``targets``
+        map each instance that may take work to the tokens already ahead of a newcomer there.
+        A request's cost on a target is its prompt less what the policy expects cached there
+        (a new instance: nothing)."""
+        def queued(request: RouteRequest, tokens: int) -> QueuedRequest:
+            there = {t: max(request.prompt_len - self.cached_tokens(request, t), 0)
+                     for t in targets}
+            return QueuedRequest(request.request_id, tokens, None, 0, there)
+
+        queues = [InstanceQueue(wid, ahead, [queued(r, n) for r, n in waiting])
+                  for wid, ahead, waiting in sources]
+        return plan_redispatch(queues, targets, load, evacuate, max_moves)
+
+    def move(self, request: RouteRequest, source: str, target: str) -> int:
+        """Carry out a move of a waiting ``request``: ``source`` gave it up, ``target`` has
+        it; returns the uncached tokens counted there."""
+        self.end(request, source, ok=False)
+        return self.begin(request, target)
 
 
 class Placement:

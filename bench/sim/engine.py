@@ -22,6 +22,18 @@ and serves after ``start_delay_s`` (a worker start); a removed one drains: place
 once (``Membership``), so it gets no new work, finishes what it holds, then stops, and is billed
 until then. Scale-down cancels instances still starting first (they stop at once), then drains
 the least loaded serving ones.
+
+Moving queued work (:class:`Moves`, off unless given): a prefill request that waits in an
+instance's queue (not in its running batch) may be re-dispatched through the placement object
+(``Pool.plan_redispatch`` then ``Pool.move``, :func:`router.policy.rebalance.plan_redispatch`):
+when a prefill instance becomes ready (``on_join``: to it, from every queue, when the move
+lowers the total predicted TTFT), every interval (``on_tick``: to the idle instances), and when
+one is removed (``evacuate``: its whole queue goes to the serving instances, so it stops after
+its running batch). Decode needs none of this: a request waiting for a decode slot waits in one
+queue for the whole pool and starts on whichever instance frees a slot or joins first. A new
+prefill instance's prefix cache starts empty; with ``warm_blocks`` it is first filled with the
+pool's hot blocks (those most instances hold), prefilled after the start at the instance's own
+cost, so it serves that much later (the policy is told through ``CacheChanged``).
 """
 
 from __future__ import annotations
@@ -48,12 +60,12 @@ from bench.sim.pools import (
 from bench.sim.workload import SimRequest
 from router.autoscale.profile import DecodePerf, PrefillPerf
 from router.placement import Placement, Pool
-from router.policy.base import PlacementPolicy, PolicyEvent, RouteRequest
+from router.policy.base import CacheChanged, PlacementPolicy, PolicyEvent, RouteRequest
 from router.policy.load_model import LoadModel
 from router.policy.rebalance import QueuedRequest, plan_rebalance
 from router.policy.registry import create_decode_policy
 
-__all__ = ["IntervalStats", "PoolController", "ReplicaPoint", "RunResult", "simulate",
+__all__ = ["IntervalStats", "Moves", "PoolController", "ReplicaPoint", "RunResult", "simulate",
            "sim_placement"]
 
 MODEL = "sim"
@@ -75,6 +87,29 @@ class PoolController(Protocol):
     def initial(self) -> tuple[int, int]: ...
 
     def decide(self, stats: IntervalStats) -> tuple[int, int]: ...
+
+
+@dataclass(frozen=True)
+class Moves:
+    """When the simulator moves queued prefill requests between instances (module doc)."""
+
+    on_join: bool = True
+    """Re-dispatch waiting requests to a prefill instance that just became ready."""
+    on_tick: bool = False
+    """Every controller interval, re-dispatch waiting requests to idle prefill instances."""
+    evacuate: bool = True
+    """A removed prefill instance hands its waiting requests to the serving ones."""
+    max_moves: int = 256
+    """Most moves per join or tick (an evacuation moves its whole queue)."""
+    warm_blocks: int = 0
+    """Most prefix blocks an instance pulls to warm its cache: a joining one (before it
+    serves) and each that takes over a removed one's requests (in the background)."""
+    recent_requests: int = 2000
+    """Recent prefill requests whose prefixes count as the pool's hot ones."""
+
+    def __post_init__(self) -> None:
+        if self.max_moves < 0 or self.warm_blocks < 0 or self.recent_requests < 0:
+            raise ValueError("need max_moves, warm_blocks and recent_requests >= 0")
 
 
 class ReplicaPoint(NamedTuple):
@@ -102,6 +137,10 @@ class RunResult:
     cached_tokens: int = 0
     busy_s: dict[str, float] = field(default_factory=dict)
     migrations: int = 0
+    """Hotspot rebalancing moves (DualMap's alternates)."""
+    redispatched: dict[str, int] = field(default_factory=lambda: {"join": 0, "tick": 0,
+                                                                  "evacuate": 0})
+    """Waiting prefill requests moved by :class:`Moves`, per occasion."""
     sim_end_s: float = 0.0
     instance_s: dict[str, float] = field(default_factory=dict)
     """Billed instance-seconds per pool (``prefill``, ``decode``)."""
@@ -129,8 +168,10 @@ class _Run:
                  n_prefill: int, n_decode: int, pp: PrefillPerf, dp: DecodePerf,
                  rebalance_threshold_s: float | None, warmup: int,
                  controller: PoolController | None, start_delay_s: float,
-                 observer: Callable[[str, PolicyEvent], None] | None) -> None:
+                 observer: Callable[[str, PolicyEvent], None] | None,
+                 moves: Moves | None) -> None:
         self.pp, self.dp = pp, dp
+        self.moves = moves
         self.threshold = rebalance_threshold_s
         self.warmup = warmup
         self.controller = controller
@@ -152,6 +193,9 @@ class _Run:
         self.d_place.sync(MODEL, self.decode.ready_ids())
         self.load = LoadModel(pp.per_token_s)
         self.d_wait: deque[tuple[float, Job]] = deque()
+        self.drained: list[PrefillInstance] = []  # removed this tick, work still queued
+        self.removed: list[PrefillInstance] = []  # removed this tick
+        self.recent: deque[RouteRequest] = deque(maxlen=moves.recent_requests if moves else 0)
         self.res = RunResult()
         self.events: list[tuple[float, int, int, object]] = []  # (time, seq, kind, payload)
         self.seq = 0
@@ -203,6 +247,7 @@ class _Run:
         route = RouteRequest(str(req.index), MODEL, block_hashes=req.block_hashes,
                              num_prompt_tokens=req.prompt_tokens)
         job = Job(req, route, now)
+        self.recent.append(route)
         choice = self.p_place.choose(route, self.prefill.candidates)
         assert choice is not None
         p = self.prefill.routable[choice.worker]
@@ -357,8 +402,11 @@ class _Run:
                 continue
             del pool.routable[p.wid]
             p.state, changed = DRAINING, True
+            self.removed.append(p)
             if not p.busy and not p.queue:
                 self.stop(p, now)
+            else:
+                self.drained.append(p)
         return changed
 
     def resize_decode(self, want: int, now: float) -> bool:
@@ -387,20 +435,115 @@ class _Run:
             if p.busy:
                 m.p_busy += now - max(p.batch_start, m.last_tick)
         want_p, want_d = controller.decide(m.snapshot(now, self.counts(), self.dp.max_running))
+        self.drained, self.removed = [], []
         if self.resize_prefill(max(1, want_p), now):
             self.prefill_members_changed()
+        mv = self.moves
+        if mv is not None and mv.warm_blocks and self.removed:
+            self.hand_over(lambda wid: True, self.removed)
+        if mv is not None and mv.evacuate and self.drained:
+            routable = self.prefill.routable.values()
+            self.redispatch(now, "evacuate", list(routable), self.drained)
+            for p in self.drained:
+                if not p.busy and not p.queue:
+                    self.stop(p, now)
+        if mv is not None and mv.on_tick:
+            idle = [p for p in self.prefill.routable.values() if not p.busy and not p.queue]
+            if idle:
+                self.redispatch(now, "tick", idle)
         if self.resize_decode(max(1, want_d), now):
             self.d_place.sync(MODEL, self.decode.ready_ids())
         self.record(now)
 
     def ready_prefill(self, p: PrefillInstance, now: float) -> None:
-        if p.state == STARTING:
-            self.meter.advance(now)
-            p.state = READY
-            self.meter.serving_p += 1
-            self.prefill.routable[p.wid] = p
-            self.prefill_members_changed()
-            self.record(now)
+        if p.state != STARTING:
+            return
+        mv = self.moves
+        self.meter.advance(now)
+        p.state = READY
+        self.meter.serving_p += 1
+        self.prefill.routable[p.wid] = p
+        self.prefill_members_changed()
+        self.record(now)
+        if mv is not None and mv.warm_blocks:
+            pull_s = self.hand_over(lambda wid: wid == p.wid)
+            if pull_s > 0:  # busy pulling: what placement sends meanwhile queues
+                p.busy, p.batch_start = True, now
+                self.push(now + pull_s, DONE_P, p)
+        if mv is not None and mv.on_join:
+            self.redispatch(now, "join", [p])
+
+    def hand_over(self, takes: Callable[[str], bool],
+                  holders: Iterable[PrefillInstance] | None = None) -> float:
+        """Warm the instances ``takes`` accepts with the prefixes of recent requests placement
+        would now send them, pulled from the instance that holds the most of each (from
+        ``holders`` only, when given): at most ``warm_blocks`` blocks each, newest requests
+        first. The policy hears what each now caches (``CacheChanged``). Returns the longest
+        pull (blocks x block tokens x the KV transfer time per token) any of them makes."""
+        budget = cast(Moves, self.moves).warm_blocks
+        pool, place = self.prefill, self.p_place
+        sources = list(pool.routable.values() if holders is None else holders)
+        chains: dict[str, list[tuple[int, ...]]] = {}
+        got: dict[str, int] = {}
+        for route in reversed(self.recent):
+            choice = place.choose(route, pool.candidates)
+            if choice is None or not takes(choice.worker):
+                continue
+            wid = choice.worker
+            if got.get(wid, 0) >= budget:
+                continue
+            hashes = route.block_hashes
+            have = pool.routable[wid].cache.match(hashes)
+            best = max((x.cache.match(hashes) for x in sources if x.wid != wid), default=0)
+            if best > have:
+                chains.setdefault(wid, []).append(tuple(hashes[:best]))
+                got[wid] = got.get(wid, 0) + best - have
+        longest = 0
+        for wid, wanted in chains.items():
+            cache = pool.routable[wid].cache
+            for chain in reversed(wanted):  # oldest first: the newest end most recent
+                cache.insert(chain)
+                place.tell(CacheChanged(wid, stored=chain))
+            longest = max(longest, got[wid])
+        return longest * self.pp.block_tokens * self.dp.kv_transfer_s_per_token
+
+    def redispatch(self, now: float, why: str, targets: list[PrefillInstance],
+                   evacuate: list[PrefillInstance] | None = None) -> None:
+        """Move waiting prefill requests to ``targets`` (or off ``evacuate``) as placement's
+        re-dispatch rule plans; start the targets that got work."""
+        mv = cast(Moves, self.moves)
+        pool = self.prefill
+        if evacuate is not None:
+            src_insts = evacuate
+            limit = sum(len(p.queue) for p in evacuate)
+        else:
+            src_insts = [x for x in pool.all.values()
+                         if x.queue and x.state in (READY, DRAINING) and x not in targets]
+            limit = mv.max_moves
+        if not src_insts or not targets or not limit:
+            return
+        sources = [(x.wid, x.batch_est, [(j.route, j.est) for j in x.queue]) for x in src_insts]
+        tails = {t.wid: t.pending for t in targets}
+        place = self.p_place
+        moves = place.plan_redispatch(sources, tails, self.load,
+                                      [x.wid for x in evacuate or ()], limit)
+        if not moves:
+            return
+        touched: dict[str, PrefillInstance] = {}
+        for m in moves:
+            src, dst = pool.all[m.source], pool.all[m.target]
+            job = next(j for j in src.queue if j.route.request_id == m.request_id)
+            src.queue.remove(job)
+            job.est = place.move(job.route, src.wid, dst.wid)
+            job.worker = dst.wid
+            if job.alt == dst.wid:
+                job.alt = src.wid if src.wid in pool.routable else None
+            dst.queue.append(job)
+            touched[dst.wid] = dst
+        self.res.redispatched[why] += len(moves)
+        for dst in touched.values():
+            if not dst.busy:
+                self.start_batch(dst, now)
 
     def ready_decode(self, d: DecodeInstance, now: float) -> None:
         if d.state == STARTING:
@@ -456,7 +599,8 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
              rebalance_threshold_s: float | None = None, warmup: int = 0,
              controller: PoolController | None = None,
              start_delay_s: float = 30.0, decode_policy: PlacementPolicy | None = None,
-             observer: Callable[[str, PolicyEvent], None] | None = None) -> RunResult:
+             observer: Callable[[str, PolicyEvent], None] | None = None,
+             moves: Moves | None = None) -> RunResult:
     """Replay ``requests`` (arrival times multiplied by ``rate_scale``), placing prefills with
     ``policy`` and decodes with ``decode_policy`` (default: ``kv_aware`` at the decode
     instances' ``max_running``, strict) through one :class:`router.placement.Placement`.
@@ -466,6 +610,7 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
     are ignored; added instances serve ``start_delay_s`` after the decision.
     ``observer(role, event)`` hears
     every placement event (membership, dispatch, finish) of both pools, in order.
+    ``moves`` turns on re-dispatch of waiting prefill requests (:class:`Moves`; None: off).
     """
     pp = prefill or PrefillPerf()
     dp = decode or DecodePerf()
@@ -474,5 +619,5 @@ def simulate(requests: Iterable[SimRequest], policy: PlacementPolicy, n_prefill:
     if n_prefill < 1 or n_decode < 1:
         raise ValueError("need at least one prefill and one decode instance")
     run = _Run(policy, decode_policy, n_prefill, n_decode, pp, dp, rebalance_threshold_s,
-               warmup, controller, start_delay_s, observer)
+               warmup, controller, start_delay_s, observer, moves)
     return run.run(requests, rate_scale)

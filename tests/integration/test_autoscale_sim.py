@@ -55,7 +55,9 @@ def test_planner_meets_both_slos_on_85_percent_of_the_static_peak_instance_secon
     # learned from the trace (issue 14: 0.770, bar 0.80). The cold-start headroom (6x decaying
     # over the first 300 s, which steps traces need: a 10x step out of a quiet start) holds ~5
     # more instances through this ramp's quiet 270 s: measured 0.803 at 0.991 attainment, so
-    # the bar is relaxed to 0.85, still well under the static pool and the threshold.
+    # the bar is relaxed to 0.85, still well under the static pool and the threshold. With
+    # re-dispatch (issue 25) and the retuned knobs (4.5x cold headroom, 1.0 utilisation):
+    # 0.750 at 0.990 attainment (threshold 0.927 at 0.903), run one replay at a time.
     assert ratio["planner"] <= 0.85
     # the reactive threshold autoscaler does worse on both counts on the same trace
     assert threshold["slo_attainment"] < planner["slo_attainment"]

@@ -10,9 +10,9 @@ from bench.sim.autoscale import (
     autoscale_summary,
     observation,
 )
-from bench.sim.engine import IntervalStats, simulate
+from bench.sim.engine import IntervalStats, Moves, simulate
 from bench.sim.workload import SimRequest
-from router.policy.base import Dispatched, Membership, PolicyEvent
+from router.policy.base import CacheChanged, Dispatched, Membership, PolicyEvent
 from router.policy.registry import create_prefill_policy
 from router.policy.round_robin import RoundRobinPolicy
 
@@ -23,12 +23,14 @@ class Recorder(RoundRobinPolicy):
     def __init__(self) -> None:
         super().__init__()
         self.where: dict[int, str] = {}
+        self.sent: dict[int, list[str]] = {}
         self.members: list[tuple[str, ...]] = []
 
     def observe(self, event: PolicyEvent) -> None:
         super().observe(event)
         if isinstance(event, Dispatched):
             self.where[int(event.request_id)] = event.worker_id
+            self.sent.setdefault(int(event.request_id), []).append(event.worker_id)
         elif isinstance(event, Membership):
             self.members.append(event.worker_ids)
 
@@ -66,6 +68,54 @@ def test_drained_prefill_gets_no_new_work_and_finishes_its_queue() -> None:
     assert len(res.ttft_s) == 40  # the drained instance's ten requests completed too
     # p0001 ran 10 prompts back to back from 9.05 s; billed until the last one finished
     p1_stop = 9.05 + 10 * (0.02 + 1e-4 * 16_000)
+    billed = [p for p in res.replicas if p.prefill_billed == 1]
+    assert billed[0].t_s == pytest.approx(p1_stop)
+    assert res.instance_s["prefill"] == pytest.approx(res.sim_end_s + p1_stop)
+
+
+def _backlog(moves: Moves | None) -> tuple[Recorder, list[float], dict[str, int]]:
+    """30 long prompts (1.62 s each) from 30 s on, 10 a second, queue on the one prefill
+    instance; a second one, decided at 10 s, serves from 40 s."""
+    reqs = [req(i, 30.0 + 0.1 * i, prompt=16_000) for i in range(30)]
+    policy = Recorder()
+    ctl = ScriptedController((1, 1), [(10.0, 2, 1)], interval_s=10.0)
+    res = simulate(reqs, policy, 0, 0, controller=ctl, start_delay_s=30.0, moves=moves)
+    return policy, res.ttft_s, res.redispatched
+
+
+def test_scale_up_redispatches_waiting_requests_to_the_new_instance() -> None:
+    policy, ttft, moved = _backlog(Moves())
+    # batch i runs from 30 + 1.62 i: at 40 s request 6 is running (39.72 .. 41.34), so 0 .. 6
+    # stay; of the 23 waiting, the rule moves the later ones while a move lowers the total
+    # predicted TTFT: the new instance's tail stays below what each would wait on p0000
+    movers = sorted(i for i, sent in policy.sent.items() if len(sent) == 2)
+    assert all(policy.sent[i] == ["p0000", "p0001"] for i in movers)
+    assert max(len(sent) for sent in policy.sent.values()) == 2  # moved at most once
+    assert min(movers) >= 7 and len(movers) == moved["join"] >= 10
+    assert moved == {"join": len(movers), "tick": 0, "evacuate": 0}
+    assert {policy.where[i] for i in range(7)} == {"p0000"}
+    assert len(ttft) == 30
+    # negative control: without re-dispatch every request stays on p0000 and waits longer
+    stay, stay_ttft, none = _backlog(None)
+    assert all(len(sent) == 1 for sent in stay.sent.values())
+    assert set(stay.where.values()) == {"p0000"} and none == {"join": 0, "tick": 0,
+                                                               "evacuate": 0}
+    assert sum(ttft) < 0.7 * sum(stay_ttft)
+
+
+def test_removed_prefill_hands_its_queue_over_and_stops_after_its_batch() -> None:
+    # the drained-instance scenario above with evacuation: at 10 s p0001 runs the batch it
+    # started at 9.05 s (until 10.67 s) and hands its nine waiting prompts to p0000
+    long = [req(i, 9.0 + 0.05 * i, prompt=16_000) for i in range(20)]
+    late = [req(20 + i, 10.5 + 0.5 * i, prompt=16) for i in range(20)]
+    policy = Recorder()
+    ctl = ScriptedController((2, 1), [(10.0, 1, 1)], interval_s=10.0)
+    res = simulate(long + late, policy, 0, 0, controller=ctl, start_delay_s=30.0,
+                   moves=Moves(on_join=False))
+    assert res.redispatched["evacuate"] == 9
+    assert [policy.sent[i] for i in (1, 3)] == [["p0001"], ["p0001", "p0000"]]
+    assert len(res.ttft_s) == 40
+    p1_stop = 9.05 + (0.02 + 1e-4 * 16_000)
     billed = [p for p in res.replicas if p.prefill_billed == 1]
     assert billed[0].t_s == pytest.approx(p1_stop)
     assert res.instance_s["prefill"] == pytest.approx(res.sim_end_s + p1_stop)
@@ -149,3 +199,41 @@ def test_observation_from_interval_stats() -> None:
 def test_settings_validation(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         AutoscaleSettings(**kw)  # type: ignore[arg-type]
+
+
+def _warm_run(warm_blocks: int) -> tuple[list[tuple[str, PolicyEvent]], float, float]:
+    """12 prompts a second for 50 s, each one of 16 shared 64-block prefixes and 64 blocks of
+    its own (2,048 tokens, ~0.1 s of prefill uncached): one prefill instance falls behind;
+    a second one, decided at 10 s, serves from 40 s. Returns the placement events, the
+    prefix-cache hit ratio, and the mean TTFT."""
+    reqs = [SimRequest(i, i / 12, 2048, 1,
+                       PREFIXES[i % 16] + tuple(10**6 + 64 * i + b for b in range(64)))
+            for i in range(600)]
+    log: list[tuple[str, PolicyEvent]] = []
+    ctl = ScriptedController((1, 1), [(10.0, 2, 1)], interval_s=10.0)
+    res = simulate(reqs, create_prefill_policy("dualmap"), 0, 0, controller=ctl,
+                   start_delay_s=30.0, moves=Moves(on_join=False, warm_blocks=warm_blocks),
+                   observer=lambda role, e: log.append((role, e)))
+    return log, res.cached_tokens / res.prompt_tokens, sum(res.ttft_s) / len(res.ttft_s)
+
+
+PREFIXES = [tuple(1000 * k + b for b in range(64)) for k in range(16)]
+
+
+def test_a_joining_instance_is_warmed_with_the_prefixes_placement_will_send_it() -> None:
+    log, hits, _ = _warm_run(warm_blocks=10_000)
+    warmed = [e for role, e in log if isinstance(e, CacheChanged)]
+    assert warmed and {e.worker_id for e in warmed} == {"p0001"}
+    # every chain pulled is the leading blocks of a request placement would send p0001 (the
+    # part p0000 held: a shared prefix, and the request's own blocks once p0000 ran it)
+    sent = {e.request.block_hashes for _, e in log
+            if isinstance(e, Dispatched) and e.request is not None}
+    assert all(e.stored[:64] in PREFIXES and len(e.stored) in (64, 128) for e in warmed)
+    assert all(any(h[:len(e.stored)] == e.stored for h in sent) for e in warmed)
+    # the budget holds (whole chains: at most one chain over)
+    small = [e for role, e in _warm_run(warm_blocks=100)[0] if isinstance(e, CacheChanged)]
+    assert 0 < sum(len(e.stored) for e in small) < 100 + 128
+    # negative control: without warming nothing is pulled, and fewer prompt tokens hit
+    cold_log, cold_hits, _ = _warm_run(warm_blocks=0)
+    assert not any(isinstance(e, CacheChanged) for _, e in cold_log)
+    assert hits > cold_hits
