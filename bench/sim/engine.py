@@ -31,9 +31,10 @@ lowers the total predicted TTFT), every interval (``on_tick``: to the idle insta
 one is removed (``evacuate``: its whole queue goes to the serving instances, so it stops after
 its running batch). Decode needs none of this: a request waiting for a decode slot waits in one
 queue for the whole pool and starts on whichever instance frees a slot or joins first. A new
-prefill instance's prefix cache starts empty; with ``warm_blocks`` it is first filled with the
-pool's hot blocks (those most instances hold), prefilled after the start at the instance's own
-cost, so it serves that much later (the policy is told through ``CacheChanged``).
+prefill instance's prefix cache starts empty; with ``warm_blocks`` it first pulls the prefixes
+of recent requests placement would now send it, each from the instance holding most of it, at
+the KV transfer cost, so it serves that much later (survivors pull a removed instance's the same
+way, in the background; the policy is told through ``CacheChanged``).
 """
 
 from __future__ import annotations
