@@ -27,12 +27,12 @@ import pytest
 
 from bench.netns import Host, host_pair, unavailable_reason
 from router.samples import parse_samples
-from serve.vllm_cli import ENV_VLLM_ARGS
+from serve.vllm_cli import ENV_ENGINE_START, ENV_VLLM_ARGS
 from tests.e2e.test_pd_equivalence import MAX_TOKENS, complete
 from tests.support.cluster import SERVED_NAME, Plain
 from tests.support.metrics import value
 from tests.support.prompts import make_prompts
-from tests.support.vllm_layout import vllm_processes
+from tests.support.vllm_layout import engine_cores, forked, vllm_processes
 
 pytestmark = pytest.mark.vllm
 
@@ -115,7 +115,7 @@ def test_pd_across_hosts_matches_plain(hosts: tuple[Host, Host], tiny_model_dir:
                 # worker process holding the KV and the transfer engine), as users run it; the
                 # rest of the suite runs the model in the engine core (tests/conftest.py).
                 # Eager like the plain reference, so the outputs compare exactly.
-                ENV_VLLM_ARGS: "--enforce-eager"})
+                ENV_VLLM_ARGS: "--enforce-eager", ENV_ENGINE_START: "spawn"})
     redis_url = f"redis://{a.ip}:{REDIS_PORT}/0"
 
     def worker(role: str, host: Host, port: int) -> list[str]:
@@ -149,11 +149,15 @@ def test_pd_across_hosts_matches_plain(hosts: tuple[Host, Host], tiny_model_dir:
                         [])
         # vLLM's default layout, unlike the rest of the suite (tests/e2e/test_vllm_layout.py)
         layout = vllm_processes(procs[2].pid)
+        # ... and vLLM's spawned engine core (the suite forks it): the negative control of
+        # tests/e2e/test_vllm_layout.py's fork check
+        spawned = [not forked(core) for core in engine_cores(procs[2].pid)]
     finally:
         for proc in reversed(procs):
             _stop(proc)
     assert probe["refused"] == [True, False]
     assert layout == {"VLLM::EngineCore": 1, "VLLM::Worker": 1}, layout
+    assert spawned == [True]
 
     for prompt, ours in zip(prompts, result["completions"], strict=True):
         assert ours["status"] == 200, ours["body"]

