@@ -115,7 +115,9 @@ def test_pd_across_hosts_matches_plain(hosts: tuple[Host, Host], tiny_model_dir:
                 # worker process holding the KV and the transfer engine), as users run it; the
                 # rest of the suite runs the model in the engine core (tests/conftest.py).
                 # Eager like the plain reference, so the outputs compare exactly.
-                ENV_VLLM_ARGS: "--enforce-eager", ENV_ENGINE_START: "spawn"})
+                ENV_VLLM_ARGS: "--enforce-eager",
+                # vLLM's spawned engine core on UCX; the suite's forked one on the sealed wire
+                ENV_ENGINE_START: "spawn" if transport == "ucx" else "fork"})
     redis_url = f"redis://{a.ip}:{REDIS_PORT}/0"
 
     def worker(role: str, host: Host, port: int) -> list[str]:
@@ -149,15 +151,15 @@ def test_pd_across_hosts_matches_plain(hosts: tuple[Host, Host], tiny_model_dir:
                         [])
         # vLLM's default layout, unlike the rest of the suite (tests/e2e/test_vllm_layout.py)
         layout = vllm_processes(procs[2].pid)
-        # ... and vLLM's spawned engine core (the suite forks it): the negative control of
-        # tests/e2e/test_vllm_layout.py's fork check
-        spawned = [not forked(core) for core in engine_cores(procs[2].pid)]
+        # ... and how its engine core started: on UCX vLLM's spawn, the negative control of
+        # the fork check (tests/e2e/test_vllm_layout.py)
+        cores_forked = [forked(core) for core in engine_cores(procs[2].pid)]
     finally:
         for proc in reversed(procs):
             _stop(proc)
     assert probe["refused"] == [True, False]
     assert layout == {"VLLM::EngineCore": 1, "VLLM::Worker": 1}, layout
-    assert spawned == [True]
+    assert cores_forked == [env[ENV_ENGINE_START] == "fork"]
 
     for prompt, ours in zip(prompts, result["completions"], strict=True):
         assert ours["status"] == 200, ours["body"]
