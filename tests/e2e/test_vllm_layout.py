@@ -19,7 +19,7 @@ from serve.vllm_cli import (
     env_args,
 )
 from tests.support.cluster import Cluster, Plain
-from tests.support.vllm_layout import engine_cores, forked, vllm_processes
+from tests.support.vllm_layout import engine_cores, forked, listening_ports, vllm_processes
 
 pytestmark = pytest.mark.vllm
 
@@ -38,3 +38,7 @@ def test_the_suites_engine_cores_are_forked(cluster: Cluster, plain: Plain) -> N
         pytest.skip(f"{ENV_ENGINE_START} does not ask for fork here")
     cores = engine_cores(cluster.proc.pid) + engine_cores(plain.proc.pid)
     assert len(cores) == 3 and all(forked(core) for core in cores)
+    # ... without its API server's port: once the API server is gone, the port is refused
+    for core in cores:
+        api_ports = listening_ports(core.parent())
+        assert api_ports and not api_ports & listening_ports(core), (api_ports, core)

@@ -36,12 +36,22 @@ def engine_cores(root_pid: int) -> list[psutil.Process]:
 
 
 def forked(proc: psutil.Process) -> bool:
-    """Whether ``proc`` was forked from its parent rather than spawned: a forked child inherits
-    its parent's open sockets, the API server's listening one among them; a spawned child is a
-    new program that gets none. (Its environment and command line say nothing: vLLM's
-    setproctitle writes over both.)"""
-    def listening(p: psutil.Process) -> set[int]:
-        return {c.laddr.port for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    """Whether ``proc`` was forked from its parent rather than spawned: a forked child keeps
+    its parent's address-space layout, while a spawned one is a new program, laid out afresh
+    by address-space randomisation (on here; were it off, the spawned negative control in
+    tests/e2e/test_pd_across_hosts.py would fail, not pass). Its environment and command line
+    say nothing: vLLM's setproctitle writes over both."""
+    return _layout(proc.pid) == _layout(proc.parent().pid)
 
-    parents = listening(proc.parent())
-    return bool(parents) and parents <= listening(proc)
+
+def _layout(pid: int) -> tuple[str, str]:
+    """Start addresses of the process's first mapping (its executable) and of its heap."""
+    with open(f"/proc/{pid}/maps") as maps:
+        lines = maps.read().splitlines()
+    heap = next((line.split("-")[0] for line in lines if line.endswith("[heap]")), "")
+    return lines[0].split("-")[0], heap
+
+
+def listening_ports(proc: psutil.Process) -> set[int]:
+    """TCP ports ``proc`` listens on (in this network namespace)."""
+    return {c.laddr.port for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN}

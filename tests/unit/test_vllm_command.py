@@ -107,12 +107,63 @@ def test_fork_engine_core_replaces_only_the_engine_launchers_context() -> None:
     from vllm.utils import system_utils
     from vllm.v1.engine import utils as engine_utils
 
-    from serve.vllm_cli import fork_engine_core
+    from serve import vllm_cli
 
     before = engine_utils.get_mp_context
     try:
-        assert fork_engine_core()
+        assert vllm_cli.fork_engine_core()
         assert engine_utils.get_mp_context().get_start_method() == "fork"
         assert system_utils.get_mp_context is not engine_utils.get_mp_context
+        assert vllm_cli._CLOSE_LISTENERS_IN_FORKS  # forked children close inherited listeners
     finally:
         engine_utils.get_mp_context = before
+        vllm_cli._CLOSE_LISTENERS_IN_FORKS = False  # the hook stays registered, inert
+
+
+def test_a_forked_child_closes_the_listening_sockets_it_inherited() -> None:
+    """Real fork: the child closes its copies of a listening TCP socket and of one bound to
+    listen later (the API server's port must close with the API server; vLLM binds it before
+    it forks the engine core and listens after) and keeps a connected one and a pipe; the
+    parent's copies stay open."""
+    import multiprocessing
+    import socket
+
+    from serve.vllm_cli import close_inherited_listeners
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    bound = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    bound.bind(("127.0.0.1", 0))
+    connected = socket.create_connection(listener.getsockname(), timeout=5)
+    accepted, _ = listener.accept()
+    reader, writer = multiprocessing.get_context("fork").Pipe(duplex=False)
+    fds = [listener.fileno(), bound.fileno(), connected.fileno(), accepted.fileno()]
+
+    def child() -> None:
+        import os as child_os
+        import socket as child_socket
+
+        before = {fd: child_os.path.exists(f"/proc/self/fd/{fd}") for fd in fds}
+        closed = close_inherited_listeners()
+        after = []
+        for fd in fds:  # still this process's socket, or gone
+            try:
+                child_socket.socket(fileno=fd).detach()
+                after.append(True)
+            except OSError:
+                after.append(False)
+        writer.send((all(before.values()), closed, after))
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    assert reader.poll(30)
+    had_all, closed, after = reader.recv()
+    proc.join(30)
+    assert had_all and (closed, after) == (2, [False, False, True, True])
+    # the parent's copies are untouched: it still accepts, and listens on the bound one
+    with socket.create_connection(listener.getsockname(), timeout=5):
+        pass
+    bound.listen()
+    with socket.create_connection(bound.getsockname(), timeout=5):
+        pass
+    for sock in (listener, bound, connected, accepted):
+        sock.close()
