@@ -158,7 +158,8 @@ def test_a_forked_child_closes_the_listening_sockets_it_inherited() -> None:
     assert reader.poll(30)
     had_all, closed, after = reader.recv()
     proc.join(30)
-    assert had_all and (closed, after) == (2, [False, False, True, True])
+    # (the suite's process may hold unconnected sockets of its own: those close in the child too)
+    assert had_all and closed >= 2 and after == [False, False, True, True]
     # the parent's copies are untouched: it still accepts, and listens on the bound one
     with socket.create_connection(listener.getsockname(), timeout=5):
         pass
