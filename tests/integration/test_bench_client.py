@@ -159,7 +159,10 @@ async def counting_server(hold_s: float) -> AsyncIterator[tuple[str, CountingSer
 async def test_max_concurrency_caps_requests_in_flight(cap: int | None) -> None:
     """20 requests due at once: with --max-concurrency 3 the server never sees more than 3 at a
     time (and does see 3); the negative control without the cap sees more than 3. Waiting for
-    a slot is queue time, not schedule lag, so the capped run stays timing-valid."""
+    a slot is queue time, not schedule lag: the lag p99 stays under half a 0.1 s hold while the
+    last requests queued for several (counted as lag, its p99 would be their 0.5 s and more).
+    Not ``timing_valid`` itself: its 10 ms bound is a wall-clock bar, and a slow 2-core CI host
+    lagged 18 ms here."""
     specs = [RequestSpec(i, 0.0, "hello", 1, 2) for i in range(20)]
     async with counting_server(hold_s=0.1) as (url, server):
         run = await run_open_loop(specs, ClientConfig(url=url, model="fake", timeout_s=30.0,
@@ -170,7 +173,8 @@ async def test_max_concurrency_caps_requests_in_flight(cap: int | None) -> None:
         assert server.max_in_flight == cap
         queued = sorted(r.queue_s for r in run.results)
         assert queued[-1] >= 0.1 * (20 // cap - 1)  # the last ones waited for several rounds
-        assert summary["timing_valid"] is True, summary["schedule_lag_p99"]
+        assert summary["schedule_lag_p99"] < 0.1 * 0.5 < queued[-1], (
+            summary["schedule_lag_p99"], queued[-1])
     else:
         assert server.max_in_flight > 3
         assert all(r.queue_s == 0.0 for r in run.results)
