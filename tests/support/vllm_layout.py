@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 
 import psutil
 
 VLLM_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
 
 
+def _titled(root_pid: int) -> Iterator[tuple[psutil.Process, str]]:
+    """``root_pid``'s descendants with their command lines (vLLM's titles), those still there."""
+    for proc in psutil.Process(root_pid).children(recursive=True):
+        try:
+            yield proc, " ".join(proc.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+
+
 def vllm_processes(root_pid: int) -> Counter[str]:
     """How many of ``root_pid``'s descendants carry each vLLM process title."""
     counts: Counter[str] = Counter()
-    for proc in psutil.Process(root_pid).children(recursive=True):
-        try:
-            title = " ".join(proc.cmdline())
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
+    for _, title in _titled(root_pid):
         for name in VLLM_TITLES:
             if title.startswith(name):
                 counts[name] += 1
@@ -25,14 +31,7 @@ def vllm_processes(root_pid: int) -> Counter[str]:
 
 def engine_cores(root_pid: int) -> list[psutil.Process]:
     """``root_pid``'s descendants titled ``VLLM::EngineCore``."""
-    out = []
-    for proc in psutil.Process(root_pid).children(recursive=True):
-        try:
-            if " ".join(proc.cmdline()).startswith("VLLM::EngineCore"):
-                out.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return out
+    return [proc for proc, title in _titled(root_pid) if title.startswith("VLLM::EngineCore")]
 
 
 def forked(proc: psutil.Process) -> bool:
