@@ -41,7 +41,7 @@ from router import settings as shared
 from router.errors import RegistryError
 from router.state.registry import WorkerRecord, WorkerRegistry
 from serve.cpu_layout import describe_affinity, worker_cpus
-from serve.process import child_setup
+from serve.process import child_setup, exit_event, first_of
 from serve.redis_server import free_port
 from serve.tiny_model import SERVE_DTYPE, is_tiny_model
 
@@ -463,19 +463,19 @@ class WorkerLauncher:
             print(json.dumps({"event": "worker_ready", "worker_id": self.worker_id,
                               "role": self.settings.role, "url": self.url}), flush=True)
             period = self.settings.heartbeat_ttl_s / 3
-            while not self._stopping.is_set():
-                if proc.poll() is not None:
-                    logger.error("vLLM exited with code %s", proc.returncode)
-                    break
-                wait_s = period
-                if registry is not None:
-                    try:
-                        await registry.heartbeat(self.record)
-                    except Exception as exc:  # Redis slow or down: keep serving, retry soon
-                        logger.warning("heartbeat failed: %s", exc)
-                        wait_s = min(period, 1.0)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), timeout=wait_s)
+            with exit_event(proc) as exited:  # a crash is seen at once, not at the next beat
+                while not self._stopping.is_set():
+                    if proc.poll() is not None:
+                        logger.error("vLLM exited with code %s", proc.returncode)
+                        break
+                    wait_s = period
+                    if registry is not None:
+                        try:
+                            await registry.heartbeat(self.record)
+                        except Exception as exc:  # Redis slow or down: keep serving, retry soon
+                            logger.warning("heartbeat failed: %s", exc)
+                            wait_s = min(period, 1.0)
+                    await first_of(self._stopping, exited, timeout_s=wait_s)
         finally:
             if registry is not None:
                 if self.record is not None and self._stopping.is_set() and proc.poll() is None:

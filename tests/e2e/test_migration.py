@@ -1,7 +1,9 @@
 """Fault transparency on a real 1P+1D cluster: a stopped or killed engine costs the client
 nothing (issue 23).
 
-The module's own `pdserve up` (1 prefill + 1 decode, vLLM workers, Redis, UCX), each test with a
+The session's `pdserve up` (1 prefill + 1 decode, vLLM workers, Redis, UCX): the module kills
+and stops its workers, so it runs after every other test that uses it (``RUNS_LAST``; the
+supervisor restarts what it kills) and reads the router's counters as deltas. Each test has a
 control router beside the cluster's own, the feature turned off in it:
 
 - the prefill's vLLM is SIGSTOPped while requests wait on it: once it fails the router's load
@@ -25,7 +27,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +43,6 @@ from tests.support.cluster import (
     Plain,
     registered_records,
     registered_workers,
-    running_cluster,
 )
 from tests.support.metrics import scrape, value
 from tests.support.prompts import make_prompts
@@ -56,11 +57,14 @@ MID = 3
 """Content events every stream has received before the kill."""
 
 
+RUNS_LAST = True
+"""tests/e2e/conftest.py orders this module after the others that use the session cluster."""
+
+
 @pytest.fixture(scope="module")
-def pd(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("migration"),
-                         instrument=True, lease_s=LEASE_S) as cluster:
-        yield cluster
+def pd(cluster: Cluster) -> Cluster:
+    """The session cluster (instrumented, ``LEASE_S`` leases): its workers get killed here."""
+    return cluster
 
 
 def vllm_group(url: str) -> int:
@@ -131,12 +135,18 @@ async def _signal_mid_stream(urls: list[str], prompts: list[str], fault: Callabl
     return seen, ended_first
 
 
-def _reference(plain: Plain, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
-    resp = httpx.post(plain.url + "/v1/completions", timeout=300, json={
-        "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True})
-    resp.raise_for_status()
-    return str(resp.json()["choices"][0]["text"])
+def _references(plain: Plain, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[str]:
+    """The plain server's greedy answers, requested together (float32: batching them changes
+    no token, as the streams compared with them show)."""
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
+            resps = await asyncio.gather(*(client.post(plain.url + "/v1/completions", json={
+                "model": SERVED_NAME, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True}) for p in prompts))
+        for resp in resps:
+            resp.raise_for_status()
+        return [str(resp.json()["choices"][0]["text"]) for resp in resps]
+    return asyncio.run(run())
 
 
 def _moved_metrics(url: str) -> tuple[float, float]:
@@ -160,11 +170,12 @@ def test_requests_waiting_on_a_stopped_prefill_are_served_elsewhere(
         pd: Cluster, plain: Plain, tiny_model_dir: Path) -> None:
     workers = registered_workers(pd)
     prompts = make_prompts(tiny_model_dir, [150, 200, 250, 300], seed=6, tag="sigstop")
-    reference = [_reference(plain, p, 24) for p in prompts]
+    reference = _references(plain, prompts, 24)
     control = RouterProcess(redis_url=pd.redis_url, stall_timeout_s=0,
                             cluster_secret_file=str(pd.keyring_file)).start(timeout_s=60)
     group = vllm_group(workers["prefill"])
     stuck = Streamed()
+    before = scrape(pd.url)
 
     async def run() -> list[Streamed]:
         async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
@@ -184,11 +195,14 @@ def test_requests_waiting_on_a_stopped_prefill_are_served_elsewhere(
     for out, ref in zip(served, reference, strict=True):
         assert out.error is None and out.done and out.text == ref, out
     assert stuck.done and stuck.text == reference[0]
-    samples = scrape(pd.url)
-    assert value(samples, "pdserve_router_upstream_errors_total", role="prefill",
-                 kind="stall") >= 1
-    assert value(samples, "pdserve_router_paths_total", path="decode_only",
-                 reason="prefill_failed") == len(prompts)
+    after = scrape(pd.url)
+
+    def grew(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert grew("pdserve_router_upstream_errors_total", role="prefill", kind="stall") >= 1
+    assert grew("pdserve_router_paths_total", path="decode_only",
+                reason="prefill_failed") == len(prompts)
     # the requests it was left holding are aborted (or their leases expire): nothing stays
     eventually(lambda: scrape(workers["prefill"]),
                lambda s: value(s, "vllm:num_requests_running") == 0 and
@@ -201,9 +215,11 @@ def test_killing_the_decode_mid_stream_costs_the_client_nothing(
     workers = registered_workers(pd)
     prompts = make_prompts(tiny_model_dir, [120 + 20 * i for i in range(STREAMS)], seed=5,
                            tag="migration")
-    reference = [_reference(plain, p) for p in prompts]
+    reference = _references(plain, prompts)
     control = RouterProcess(redis_url=pd.redis_url, migration_limit=0,
                             cluster_secret_file=str(pd.keyring_file)).start(timeout_s=60)
+    moved_before = _moved_metrics(pd.url)
+    timeline_before = len(pd.router_timeline.read_text().splitlines())
     try:
         # warm: the new router loads its tokenizer on its first request, not while racing
         asyncio.run(_completed(control.url, prompts[:1], 2))
@@ -224,11 +240,12 @@ def test_killing_the_decode_mid_stream_costs_the_client_nothing(
     assert all(out.error is not None and out.finish == "abort" for out in controlled), controlled
     assert all(out.text and ref.startswith(out.text)
                for out, ref in zip(controlled, reference, strict=True))
-    assert _moved_metrics(pd.url) == (STREAMS, 0)
+    moved_after = _moved_metrics(pd.url)
+    assert (moved_after[0] - moved_before[0], moved_after[1] - moved_before[1]) == (STREAMS, 0)
     assert control_moves == (0, STREAMS)
     # each move is in the request's timeline: from the decode, why, after how many tokens
     moves = [json.loads(line).get("moves") for line in
-             pd.router_timeline.read_text().splitlines()]
+             pd.router_timeline.read_text().splitlines()[timeline_before:]]
     moves = [m for m in moves if m]
     assert len(moves) == STREAMS, moves
     for (move,) in moves:
@@ -262,7 +279,7 @@ def test_killing_the_only_prefill_leaves_requests_served_by_the_decode(
     prefill = _serving(pd, "prefill")
     assert prefill is not None
     prompts = make_prompts(tiny_model_dir, [130, 160, 190, 220], seed=8, tag="kill-prefill")
-    reference = [_reference(plain, p, 24) for p in prompts]
+    reference = _references(plain, prompts, 24)
     control = RouterProcess(redis_url=pd.redis_url, role_fallback=False,
                             cluster_secret_file=str(pd.keyring_file)).start(timeout_s=60)
     before = scrape(pd.url)
@@ -303,7 +320,7 @@ def test_a_sigtermed_decode_hands_over_its_streams(pd: Cluster, plain: Plain,
     assert launcher is not None and "worker" in " ".join(launcher.cmdline())
     prompts = make_prompts(tiny_model_dir, [110 + 20 * i for i in range(STREAMS)], seed=7,
                            tag="sigterm")
-    reference = [_reference(plain, p) for p in prompts]
+    reference = _references(plain, prompts)
     control = RouterProcess(redis_url=pd.redis_url, migration_limit=0,
                             cluster_secret_file=str(pd.keyring_file)).start(timeout_s=60)
     before = _drain_moves(pd.url)
@@ -321,6 +338,9 @@ def test_a_sigtermed_decode_hands_over_its_streams(pd: Cluster, plain: Plain,
     assert _drain_moves(pd.url) - before == STREAMS  # handed over, not waited for
     assert control_moves == (0, 0)  # control: finished where they were
     launcher.wait(timeout=60)  # it stopped once idle (within its drain timeout)
+    # the supervisor's replacement serves: the session cluster is whole again for its teardown
+    assert eventually(lambda: _serving(pd, "decode"), lambda u: u not in (None, url),
+                      timeout_s=START_TIMEOUT_S)
 
 
 def _drain_moves(url: str) -> float:
