@@ -15,7 +15,7 @@ autoscaled and Compose replicas; they inherit the variable): no torch.compile, t
 the engine core process. Measured here (tiny model, alone): ready in 22 s instead of 51-57 s,
 the same greedy text, a 64-token completion no slower. vLLM's own CPU CI skips compilation too.
 tests/e2e/test_pd_across_hosts.py keeps vLLM's default process layout (a separate worker
-process). A PDSERVE_VLLM_ARGS already set wins."""
+process) on its UCX wire. A PDSERVE_VLLM_ARGS already set wins."""
 os.environ.setdefault(ENV_VLLM_ARGS, SUITE_VLLM_ARGS)
 os.environ.setdefault(ENV_ENGINE_START, "fork")
 """And each engine core is forked from its API server instead of spawned (which imports vLLM a
