@@ -189,5 +189,15 @@ def test_pd_across_hosts_matches_plain(hosts: tuple[Host, Host], tiny_model_dir:
     connected = [line for line in logs["decode"].read_text(errors="replace").splitlines()
                  if "connected to engine" in line]
     assert connected and all(f" over {transport}" in line for line in connected), connected
-    assert delta(decode, "vllm:prompt_tokens_by_source_total",
-                 source="external_kv_transfer") >= prompt_tokens - n
+    by_source = {(url, source): delta(url, "vllm:prompt_tokens_by_source_total", source=source)
+                 for url in (prefill, decode)
+                 for source in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    # vLLM's own count: the decode computed at most each prompt's last token; the rest came
+    # over the wire, or (under a block: the prompts share their tag's first tokens, and vLLM
+    # caches partial blocks) from its own prefix cache. CI run 16 counted 10 tokens fewer from
+    # the wire than 856 once; the breakdown is printed should it happen again.
+    why = (by_source, [c["body"]["usage"] for c in result["completions"]], _transfer_lines(logs))
+    assert by_source[decode, "local_compute"] <= n, why
+    assert by_source[decode, "local_cache_hit"] < 128, why  # less than one KV block
+    assert by_source[decode, "external_kv_transfer"] + by_source[decode, "local_cache_hit"] \
+        >= prompt_tokens - n, why
