@@ -113,15 +113,11 @@ def pd_workers(pd_cluster: Cluster) -> dict[str, str]:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the second clusters' tests last, grouped by transport (stable order otherwise):
-    each second cluster then shares the cores with the others only while its group runs.
-    Before them, at the end of the session cluster's group, the modules that kill its workers
-    (``RUNS_LAST = True``): every other test sees the cluster as it started."""
-    def group(item: pytest.Item) -> tuple[int, bool]:
+    each second cluster then shares the cores with the others only while its group runs."""
+    def group(item: pytest.Item) -> int:
         callspec = getattr(item, "callspec", None)
         transport = callspec.params.get("pd_cluster") if callspec is not None else None
-        if transport in TRANSPORTS[1:]:
-            return TRANSPORTS.index(transport), False
-        return 0, bool(getattr(getattr(item, "module", None), "RUNS_LAST", False))
+        return TRANSPORTS.index(transport) if transport in TRANSPORTS[1:] else 0
 
     items.sort(key=group)
 

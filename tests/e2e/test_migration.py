@@ -1,9 +1,7 @@
 """Fault transparency on a real 1P+1D cluster: a stopped or killed engine costs the client
 nothing (issue 23).
 
-The session's `pdserve up` (1 prefill + 1 decode, vLLM workers, Redis, UCX): the module kills
-and stops its workers, so it runs after every other test that uses it (``RUNS_LAST``; the
-supervisor restarts what it kills) and reads the router's counters as deltas. Each test has a
+The module's own `pdserve up` (1 prefill + 1 decode, vLLM workers, Redis, UCX), each test with a
 control router beside the cluster's own, the feature turned off in it:
 
 - the prefill's vLLM is SIGSTOPped while requests wait on it: once it fails the router's load
@@ -27,7 +25,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +41,7 @@ from tests.support.cluster import (
     Plain,
     registered_records,
     registered_workers,
+    running_cluster,
 )
 from tests.support.metrics import scrape, value
 from tests.support.prompts import make_prompts
@@ -57,14 +56,14 @@ MID = 3
 """Content events every stream has received before the kill."""
 
 
-RUNS_LAST = True
-"""tests/e2e/conftest.py orders this module after the others that use the session cluster."""
-
-
 @pytest.fixture(scope="module")
-def pd(cluster: Cluster) -> Cluster:
-    """The session cluster (instrumented, ``LEASE_S`` leases): its workers get killed here."""
-    return cluster
+def pd(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    # Its own cluster, not the session's: on the long-lived session cluster, the decode's
+    # release to a prefill that had been SIGSTOPped and continued once timed out (UCX:
+    # "asymmetric endpoint configuration", CI run 17), which a fresh cluster has not shown.
+    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("migration"),
+                         instrument=True, lease_s=LEASE_S) as cluster:
+        yield cluster
 
 
 def vllm_group(url: str) -> int:
