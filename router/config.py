@@ -67,6 +67,10 @@ class RouterSettings:
     """A stream whose worker sent output and then nothing for this long (or 25 times its
     recent median gap, if longer) moves to another worker, and a request waiting on a worker
     whose load probes went unanswered this long goes elsewhere; 0 = only the timeouts."""
+    redispatch_interval_s: float = 1.0
+    """How often requests still queued in a worker's engine are checked for a worker of their
+    pool that would start them sooner (one that joined or went idle), and moved there
+    (``router.api.redispatch``); 0 = never."""
     no_worker_wait_s: float = 5.0
     """An admitted request that finds its pool empty (membership changing: an evicted or
     restarting worker) waits this long for a worker before failing with 503."""
@@ -205,7 +209,8 @@ class RouterSettings:
                      "max_output_tokens", "request_timeout_s",
                      "max_concurrent_per_key", "answer_deadline_s",
                      "prefill_tokens_per_min_per_key", "decode_tokens_per_min_per_key",
-                     "load_poll_interval_s", "disagg_min_prefill_tokens"):
+                     "load_poll_interval_s", "disagg_min_prefill_tokens",
+                     "redispatch_interval_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if any(not k or k != k.strip() for k in (*self.api_keys, *self.admin_api_keys)):
@@ -267,6 +272,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-timeout-s", dest="stall_timeout_s", type=float,
                    help="silence after output that moves a stream to another worker "
                    "(PDSERVE_ROUTER_STALL_TIMEOUT_S, default 3; 0 = off)")
+    p.add_argument("--redispatch-interval-s", dest="redispatch_interval_s", type=float,
+                   help="how often requests still queued on a busy worker move to one of their "
+                   "pool that would start them sooner, e.g. one that just joined "
+                   "(PDSERVE_ROUTER_REDISPATCH_INTERVAL_S, default 1; 0 = off)")
     p.add_argument("--disagg-min-prefill-tokens", dest="disagg_min_prefill_tokens", type=int,
                    help="selective disaggregation: prompts with fewer uncached tokens (on the "
                    "chosen decode worker) skip the prefill hop "
@@ -314,6 +323,7 @@ _ENV_NAMES = {
     "no_worker_wait_s": "NO_WORKER_WAIT_S",
     "migration_limit": "MIGRATION_LIMIT",
     "stall_timeout_s": "STALL_TIMEOUT_S",
+    "redispatch_interval_s": "REDISPATCH_INTERVAL_S",
     "max_upstream_connections": "MAX_UPSTREAM_CONNECTIONS",
     "load_poll_interval_s": "LOAD_POLL_INTERVAL_S",
     "first_token_from_prefill": "FIRST_TOKEN_FROM_PREFILL",

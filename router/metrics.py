@@ -151,6 +151,11 @@ class RouterMetrics:
             "worker continues from the ids already sent), by what ended the old source: "
             "connect, timeout, protocol, status, error_event, truncated, stall.",
             ["reason"], registry=r)
+        self.redispatches = Counter(
+            "pdserve_router_redispatches_total",
+            "Requests still queued in a worker's engine (no output yet) moved to a worker of "
+            "their pool that could start them sooner (router.api.redispatch), by pool.",
+            ["role"], registry=r)
         self.migrations_refused = Counter(
             "pdserve_router_migrations_refused_total",
             "Client streams that ended with an error event although their worker failed "

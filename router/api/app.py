@@ -25,6 +25,7 @@ from router.api.direct import DirectRoutes
 from router.api.errors import error_response, install_error_handlers
 from router.api.limits import LimitsMiddleware
 from router.api.proxy import PDProxy
+from router.api.redispatch import Redispatcher
 from router.api.relay import RelayResponse, relay_body
 from router.api.schemas import (
     CHAT_COMPLETIONS,
@@ -83,6 +84,8 @@ class RouterService:
         self.tracer = RequestTracer(settings.otlp_traces_endpoint)
         self.client: httpx.AsyncClient | None = None
         self.proxy: PDProxy | None = None
+        self.redispatch: Redispatcher | None = None
+        """Moves requests queued on busy workers to ones that would start them sooner."""
         self.loads: WorkerLoadPoller | None = None
         if settings.load_poll_interval_s > 0:
             self.loads = WorkerLoadPoller(
@@ -145,13 +148,19 @@ class RouterService:
                              on_done=self._timeline_done, keyring=self.keyring,
                              unresponsive=self.loads.unresponsive if self.loads is not None
                              else lambda worker_id: False, transport=transport)
+        self.redispatch = Redispatcher(self.proxy, self.settings.redispatch_interval_s
+                                       if self.loads is not None else 0.0,
+                                       self.settings.prefill_s_per_token)
         await self.cluster.start()
         if self.loads is not None:
             self.loads.start()
+        self.redispatch.start()
         if self.kv_events is not None:
             self.kv_events.start()
 
     async def close(self) -> None:
+        if self.redispatch is not None:
+            await self.redispatch.close()
         if self.kv_events is not None:
             await self.kv_events.close()
         if self.loads is not None:

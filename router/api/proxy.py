@@ -29,6 +29,7 @@ from starlette.responses import Response
 from kvtransfer.signing import Keyring, KeyringFile, current, strip_signature
 from router.api.first_token import FirstToken, first_events, resumable
 from router.api.journal import StreamJournal
+from router.api.redispatch import WaitingRequests
 from router.api.relay import FirstOutput, RelayResponse, relay_body
 from router.api.resume import PROBE_CHECK_S, ResumableStream, Source
 from router.api.rewrite import decode_body, encode, prefill_body
@@ -104,15 +105,17 @@ class PDProxy:
         self._decode_timeout = httpx.Timeout(settings.decode_timeout_s,
                                              connect=settings.connect_timeout_s)
         self.unspent = UnspentLeases(
-            lambda: self.client, lambda model: self._live("decode", model), self.signed,
+            lambda: self.client, lambda model: self.live("decode", model), self.signed,
             self._release_headers,
             lambda outcome: metrics.unspent_kv_releases.labels(outcome=outcome).inc(),
             timeout_s=settings.connect_timeout_s + 5.0)
         """Frees the prefill leases of params no decode received (``router.api.unspent``)."""
+        self.waiting = WaitingRequests()
+        """Streams sent and not yet answered, per worker (``router.api.redispatch``)."""
 
     # -- bookkeeping -------------------------------------------------------------------------
 
-    def _live(self, role: str, model: str) -> list[WorkerRecord]:
+    def live(self, role: str, model: str) -> list[WorkerRecord]:
         """Workers placed by ``role``'s policy; in a mixed fleet the prefill policy places
         prefill and aggregated workers together (an aggregated pick serves the whole request).
         Flex workers serve in every pool: prefill, decode and ``flex`` (whole requests)."""
@@ -126,7 +129,7 @@ class PDProxy:
     def choose(self, role: str, route: RouteRequest, tried: set[str]) -> WorkerRecord | None:
         """The ``role`` worker placement picks for ``route`` among the live ones not in
         ``tried`` (added to it); None when there is none. Nothing is booked (``begin``)."""
-        live = self._live(role, route.model)
+        live = self.live(role, route.model)
         pool = self.placement.pool(role)
         pool.sync(route.model, (r.worker_id for r in live))
         records = [r for r in live if r.worker_id not in tried]
@@ -170,11 +173,11 @@ class PDProxy:
 
     def pool(self, role: str, model: str) -> list[Candidate]:
         """Load snapshots of the workers ``role``'s policy places among (admission control)."""
-        return self.tracker.candidates(self._live(role, model), self.reported_loads())
+        return self.tracker.candidates(self.live(role, model), self.reported_loads())
 
     def peek_decode(self, route: RouteRequest) -> WorkerRecord | None:
         """The decode worker the decode policy would pick now (nothing is recorded)."""
-        live = self._live("decode", route.model)
+        live = self.live("decode", route.model)
         candidates = self.tracker.candidates(live, self.reported_loads())
         choice = self.placement.pool("decode").choose(route, candidates)
         return None if choice is None else next(r for r in live if r.worker_id == choice.worker)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from router.api.journal import StreamJournal
+from router.api.redispatch import Waiting
 from router.api.relay import FirstOutput, RelayResponse
 from router.api.rewrite import decode_body, encode
 from router.api.schemas import Endpoint
@@ -84,6 +85,11 @@ class _Leaving(Exception):
     """The source's worker is draining or deregistered: its streams move before it stops."""
 
 
+class _Redispatched(Exception):
+    """The request still queued on the source's worker moves to one that can start it sooner
+    (``router.api.redispatch``)."""
+
+
 class ResumableStream:
     """One client stream across sources (see the module docstring)."""
 
@@ -117,11 +123,22 @@ class ResumableStream:
         self._relayed = False
         self._moves = 0
         self._reader: asyncio.Task[None] | None = None
+        self._redirect: WorkerRecord | None = None
+        """Where re-dispatch asked the waiting request to go (``move_to``)."""
+        self._redispatched = False
 
     def adopt(self, source: Source) -> None:
         """Start from an answer already open (the client's own request, its status read)."""
         self.source = source
         self.journal.begin(native=True)
+
+    def move_to(self, worker: WorkerRecord) -> bool:
+        """Re-dispatch: while its source has sent nothing, the request moves to ``worker``
+        (within ``PROBE_CHECK_S``); once in its life. False when it no longer can."""
+        if self._source_output or self._redispatched or self._done or self.source is None:
+            return False
+        self._redirect, self._redispatched = worker, True
+        return True
 
     def response(self) -> RelayResponse:
         """The client's streaming response."""
@@ -229,6 +246,18 @@ class ResumableStream:
             except _Leaving:
                 err = UpstreamError(f"{source.role} worker {source.worker.worker_id} is "
                                     "leaving", role=source.role, kind="drain", status=503)
+            except _Redispatched:
+                target, self._redirect = self._redirect, None
+                assert target is not None
+                await self._close(ok=False)
+                proxy.metrics.redispatches.labels(role=source.role).inc()
+                self.clock.moves.append({"from": source.worker.worker_id, "to": target.worker_id,
+                                         "reason": "redispatch", "at": time.time(),
+                                         "sent_tokens": len(journal.committed)})
+                spent = True  # it reached the worker: a decode may have taken the params
+                tried.discard(target.worker_id)
+                self.first_choice = target
+                continue
             except httpx.HTTPError as e:
                 exc = e
                 err = upstream_error(source.role, source.worker, e)
@@ -262,23 +291,30 @@ class ResumableStream:
         queue: asyncio.Queue[object] = asyncio.Queue(READ_AHEAD)
         reader = self._reader = asyncio.create_task(self._read(source, queue))
         floor = self.proxy.settings.stall_timeout_s
+        waiting = Waiting(self.route, source.role, source.worker.worker_id, time.monotonic(),
+                          self.move_to)
+        self.proxy.waiting.add(waiting)  # until its first chunk (router.api.redispatch)
         try:
             while True:
                 try:
                     item = queue.get_nowait()  # already here: no silence to bound
                 except asyncio.QueueEmpty:
                     bound = None
-                    if floor > 0:
+                    if not self._source_output:
+                        bound = PROBE_CHECK_S
+                    elif floor > 0:
                         recent = self._watch.gaps[-32:]
-                        bound = PROBE_CHECK_S if not self._source_output else \
-                            max(floor, STALL_GAP_FACTOR * statistics.median(recent)) \
+                        bound = max(floor, STALL_GAP_FACTOR * statistics.median(recent)) \
                             if recent else floor
                     try:
                         async with asyncio.timeout(bound):
                             item = await queue.get()
                     except TimeoutError:
                         worker_id = source.worker.worker_id
-                        if self._source_output or self.proxy.unresponsive(worker_id):
+                        if self._redirect is not None:
+                            raise _Redispatched() from None
+                        if self._source_output or (floor > 0
+                                                   and self.proxy.unresponsive(worker_id)):
                             raise _Stalled() from None
                         if self.proxy.cluster.leaving(worker_id) and self._may_move() and \
                                 self.journal.prompt_ids:
@@ -289,11 +325,14 @@ class ResumableStream:
                 if isinstance(item, BaseException):
                     raise item
                 assert isinstance(item, bytes)
+                self.proxy.waiting.discard(waiting)
+                self._redirect = None  # answered before the move: it stays
                 yield item
                 if self.proxy.cluster.leaving(source.worker.worker_id) and self._may_move() \
                         and self.journal.resumable and not self.journal.finished:
                     raise _Leaving()
         finally:
+            self.proxy.waiting.discard(waiting)
             reader.cancel()
 
     def _may_move(self) -> bool:

@@ -56,6 +56,10 @@ class LoadTracker:
         """Uncached prompt tokens dispatched to ``worker_id`` and not finished."""
         return self._pending_tokens[worker_id]
 
+    def tokens_of(self, worker_id: str, request_id: str) -> int:
+        """Uncached prompt tokens ``request_id`` was counted with on ``worker_id`` (0: none)."""
+        return self._tokens_of.get((worker_id, request_id), 0)
+
     def in_flight(self, worker_id: str) -> int:
         return self._in_flight[worker_id]
 

@@ -1,0 +1,192 @@
+"""Re-dispatch in the real router: a request still waiting in a worker's queue moves to a worker
+of its pool that can start it sooner (one that joined, or went idle). Issue 25's router half;
+the simulator's :class:`bench.sim.engine.Moves` runs the same rule through the same placement
+object.
+
+Which requests wait. A stream the router can move (:class:`router.api.resume.ResumableStream`)
+is *waiting* on its worker from the moment its request is sent until the worker's first chunk.
+Not all of those are still queued in the engine: vLLM also sends nothing while it prefills a
+request it already scheduled. The worker's own ``vllm:num_requests_waiting`` (the load poller's
+scrape) says how many it still queues; vLLM admits FIFO, so those are the newest ``waiting`` of
+the requests the router had sent before that scrape (:func:`queued_now`). Only those move:
+running work never does.
+
+The rule (pure, :func:`router.policy.rebalance.plan_redispatch`): each queued request's
+predicted TTFT is the work ahead of it on its worker plus its own; a move to a target's tail is
+made only when it lowers the total predicted TTFT over every queued request, greedily, each
+request at most once in its life. Targets are the pool's live workers that queue nothing
+(reported ``waiting`` 0), are not leaving and did not just fail. Work is counted in the pool's
+unit: prefill roles (prefill, aggregated, flex) in uncached prompt tokens, the router's ledger
+on the source and the pool policy's cache estimate on each target (a joined worker: nothing
+cached), so a move that breaks a long prefix hit is not made; decode in sequences (a queued
+decode starts when a sequence ahead of it ends; a moved one computes its prompt on the target,
+which a tiny-prompt count of 1 understates; see the README).
+
+How a move runs: the stream closes its connection (vLLM aborts a request whose client left; a
+decode that got ``kv_transfer_params`` and never pulled releases the prefill's lease) and sends
+the request again to the target, nothing having reached the client from the source
+(ARCHITECTURE's "Paths" re-plan). It is counted by ``pdserve_router_redispatches_total`` and
+listed in the timeline's ``moves`` with reason ``redispatch``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from router.policy.base import RouteRequest
+from router.policy.load_model import LoadModel
+from router.policy.rebalance import InstanceQueue, Move, QueuedRequest, plan_redispatch
+from router.state.cluster import cancel_task
+from router.state.registry import WorkerRecord
+from router.state.worker_load import WorkerLoad
+
+if TYPE_CHECKING:
+    from router.api.proxy import PDProxy
+
+logger = logging.getLogger(__name__)
+
+PREFILL_ROLES = ("prefill", "aggregated", "flex")
+"""Pools whose queued work is counted in uncached prompt tokens (decode: in sequences)."""
+SEQUENCE = LoadModel(per_token_s=1.0)
+"""The decode pool's unit: one sequence (only the sign of a move's gain matters)."""
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A request sent to ``worker_id`` that has had no answer chunk yet."""
+
+    route: RouteRequest
+    role: str
+    """The pool that booked the worker."""
+    worker_id: str
+    sent_s: float
+    """Monotonic time the request was sent."""
+    move_to: Callable[[WorkerRecord], bool] = field(repr=False)
+    """Ask the request to move to a worker; False when it no longer can."""
+
+
+class WaitingRequests:
+    """The requests waiting on each worker, oldest first."""
+
+    def __init__(self) -> None:
+        self._on: dict[str, dict[Waiting, None]] = {}
+
+    def add(self, entry: Waiting) -> None:
+        """``entry`` was sent and has had no answer yet."""
+        self._on.setdefault(entry.worker_id, {})[entry] = None
+
+    def discard(self, entry: Waiting) -> None:
+        """``entry`` got its first chunk, moved or ended."""
+        entries = self._on.get(entry.worker_id)
+        if entries is not None:
+            entries.pop(entry, None)
+            if not entries:
+                del self._on[entry.worker_id]
+
+    def on(self, worker_id: str) -> list[Waiting]:
+        """The requests waiting on ``worker_id``, oldest first."""
+        return list(self._on.get(worker_id, ()))
+
+    def workers(self) -> list[str]:
+        """Workers with a request waiting on them."""
+        return list(self._on)
+
+
+def queued_now(entries: Sequence[Waiting], load: WorkerLoad | None) -> list[Waiting]:
+    """The entries the worker still queues (pure): the newest ``load.waiting`` of those sent
+    before its scrape (vLLM admits FIFO); none without a report."""
+    if load is None or load.waiting <= 0:
+        return []
+    before = [e for e in entries if e.sent_s < load.scraped_at_s]
+    return before[-load.waiting:]
+
+
+class Redispatcher:
+    """Every ``interval_s``, moves the queued requests that :func:`plan_redispatch` says gain
+    by it (see the module docstring)."""
+
+    def __init__(self, proxy: PDProxy, interval_s: float, per_token_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.proxy = proxy
+        self.interval_s = interval_s
+        self.tokens = LoadModel(per_token_s=per_token_s)
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+
+    def step(self) -> int:
+        """Plan and ask for this moment's moves; returns how many requests agreed to move."""
+        proxy = self.proxy
+        loads = proxy.reported_loads()
+        groups: dict[tuple[str, str], list[tuple[str, list[Waiting]]]] = {}
+        for wid in proxy.waiting.workers():
+            queued = queued_now(proxy.waiting.on(wid), loads.get(wid))
+            by_pool: dict[tuple[str, str], list[Waiting]] = {}
+            for entry in queued:
+                by_pool.setdefault((entry.role, entry.route.model), []).append(entry)
+            for key, entries in by_pool.items():
+                groups.setdefault(key, []).append((wid, entries))
+        moved = 0
+        for (role, model), sources in groups.items():
+            moved += self._move(role, model, sources, loads)
+        return moved
+
+    def _move(self, role: str, model: str, sources: list[tuple[str, list[Waiting]]],
+              loads: Mapping[str, WorkerLoad]) -> int:
+        proxy = self.proxy
+        live = {r.worker_id: r for r in proxy.live(role, model)
+                if not proxy.cluster.leaving(r.worker_id)}
+        pool = proxy.placement.pool(role)
+        snapshots = {c.worker_id: c for c in proxy.tracker.candidates(live.values(), loads)}
+        free = [wid for wid, c in snapshots.items()
+                if not c.recently_failed and (load := loads.get(wid)) is not None
+                and load.waiting == 0]
+        if not free:
+            return 0
+        entries = {e.route.request_id: e for _, es in sources for e in es}
+        if role in PREFILL_ROLES:
+            tracker = proxy.tracker
+            queues = [(wid, max(tracker.pending_tokens(wid)
+                                - sum(tracker.tokens_of(wid, e.route.request_id) for e in es), 0),
+                       [(e.route, tracker.tokens_of(wid, e.route.request_id)) for e in es])
+                      for wid, es in sources]
+            tails = {wid: snapshots[wid].pending_prefill_tokens for wid in free}
+            moves = pool.plan_redispatch(queues, tails, self.tokens)
+        else:
+            moves = plan_redispatch(
+                [InstanceQueue(wid, loads[wid].running,
+                               [QueuedRequest(e.route.request_id, 1, None, 0,
+                                              dict.fromkeys(free, 1)) for e in es])
+                 for wid, es in sources],
+                {wid: snapshots[wid].running for wid in free}, SEQUENCE)
+        return sum(self._ask(entries[m.request_id], live[m.target], m) for m in moves)
+
+    def _ask(self, entry: Waiting, target: WorkerRecord, move: Move) -> bool:
+        if not entry.move_to(target):
+            return False
+        logger.info("re-dispatch: %s request %s waiting on %s moves to %s (predicted TTFT "
+                    "change %.3g)", entry.role, entry.route.request_id, move.source,
+                    move.target, move.delta_s)
+        return True
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.step()
+            except Exception:  # a bad step must not end re-dispatch for the router's life
+                logger.exception("re-dispatch step failed")
+
+    def start(self) -> None:
+        """Run :meth:`step` every ``interval_s`` (0: never)."""
+        if self.interval_s > 0 and self._task is None:
+            self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        """Stop the loop."""
+        await cancel_task(self._task)
+        self._task = None
