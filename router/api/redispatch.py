@@ -11,11 +11,13 @@ scrape) says how many it still queues; vLLM admits FIFO, so those are the newest
 the requests the router had sent before that scrape (:func:`queued_now`). Only those move:
 running work never does.
 
-The rule (pure, :func:`router.policy.rebalance.plan_redispatch`): each queued request's
-predicted TTFT is the work ahead of it on its worker plus its own; a move to a target's tail is
-made only when it lowers the total predicted TTFT over every queued request, greedily, each
-request at most once in its life. Targets are the pool's live workers that queue nothing
-(reported ``waiting`` 0), are not leaving and did not just fail. Work is counted in the pool's
+The rule (pure, :func:`router.policy.rebalance.plan_redispatch`, as the simulator runs it):
+each queued request's predicted TTFT is the work ahead of it on its worker plus its own; a move
+to a target's tail is made only when it lowers the total predicted TTFT over every queued
+request, greedily, each request at most once in its life. Targets are the pool's workers that
+joined since the last step (even if new arrivals already reached them) or are idle (nothing
+running or queued, by their report and the router's ledger), that are not leaving and did not
+just fail. Work is counted in the pool's
 unit: prefill roles (prefill, aggregated, flex) in uncached prompt tokens, the router's ledger
 on the source and the pool policy's cache estimate on each target (a joined worker: nothing
 cached), so a move that breaks a long prefix hit is not made; decode in sequences (a queued
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -111,17 +112,23 @@ class Redispatcher:
     by it (see the module docstring)."""
 
     def __init__(self, proxy: PDProxy, interval_s: float, per_token_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_moves: int = 64) -> None:
         self.proxy = proxy
         self.interval_s = interval_s
         self.tokens = LoadModel(per_token_s=per_token_s)
-        self._clock = clock
+        self.max_moves = max_moves
+        """Most moves planned per pool and step."""
         self._task: asyncio.Task[None] | None = None
+        self._members: dict[tuple[str, str], set[str]] = {}
+        """Each pool's members at the last step (who joined since)."""
+        self._joined: dict[tuple[str, str], set[str]] = {}
+        """Workers that joined and have not yet been offered as targets with a load report."""
 
     def step(self) -> int:
         """Plan and ask for this moment's moves; returns how many requests agreed to move."""
         proxy = self.proxy
         loads = proxy.reported_loads()
+        joined = self._new_members()
         groups: dict[tuple[str, str], list[tuple[str, list[Waiting]]]] = {}
         for wid in proxy.waiting.workers():
             queued = queued_now(proxy.waiting.on(wid), loads.get(wid))
@@ -132,11 +139,27 @@ class Redispatcher:
                 groups.setdefault(key, []).append((wid, entries))
         moved = 0
         for (role, model), sources in groups.items():
-            moved += self._move(role, model, sources, loads)
+            moved += self._move(role, model, sources, loads, joined.get((role, model), set()))
+        for new in joined.values():  # reported once: offered (a joined worker's one chance)
+            new.difference_update([wid for wid in new if wid in loads])
         return moved
 
+    def _new_members(self) -> dict[tuple[str, str], set[str]]:
+        """Each pool's workers that joined since an earlier step (none at the first) and have
+        not been offered as targets with a load report yet."""
+        proxy = self.proxy
+        for model in proxy.cluster.models():
+            for role in (*PREFILL_ROLES, "decode"):
+                key = (role, model)
+                members = {r.worker_id for r in proxy.live(role, model)}
+                new = self._joined.setdefault(key, set())
+                new |= members - self._members.get(key, members)
+                new &= members
+                self._members[key] = members
+        return self._joined
+
     def _move(self, role: str, model: str, sources: list[tuple[str, list[Waiting]]],
-              loads: Mapping[str, WorkerLoad]) -> int:
+              loads: Mapping[str, WorkerLoad], joined: set[str]) -> int:
         proxy = self.proxy
         live = {r.worker_id: r for r in proxy.live(role, model)
                 if not proxy.cluster.leaving(r.worker_id)}
@@ -144,7 +167,8 @@ class Redispatcher:
         snapshots = {c.worker_id: c for c in proxy.tracker.candidates(live.values(), loads)}
         free = [wid for wid, c in snapshots.items()
                 if not c.recently_failed and (load := loads.get(wid)) is not None
-                and load.waiting == 0]
+                and load.waiting == 0 and (wid in joined or (
+                    load.running == 0 and proxy.tracker.in_flight(wid) == 0))]
         if not free:
             return 0
         entries = {e.route.request_id: e for _, es in sources for e in es}
@@ -155,14 +179,15 @@ class Redispatcher:
                        [(e.route, tracker.tokens_of(wid, e.route.request_id)) for e in es])
                       for wid, es in sources]
             tails = {wid: snapshots[wid].pending_prefill_tokens for wid in free}
-            moves = pool.plan_redispatch(queues, tails, self.tokens)
+            moves = pool.plan_redispatch(queues, tails, self.tokens, max_moves=self.max_moves)
         else:
             moves = plan_redispatch(
                 [InstanceQueue(wid, loads[wid].running,
                                [QueuedRequest(e.route.request_id, 1, None, 0,
                                               dict.fromkeys(free, 1)) for e in es])
                  for wid, es in sources],
-                {wid: snapshots[wid].running for wid in free}, SEQUENCE)
+                {wid: snapshots[wid].running for wid in free}, SEQUENCE,
+                max_moves=self.max_moves)
         return sum(self._ask(entries[m.request_id], live[m.target], m) for m in moves)
 
     def _ask(self, entry: Waiting, target: WorkerRecord, move: Move) -> bool:

@@ -85,7 +85,7 @@ async def test_a_queued_decode_moves_to_a_worker_that_joined(rig_of: Callable[..
     ({"d1": load(2, 0), "d2": load(0, 0)}, "d1 queues nothing: the request is running there"),
     ({"d1": load(2, 1), "d2": load(0, 1)}, "d2 queues work too"),
     ({"d1": load(2, 1)}, "d2 has not reported its load yet"),
-    ({"d1": load(1, 1), "d2": load(1, 0)}, "d2 has as much running ahead as d1"),
+    ({"d1": load(2, 1), "d2": load(1, 0)}, "d2 is busy, and no step saw it join"),
 ])
 async def test_no_move_when_the_rule_sees_no_gain(rig_of: Callable[..., Rig],
                                                   reports: dict[str, WorkerLoad], why: str
@@ -99,6 +99,39 @@ async def test_no_move_when_the_rule_sees_no_gain(rig_of: Callable[..., Rig],
     assert rig.workers.calls == ["d1"] and not rig.workers.streams[0].closed
     assert redispatches(rig, "decode") == 0
     client.cancel()
+
+
+@pytest.mark.parametrize(("d2_before", "d2_ahead", "moves"), [
+    (False, 1, 1),  # joined since the last step, already took a new arrival: less ahead
+    (False, 2, 0),  # control: joined, but as much ahead of a newcomer as on d1
+    (True, 1, 0),   # control: busy and a member at the last step already (neither new nor idle)
+])
+async def test_a_worker_that_joined_is_a_target_until_it_reported_once(
+        rig_of: Callable[..., Rig], d2_before: bool, d2_ahead: int, moves: int) -> None:
+    rig = rig_of(p1=[], d1=[HUNG], d2=[Script(EVENTS)])
+    d2 = next(r for r in rig.cluster.records if r.worker_id == "d2")
+    if not d2_before:
+        rig.cluster.records.remove(d2)
+    redispatch = Redispatcher(rig.proxy, 1.0, 1e-4)
+    rig.proxy.reported_loads = lambda: {}
+    assert redispatch.step() == 0  # the step before: d2 a member or not
+    if d2_before:
+        rig.cluster.records.remove(d2)
+    client = asyncio.create_task(play(await decode(rig, stream=True)))
+    await waiting_on(rig, "d1")
+    rig.cluster.records.append(d2)
+    rig.proxy.reported_loads = lambda: {"d1": load(2, 1)}  # d2 not scraped yet: no target
+    assert redispatch.step() == 0
+    rig.proxy.reported_loads = lambda: {"d1": load(2, 1), "d2": load(d2_ahead, 0)}
+    assert redispatch.step() == moves
+    rig.proxy.reported_loads = lambda: {"d1": load(2, 1), "d2": load(d2_ahead, 0)}
+    assert redispatch.step() == 0  # offered once; busy: not a target any more
+    if moves:
+        assert '"text":"c"' in (await asyncio.wait_for(client, 5)).decode()
+        assert rig.workers.calls == ["d1", "d2"]
+    else:
+        assert rig.workers.calls == ["d1"]
+        client.cancel()
 
 
 async def test_a_request_sent_after_the_scrape_is_not_counted_as_queued(
