@@ -17,8 +17,10 @@ aborts on disconnect; a stopped worker does so when it resumes). A source that f
 client got anything, and before the prompt's ids were known, is sent again as it was.
 
 A stream whose worker is leaving (the registry's draining set, as a scale-down's drain or a
-SIGTERMed worker writes it, or a deregistration) moves at the next event it relays, so a drain
-waits for no stream to finish; the move counts as ``drain``, not as the worker failing.
+SIGTERMed worker writes it, or a deregistration) moves at the next event it relays, or, while
+it waits for its first output (queued or prefilling there), within ``PROBE_CHECK_S``: sent
+again elsewhere, so a drain waits for no stream to finish or start; the move counts as
+``drain``, not as the worker failing.
 
 A failure before the source sent anything is a retry (``decode_retries`` of them); after, a
 *move* (``migration_limit`` of them, counted by ``pdserve_router_migrations_total`` and listed
@@ -316,9 +318,8 @@ class ResumableStream:
                         if self._source_output or (floor > 0
                                                    and self.proxy.unresponsive(worker_id)):
                             raise _Stalled() from None
-                        if self.proxy.cluster.leaving(worker_id) and self._may_move() and \
-                                self.journal.prompt_ids:
-                            raise _Leaving() from None
+                        if self.proxy.cluster.leaving(worker_id) and self._may_move():
+                            raise _Leaving() from None  # sent again, or continued, elsewhere
                         continue
                 if item is _END:
                     return

@@ -246,3 +246,23 @@ def test_waiting_requests_forget_empty_workers() -> None:
     waiting.discard(a)
     waiting.discard(a)
     assert waiting.workers() == []
+
+
+@pytest.mark.parametrize(("leaves", "calls"), [(True, ["d1", "d2"]), (False, ["d1"])])
+async def test_a_stream_waiting_on_a_draining_worker_is_sent_elsewhere(
+        rig_of: Callable[..., Rig], leaves: bool, calls: list[str]) -> None:
+    """Scale-down without waiting (issue 25 item 3): d1 leaves routing while a stream still
+    waits on it for its first output; the stream is sent again to d2 at once instead of
+    holding d1's drain until d1 has served it. Control: d1 stays, and so does the stream."""
+    rig = rig_of(p1=[], d1=[HUNG], d2=[Script(EVENTS)])
+    client = await start_stream(rig)
+    if leaves:
+        rig.cluster.leave("d1")
+    await asyncio.sleep(0.6)  # past two of the stream's looks at its worker
+    assert rig.workers.calls == calls
+    if leaves:
+        assert '"text":"c"' in (await asyncio.wait_for(client, 5)).decode()
+        assert rig.workers.streams[0].closed and "kv_transfer_params" not in rig.workers.bodies[1]
+        assert not rig.tracker.recently_failed("d1") and rig.in_flight() == {}
+    else:
+        client.cancel()
