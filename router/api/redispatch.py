@@ -15,14 +15,14 @@ The rule (pure, :func:`router.policy.rebalance.plan_redispatch`, as the simulato
 each queued request's predicted TTFT is the work ahead of it on its worker plus its own; a move
 to a target's tail is made only when it lowers the total predicted TTFT over every queued
 request, greedily, each request at most once in its life. Targets are the pool's workers that
-joined since the last step (even if new arrivals already reached them) or are idle (nothing
-running or queued, by their report and the router's ledger), that are not leaving and did not
-just fail. Work is counted in the pool's
-unit: prefill roles (prefill, aggregated, flex) in uncached prompt tokens, the router's ledger
-on the source and the pool policy's cache estimate on each target (a joined worker: nothing
-cached), so a move that breaks a long prefix hit is not made; decode in sequences (a queued
-decode starts when a sequence ahead of it ends; a moved one computes its prompt on the target,
-which a tiny-prompt count of 1 understates; see the README).
+joined (even if new arrivals already reached them: until the first plan they are offered to,
+at most ``JOIN_WINDOW_S`` after the join) or are idle (nothing running or queued, by their
+report and the router's ledger), that are not leaving and did not just fail. Work is counted
+in the pool's unit: prefill roles (prefill, aggregated, flex) in uncached prompt tokens, the
+router's ledger on the source and the pool policy's cache estimate on each target (a joined
+worker: nothing cached), so a move that breaks a long prefix hit is not made; decode in
+sequences (a queued decode starts when a sequence ahead of it ends; a moved one computes its
+prompt on the target, which a count of 1 understates for a long prompt; see the README).
 
 How a move runs: the stream closes its connection (vLLM aborts a request whose client left; a
 decode that got ``kv_transfer_params`` and never pulled releases the prefill's lease) and sends
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -53,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 PREFILL_ROLES = ("prefill", "aggregated", "flex")
 """Pools whose queued work is counted in uncached prompt tokens (decode: in sequences)."""
+JOIN_WINDOW_S = 10.0
+"""How long a worker counts as joined while no queue was there to move to it."""
 SEQUENCE = LoadModel(per_token_s=1.0)
 """The decode pool's unit: one sequence (only the sign of a move's gain matters)."""
 
@@ -112,17 +115,18 @@ class Redispatcher:
     by it (see the module docstring)."""
 
     def __init__(self, proxy: PDProxy, interval_s: float, per_token_s: float,
-                 max_moves: int = 64) -> None:
+                 max_moves: int = 64, clock: Callable[[], float] = time.monotonic) -> None:
         self.proxy = proxy
         self.interval_s = interval_s
         self.tokens = LoadModel(per_token_s=per_token_s)
         self.max_moves = max_moves
         """Most moves planned per pool and step."""
+        self._clock = clock
         self._task: asyncio.Task[None] | None = None
         self._members: dict[tuple[str, str], set[str]] = {}
         """Each pool's members at the last step (who joined since)."""
-        self._joined: dict[tuple[str, str], set[str]] = {}
-        """Workers that joined and have not yet been offered as targets with a load report."""
+        self._joined: dict[tuple[str, str], dict[str, float]] = {}
+        """Workers that joined, and when, not yet offered to a plan (``JOIN_WINDOW_S``)."""
 
     def step(self) -> int:
         """Plan and ask for this moment's moves; returns how many requests agreed to move."""
@@ -139,27 +143,28 @@ class Redispatcher:
                 groups.setdefault(key, []).append((wid, entries))
         moved = 0
         for (role, model), sources in groups.items():
-            moved += self._move(role, model, sources, loads, joined.get((role, model), set()))
-        for new in joined.values():  # reported once: offered (a joined worker's one chance)
-            new.difference_update([wid for wid in new if wid in loads])
+            moved += self._move(role, model, sources, loads, joined.setdefault((role, model), {}))
         return moved
 
-    def _new_members(self) -> dict[tuple[str, str], set[str]]:
-        """Each pool's workers that joined since an earlier step (none at the first) and have
-        not been offered as targets with a load report yet."""
-        proxy = self.proxy
+    def _new_members(self) -> dict[tuple[str, str], dict[str, float]]:
+        """Each pool's workers that joined since an earlier step (none at the first), not yet
+        offered to a plan, within ``JOIN_WINDOW_S`` of the join."""
+        proxy, now = self.proxy, self._clock()
         for model in proxy.cluster.models():
             for role in (*PREFILL_ROLES, "decode"):
                 key = (role, model)
                 members = {r.worker_id for r in proxy.live(role, model)}
-                new = self._joined.setdefault(key, set())
-                new |= members - self._members.get(key, members)
-                new &= members
+                new = self._joined.setdefault(key, {})
+                for wid in members - self._members.get(key, members):
+                    new[wid] = now
+                for wid in [w for w, at in new.items()
+                            if w not in members or now - at > JOIN_WINDOW_S]:
+                    del new[wid]
                 self._members[key] = members
         return self._joined
 
     def _move(self, role: str, model: str, sources: list[tuple[str, list[Waiting]]],
-              loads: Mapping[str, WorkerLoad], joined: set[str]) -> int:
+              loads: Mapping[str, WorkerLoad], joined: dict[str, float]) -> int:
         proxy = self.proxy
         live = {r.worker_id: r for r in proxy.live(role, model)
                 if not proxy.cluster.leaving(r.worker_id)}
@@ -169,6 +174,8 @@ class Redispatcher:
                 if not c.recently_failed and (load := loads.get(wid)) is not None
                 and load.waiting == 0 and (wid in joined or (
                     load.running == 0 and proxy.tracker.in_flight(wid) == 0))]
+        for wid in free:  # offered: a joined worker's one chance
+            joined.pop(wid, None)
         if not free:
             return 0
         entries = {e.route.request_id: e for _, es in sources for e in es}

@@ -106,7 +106,7 @@ async def test_no_move_when_the_rule_sees_no_gain(rig_of: Callable[..., Rig],
     (False, 2, 0),  # control: joined, but as much ahead of a newcomer as on d1
     (True, 1, 0),   # control: busy and a member at the last step already (neither new nor idle)
 ])
-async def test_a_worker_that_joined_is_a_target_until_it_reported_once(
+async def test_a_worker_that_joined_is_a_target_until_offered_once(
         rig_of: Callable[..., Rig], d2_before: bool, d2_ahead: int, moves: int) -> None:
     rig = rig_of(p1=[], d1=[HUNG], d2=[Script(EVENTS)])
     d2 = next(r for r in rig.cluster.records if r.worker_id == "d2")
