@@ -29,7 +29,7 @@ from starlette.responses import Response
 from kvtransfer.signing import Keyring, KeyringFile, current, strip_signature
 from router.api.first_token import FirstToken, first_events, resumable
 from router.api.journal import StreamJournal
-from router.api.redispatch import WaitingRequests
+from router.api.redispatch import Redispatch, Waiting, WaitingRequests, log_move
 from router.api.relay import FirstOutput, RelayResponse, relay_body
 from router.api.resume import PROBE_CHECK_S, ResumableStream, Source
 from router.api.rewrite import decode_body, encode, prefill_body
@@ -216,26 +216,54 @@ class PDProxy:
         logger.warning("%s", err.message)
 
     async def watched(self, worker: WorkerRecord, role: str,
-                      call: Coroutine[Any, Any, httpx.Response]) -> httpx.Response:
+                      call: Coroutine[Any, Any, httpx.Response],
+                      route: RouteRequest | None = None) -> httpx.Response:
         """``call``'s answer, unless ``worker`` stops answering the router's load probes while
         it waits (a stopped or wedged engine; a busy one still answers): then the call is
         abandoned (its connection closed: vLLM aborts the request once it runs again) and a
-        ``stall`` error raised, so the request goes elsewhere. ``stall_timeout_s`` 0: off."""
-        if self.settings.stall_timeout_s <= 0:
-            return await call
+        ``stall`` error raised, so the request goes elsewhere (``stall_timeout_s`` 0: off).
+        With ``route`` the wait is registered for re-dispatch (``router.api.redispatch``):
+        moved, the call is abandoned the same way and :class:`Redispatch` raised."""
         task = asyncio.ensure_future(call)
+        moved: list[WorkerRecord] = []
+        entry = None
+        if route is not None:
+            def move_to(target: WorkerRecord) -> bool:
+                if moved or task.done():
+                    return False
+                moved.append(target)
+                return True
+
+            entry = Waiting(route, role, worker.worker_id, time.monotonic(), move_to)
+            self.waiting.add(entry)
+        stall = self.settings.stall_timeout_s > 0
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=PROBE_CHECK_S)
                 if done:
                     return task.result()
-                if self.unresponsive(worker.worker_id):
+                if moved:
+                    raise Redispatch(moved[0])
+                if stall and self.unresponsive(worker.worker_id):
                     raise UpstreamError(f"{role} worker {worker.worker_id} stopped answering "
                                         "while the request waited on it", role=role,
                                         kind="stall", status=504, code="upstream_timeout")
         finally:
+            if entry is not None:
+                self.waiting.discard(entry)
             if not task.done():
                 task.cancel()
+
+    def redispatched(self, clock: PhaseClock, role: str, route: RouteRequest,
+                     source: WorkerRecord, target: WorkerRecord) -> None:
+        """Book a waiting request's re-dispatch: off ``source`` (not ok), onto ``target``;
+        counted and put in the timeline."""
+        self.end(role, route, source, ok=False)
+        self.metrics.redispatches.labels(role=role).inc()
+        log_move(role, route.request_id, source.worker_id, target.worker_id)
+        clock.moves.append({"from": source.worker_id, "to": target.worker_id,
+                            "reason": "redispatch", "at": time.time(), "sent_tokens": 0})
+        self.begin(role, route, target)
 
     def _headers(self, route: RouteRequest, incoming: dict[str, str]) -> dict[str, str]:
         headers = {"content-type": "application/json", "x-request-id": route.request_id}
@@ -323,11 +351,18 @@ class PDProxy:
             self.begin("prefill", route, worker)
             started = time.perf_counter()
             ok = False
-            out["kv_transfer_params"] = self.signed(ask, worker)
             try:
-                resp = await self.watched(worker, "prefill", self.send(
-                    worker.http_url + endpoint.path, encode(out), headers,
-                    self._prefill_timeout, stream=False))
+                while True:
+                    out["kv_transfer_params"] = self.signed(ask, worker)
+                    try:
+                        resp = await self.watched(worker, "prefill", self.send(
+                            worker.http_url + endpoint.path, encode(out), headers,
+                            self._prefill_timeout, stream=False), route)
+                        break
+                    except Redispatch as move:  # queued there: the same attempt, elsewhere
+                        self.redispatched(clock, "prefill", route, worker, move.target)
+                        worker = move.target
+                        tried.add(worker.worker_id)
                 ok = resp.status_code < 500
             except httpx.HTTPError as exc:
                 last = upstream_error("prefill", worker, exc)
@@ -428,7 +463,19 @@ class PDProxy:
                 handed_over = ok = False
                 try:
                     try:
-                        resp = await self.watched(worker, pool, call)
+                        while True:
+                            try:
+                                resp = await self.watched(worker, pool, call,
+                                                          None if stream else route)
+                                break
+                            except Redispatch as move:  # queued there: sent elsewhere
+                                self.redispatched(clock, pool, route, worker, move.target)
+                                # a decode that got the params frees them on its abort
+                                handed, spent = handed or carries, spent or carries
+                                worker, content, carries = move.target, plain, False
+                                tried.add(worker.worker_id)
+                                call = self.send(worker.http_url + endpoint.path, content,
+                                                 headers, self._decode_timeout, stream=True)
                     except UpstreamError as err:  # it stopped answering: the next one
                         last, last_exc = err, None
                         self._failed(worker, last)

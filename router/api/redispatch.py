@@ -74,6 +74,15 @@ class Waiting:
     """Ask the request to move to a worker; False when it no longer can."""
 
 
+class Redispatch(Exception):
+    """Re-dispatch moved a request that waited for its worker's answer to ``target``
+    (raised by ``PDProxy.watched``; the caller books and sends it there)."""
+
+    def __init__(self, target: WorkerRecord) -> None:
+        super().__init__(f"moved to {target.worker_id}")
+        self.target = target
+
+
 class WaitingRequests:
     """The requests waiting on each worker, oldest first."""
 
@@ -129,7 +138,8 @@ class Redispatcher:
         """Workers that joined, and when, not yet offered to a plan (``JOIN_WINDOW_S``)."""
 
     def step(self) -> int:
-        """Plan and ask for this moment's moves; returns how many requests agreed to move."""
+        """Plan and ask for this moment's moves; returns how many requests agreed to move (a
+        request that answers before it notices stays: only a move made is counted)."""
         proxy = self.proxy
         loads = proxy.reported_loads()
         joined = self._new_members()
@@ -200,10 +210,11 @@ class Redispatcher:
     def _ask(self, entry: Waiting, target: WorkerRecord, move: Move) -> bool:
         if not entry.move_to(target):
             return False
-        logger.info("re-dispatch: %s request %s waiting on %s moves to %s (predicted TTFT "
-                    "change %.3g)", entry.role, entry.route.request_id, move.source,
-                    move.target, move.delta_s)
+        logger.debug("re-dispatch asks %s request %s waiting on %s to move to %s (predicted "
+                     "TTFT change %.3g)", entry.role, entry.route.request_id, move.source,
+                     move.target, move.delta_s)
         return True
+
 
     async def _loop(self) -> None:
         while True:
@@ -222,3 +233,9 @@ class Redispatcher:
         """Stop the loop."""
         await cancel_task(self._task)
         self._task = None
+
+
+def log_move(role: str, request_id: str, source: str, target: str) -> None:
+    """The line a re-dispatch that happened leaves in the router's log."""
+    logger.info("re-dispatch: %s request %s moved from %s to %s", role, request_id, source,
+                target)

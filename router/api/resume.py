@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from router.api.journal import StreamJournal
-from router.api.redispatch import Waiting
+from router.api.redispatch import Waiting, log_move
 from router.api.relay import FirstOutput, RelayResponse
 from router.api.rewrite import decode_body, encode
 from router.api.schemas import Endpoint
@@ -253,6 +253,8 @@ class ResumableStream:
                 assert target is not None
                 await self._close(ok=False)
                 proxy.metrics.redispatches.labels(role=source.role).inc()
+                log_move(source.role, self.route.request_id, source.worker.worker_id,
+                         target.worker_id)
                 self.clock.moves.append({"from": source.worker.worker_id, "to": target.worker_id,
                                          "reason": "redispatch", "at": time.time(),
                                          "sent_tokens": len(journal.committed)})

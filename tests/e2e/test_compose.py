@@ -516,8 +516,8 @@ def test_autoscaler_grows_decode_to_two_and_back(cluster: Cluster, tmp_path: Pat
                        - moved_before, lambda n: n >= 1, timeout_s=60, interval_s=1)
             router_log = cluster.compose("logs", "--no-color", "router", check=False).stdout
             moved = [line for line in router_log.splitlines() if "re-dispatch: decode" in line]
-            assert any(f"waiting on decode-{first[:12]}-" in line
-                       and f"moves to decode-{clone[:12]}-" in line for line in moved), moved
+            assert any(f"moved from decode-{first[:12]}-" in line
+                       and f"to decode-{clone[:12]}-" in line for line in moved), moved
 
         # Load gone: after the cooldown the autoscaler drains the new replica and removes it; a
         # trickle of requests flows through the drain and every one of them succeeds.

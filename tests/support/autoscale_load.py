@@ -5,8 +5,13 @@ The autoscaler sees one instance through :data:`PROFILE`: a decode instance deli
 tokens/s within a 1 s TPOT (9 sequences: 0.02 + 0.1 * 9 = 0.92 s steps), 7.8 at the target
 utilisation, so :data:`LOAD_STREAMS` concurrent 96-token streams (over 2.6 tokens/s each) need a
 second one, while one 8-token request every 2 s (under 5.9 tokens/s, the safety utilisation of
-one) lets the pool shrink back. Few streams: the new worker starts beside them on this
-machine's two cores. Prefill capacity is ample. No online fitting and no burst headroom
+one) lets the pool shrink back. The tests run one sequence per engine (``--max-num-seqs 1``), so
+however many streams there are, one decodes on each engine and the new worker starts beside
+little work on this machine's two cores; the old decode queues the other four, so when the new
+one joins at least three still wait there even if a stream ended meanwhile and its next request
+went to the new one: re-dispatch has a queue to move from, whatever the timing (with three
+streams it had one, and whether moving it paid depended on that timing). Prefill capacity is
+ample. No online fitting and no burst headroom
 (:data:`AUTOSCALER_ARGS`): the capacity and the load are what the tests set, whatever the
 machine's speed.
 """
@@ -26,7 +31,7 @@ from tests.support.waiting import eventually
 
 PROFILE = {"prefill": {"s_per_token": 1e-6, "overhead_s": 0.001},
            "decode": {"step_base_s": 0.02, "step_per_seq_s": 0.1, "max_seqs": 256}}
-LOAD_STREAMS = 3
+LOAD_STREAMS = 5
 COOLDOWN_S = 10
 AUTOSCALER_ARGS = ["--interval-s=2", f"--cooldown-s={COOLDOWN_S}", "--tpot-slo-s=1.0",
                    "--ttft-slo-s=30", "--correction-alpha=0", "--burst-quantile=0",

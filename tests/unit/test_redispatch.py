@@ -266,3 +266,65 @@ async def test_a_stream_waiting_on_a_draining_worker_is_sent_elsewhere(
         assert not rig.tracker.recently_failed("d1") and rig.in_flight() == {}
     else:
         client.cancel()
+
+
+async def test_a_queued_prefill_hop_moves_to_a_prefill_worker_that_joined(
+        rig_of: Callable[..., Rig]) -> None:
+    """The P/D prefill hop (answered whole, no stream) waits in ``PDProxy.watched``: queued on
+    p1 behind work the router booked there, it moves to p2 when p2 joins, as the same attempt
+    (no retry counted)."""
+    rig = rig_of(p1=[relay.HANG], p2=[{"kv_transfer_params": relay.kv_of("p2")}], d1=[])
+    p2 = next(r for r in rig.cluster.records if r.worker_id == "p2")
+    rig.cluster.records.remove(p2)
+    rig.tracker.start("p1", "running-there", 100, prefill=True)  # work ahead of it on p1
+    hop = asyncio.create_task(relay.prefill(rig))
+    await waiting_on(rig, "p1")
+    rig.cluster.records.append(p2)
+    rig.proxy.reported_loads = lambda: {"p1": load(1, 1), "p2": load(0, 0)}
+    assert Redispatcher(rig.proxy, 1.0, 1e-4).step() == 1
+    params, worker, _ = await asyncio.wait_for(hop, 5)
+    assert worker.worker_id == "p2" and params == relay.kv_of("p2")
+    assert rig.workers.calls == ["p1", "p2"]
+    assert "kv_transfer_params" in rig.workers.bodies[1]  # asked to lease, as on p1
+    assert redispatches(rig, "prefill") == 1 and rig.retries("prefill") == 0
+    rig.tracker.finish("p1", "running-there")
+    assert rig.in_flight() == {} and rig.proxy.waiting.workers() == []
+
+
+async def test_a_queued_prefill_hop_with_nothing_ahead_stays(rig_of: Callable[..., Rig]) -> None:
+    """Control: the same hop with no work of the router's ahead of it gains nothing by moving."""
+    rig = rig_of(p1=[relay.HANG], p2=[{"kv_transfer_params": relay.kv_of("p2")}], d1=[])
+    p2 = next(r for r in rig.cluster.records if r.worker_id == "p2")
+    rig.cluster.records.remove(p2)
+    hop = asyncio.create_task(relay.prefill(rig))
+    await waiting_on(rig, "p1")
+    rig.cluster.records.append(p2)
+    rig.proxy.reported_loads = lambda: {"p1": load(0, 1), "p2": load(0, 0)}
+    assert Redispatcher(rig.proxy, 1.0, 1e-4).step() == 0
+    await asyncio.sleep(0.3)
+    assert rig.workers.calls == ["p1"]
+    hop.cancel()
+
+
+async def test_a_queued_whole_answer_moves_without_the_prefills_params(
+        rig_of: Callable[..., Rig]) -> None:
+    """A non-streamed decode carrying the prefill's params, queued on d1: it moves to d2, which
+    gets no params (d1 may free them on its abort) and computes the prompt; the router does
+    not release the lease itself (d1 got the params: its abort frees them)."""
+    answer = {"choices": [{"text": "abc"}], "usage": {"prompt_tokens": 3,
+                                                      "completion_tokens": 3}}
+    rig = rig_of(p1=[], d1=[relay.HANG], d2=[answer])
+    d2 = next(r for r in rig.cluster.records if r.worker_id == "d2")
+    rig.cluster.records.remove(d2)
+    whole = asyncio.create_task(decode(rig, stream=False))
+    await waiting_on(rig, "d1")
+    rig.cluster.records.append(d2)
+    rig.proxy.reported_loads = lambda: {"d1": load(2, 1), "d2": load(0, 0)}
+    assert Redispatcher(rig.proxy, 1.0, 1e-4).step() == 1
+    response = await asyncio.wait_for(whole, 5)
+    assert json.loads(bytes(response.body)) == answer
+    assert rig.workers.calls == ["d1", "d2"]  # no release call either
+    assert "kv_transfer_params" in rig.workers.bodies[0]
+    assert "kv_transfer_params" not in rig.workers.bodies[1]
+    assert redispatches(rig, "decode") == 1 and rig.retries("decode") == 0
+    assert rig.in_flight() == {} and rig.proxy.waiting.workers() == []
