@@ -7,13 +7,14 @@ utilisation, so :data:`LOAD_STREAMS` concurrent 96-token streams (over 2.6 token
 second one, while one 8-token request every 2 s (under 5.9 tokens/s, the safety utilisation of
 one) lets the pool shrink back. The tests run one sequence per engine (``--max-num-seqs 1``), so
 however many streams there are, one decodes on each engine and the new worker starts beside
-little work on this machine's two cores; the old decode queues the other four, so when the new
-one joins at least three still wait there even if a stream ended meanwhile and its next request
-went to the new one: re-dispatch has a queue to move from, whatever the timing (with three
-streams it had one, and whether moving it paid depended on that timing). Prefill capacity is
-ample. No online fitting and no burst headroom
-(:data:`AUTOSCALER_ARGS`): the capacity and the load are what the tests set, whatever the
-machine's speed.
+little work on this machine's two cores; the old decode queues the other three, so when the new
+one joins at least two still wait there even if a stream ended meanwhile and its next request
+went to the new one, and moving the first of them pays: re-dispatch has a queue to move from,
+whatever the timing (with three streams one waited, and whether moving it paid depended on
+that timing). Not more: the load's last answers must end well within the cooldown, or the
+first trickle interval reads their length. Prefill capacity is ample. No online fitting and no
+burst headroom (:data:`AUTOSCALER_ARGS`): the capacity and the load are what the tests set,
+whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tests.support.waiting import eventually
 
 PROFILE = {"prefill": {"s_per_token": 1e-6, "overhead_s": 0.001},
            "decode": {"step_base_s": 0.02, "step_per_seq_s": 0.1, "max_seqs": 256}}
-LOAD_STREAMS = 5
+LOAD_STREAMS = 4
 COOLDOWN_S = 10
 AUTOSCALER_ARGS = ["--interval-s=2", f"--cooldown-s={COOLDOWN_S}", "--tpot-slo-s=1.0",
                    "--ttft-slo-s=30", "--correction-alpha=0", "--burst-quantile=0",
