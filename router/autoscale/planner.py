@@ -9,7 +9,8 @@ for bursts learned from this trace's own history (``predictors.BurstHeadroom``: 
 ``burst_quantile`` of how far the rate overshot the forecast within a start time plus an
 interval), plus any backlog (arrived, not yet prefilled) drained within ``backlog_drain_s``.
 Before the trace has shown any burst, a cold-start headroom (``cold_headroom``, decaying over
-``cold_s``) stands in for the learned one.
+``cold_s``) stands in for the learned one (with ``cold_reference_s``, on the level the planner
+started at until an interval steps ``cold_burst_factor`` x above the forecast level).
 The prefill model's TTFT holds the handoff to decode (KV transfer of the whole context and the
 first decode step, ``capacity.PrefillModel.with_handoff``). The models are
 fitted online: each interval the planner compares the latency it observed with what its model
@@ -61,6 +62,11 @@ class PlannerConfig:
     """Plan for this fraction of an instance's SLO capacity (headroom for bursts)."""
     safety_utilisation: float = 0.6
     """Scale down only if the remaining instances would run below this fraction of capacity."""
+    decode_target_utilisation: float | None = None
+    """Overrides ``target_utilisation`` for the decode pool (None: the same), its
+    ``safety_utilisation`` scaled by the same ratio. Decode's queue is shared (a burst shows
+    as a bigger batch, not as one instance's backlog) and its tokens/s model is a step-time
+    fit, so it can run closer to its capacity than prefill."""
     scale_down_cooldown_s: float = 60.0
     max_scale_up_factor: float = 2.0
     panic_factor: float = 1.5
@@ -88,6 +94,16 @@ class PlannerConfig:
     step before any history lands on the few instances of a quiet start, and their queue
     outlives the step: the instances added later do not take it). 1 disables it."""
     cold_s: float = 300.0
+    cold_reference_s: float = 0.0
+    """0: the cold headroom multiplies the current level. Above 0: it multiplies the mean rate
+    of the first ``cold_reference_s`` observed (the level the planner started at) until the
+    trace steps (``cold_burst_factor``), so a smooth rise during the cold period (a ramp, a
+    day's morning) is not multiplied by it as well: that rise is no step out of a quiet start."""
+    cold_burst_factor: float = 2.0
+    """With ``cold_reference_s``: once an interval's rate reaches this factor times the level
+    forecast before it, the trace has stepped, and the cold headroom multiplies the current
+    level again for the rest of ``cold_s`` (the backlog of a step lands on the instances of
+    the quiet start; sizing on the stepped level drains it)."""
     decode_headroom: bool = True
     """Apply the burst headroom to decode as well (else decode sizes for the forecast)."""
     backlog_drain_s: float = 30.0
@@ -115,6 +131,11 @@ class PlannerConfig:
             raise ValueError("need backlog_drain_s > 0 and max_scale_down_step >= 1")
         if self.cold_headroom < 1 or self.cold_s < 0:
             raise ValueError("need cold_headroom >= 1 and cold_s >= 0")
+        if self.cold_reference_s < 0 or self.cold_burst_factor <= 1:
+            raise ValueError("need cold_reference_s >= 0 and cold_burst_factor > 1")
+        if self.decode_target_utilisation is not None \
+                and not 0 < self.decode_target_utilisation <= 1:
+            raise ValueError("need 0 < decode_target_utilisation <= 1")
 
 
 @dataclass(frozen=True)
@@ -199,6 +220,8 @@ class Planner:
     _backlog: float = field(init=False, default=0.0)
     _ctx: Predictor = field(init=False)
     _first_s: float | None = field(init=False, default=None)
+    _start_rates: list[float] = field(init=False, default_factory=list)
+    _stepped: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self._rate = make_predictor(self.config.predictor)
@@ -283,6 +306,7 @@ class Planner:
         self._fit_decode(obs.tpot_mean_s, rate * osl_now / max(
             1, obs.decode_replicas - obs.decode_starting))
 
+        prev_base = max(self._rate.predict(1.0), self._level.predict())
         self._rate.observe(rate)
         self._level.observe(rate)
         if obs.mean_isl > 0:  # an interval that served nothing says nothing of lengths
@@ -308,11 +332,23 @@ class Planner:
             self._first_s = obs.now_s - obs.interval_s
         cold = 1.0 + (cfg.cold_headroom - 1.0) * max(
             0.0, 1.0 - (obs.now_s - self._first_s) / cfg.cold_s) if cfg.cold_s > 0 else 1.0
+        cold_base = base
+        if cfg.cold_reference_s > 0:
+            # the cold headroom is for a step out of the quiet start: it multiplies the level
+            # the planner started at until an interval shows that step (then, as without a
+            # reference, the stepped level: its backlog sits on the quiet start's instances)
+            if not self._start_rates or \
+                    obs.now_s - self._first_s <= cfg.cold_reference_s + 1e-9:
+                self._start_rates.append(rate)
+            if prev_base > 0 and rate >= cfg.cold_burst_factor * prev_base:
+                self._stepped = True
+            if not self._stepped:
+                cold_base = sum(self._start_rates) / len(self._start_rates)
         # An interval with no arrival is planned like any other: the level still remembers the
         # traffic (it decays to nothing within a few intervals once the traffic has stopped).
         # Planning it as zero load let one empty interval scale a pool down and the next one,
         # with a single arrival, scale it straight back up.
-        planned_rate = max(rate_hat, base * min(factor, cfg.free_headroom), base * cold,
+        planned_rate = max(rate_hat, base * min(factor, cfg.free_headroom), cold_base * cold,
                            min(base * factor, ceiling_rate))
         headroom = planned_rate / rate_hat if rate_hat > 0 else 1.0
         if obs.prefilled is not None:
@@ -356,12 +392,16 @@ class Planner:
         cfg, state = self.config, self._pools[pool]
         ceiling = (cfg.max_prefill_replicas if pool == "prefill" else cfg.max_decode_replicas) \
             or cfg.max_replicas
+        target, safety = cfg.target_utilisation, cfg.safety_utilisation
+        if pool == "decode" and cfg.decode_target_utilisation is not None:
+            target = cfg.decode_target_utilisation
+            safety = safety * target / cfg.target_utilisation
         if load <= 0 or (capacity <= 0 and idle):
             needed = cfg.min_replicas
         elif capacity <= 0:
             needed = ceiling
         else:
-            needed = math.ceil(load / (capacity * cfg.target_utilisation))
+            needed = math.ceil(load / (capacity * target))
         # Scale-down stabilisation (as Kubernetes' HPA does): shrink only to the largest size
         # asked for within the cooldown, so one quiet interval cannot shrink a pool that the
         # interval before needed (and that the next one asks back).
@@ -392,7 +432,7 @@ class Planner:
             if (starting > 0 or now < state.panic_until_s or stable >= current
                     or now - state.last_change_s < cfg.scale_down_cooldown_s):
                 reason = "cooldown"
-            elif remaining_util <= cfg.safety_utilisation:
+            elif remaining_util <= safety:
                 desired = max(stable, current - cfg.max_scale_down_step)
                 reason = "scale_down"
         bounded = min(ceiling, max(cfg.min_replicas, desired))

@@ -328,3 +328,52 @@ def test_cold_headroom_holds_capacity_before_any_burst_and_decays() -> None:
     assert sizes[6.0][-1] == 1  # decayed: 440 s in, the cold headroom is gone
     with pytest.raises(ValueError):
         PlannerConfig(cold_headroom=0.5)
+
+
+def test_cold_reference_does_not_multiply_a_smooth_rise() -> None:
+    """A quiet start at 2 req/s rising by 0.5 req/s per interval (no interval doubles): with
+    ``cold_reference_s`` the cold headroom multiplies the first 30 s's rate (2.5 req/s), so
+    the pool stays below the one that multiplies the rising level (the negative control,
+    ``cold_reference_s`` 0), yet never below what the level itself needs."""
+    rates = [2.0 + 0.5 * i for i in range(20)]
+    sizes: dict[float, list[int]] = {}
+    for ref in (30.0, 0.0):
+        p = planner(cold_headroom=6.0, cold_s=300.0, cold_reference_s=ref,
+                    max_scale_up_factor=100.0, burst_quantile=0.0)
+        sizes[ref] = [pd for pd, _ in run(p, rates)]
+    assert sizes[30.0][:3] == sizes[0.0][:3]  # within the reference: the same plan
+    assert max(sizes[30.0]) < max(sizes[0.0])
+    # 11.5 req/s x 1000 tokens at the end, over 6182 usable per instance: 2 at least
+    assert sizes[30.0][-1] >= 2
+    assert all(a <= b for a, b in zip(sizes[30.0], sizes[0.0], strict=True))
+
+
+def test_cold_reference_follows_a_step() -> None:
+    """Quiet at 2 req/s, then a step to 12 req/s within the cold period: the interval that
+    doubles over the forecast level ends the reference, and the cold headroom multiplies the
+    stepped level as without one; with ``cold_burst_factor`` 100 (the negative control) no
+    interval counts as a step and the pool stays sized on the quiet start."""
+    rates = [2.0] * 6 + [12.0] * 6
+    sizes: dict[str, list[int]] = {}
+    for name, kw in (("none", {"cold_reference_s": 0.0}),
+                     ("step", {"cold_reference_s": 30.0, "cold_burst_factor": 2.0}),
+                     ("never", {"cold_reference_s": 30.0, "cold_burst_factor": 100.0})):
+        p = planner(cold_headroom=6.0, cold_s=300.0, max_scale_up_factor=100.0,
+                    burst_quantile=0.0, max_replicas=64, **kw)
+        sizes[name] = [pd for pd, _ in run(p, rates)]
+    assert sizes["step"][6:] == sizes["none"][6:]
+    assert max(sizes["never"][6:]) < max(sizes["step"][6:])
+    with pytest.raises(ValueError):
+        PlannerConfig(cold_burst_factor=1.0)
+    with pytest.raises(ValueError):
+        PlannerConfig(cold_reference_s=-1.0)
+
+
+def test_decode_target_utilisation_overrides_the_shared_one_for_decode_only() -> None:
+    """30 req/s x 100 output tokens = 3000 tokens/s over 900 per decode instance: 5 at the
+    shared 0.8 (test_replicas_follow_the_formula), 4 at a decode target of 1.0; prefill stays
+    at 5. Unset (the negative control), both pools keep 0.8."""
+    assert run(planner(decode_target_utilisation=1.0), [30.0] * 3)[-1] == (5, 4)
+    assert run(planner(), [30.0] * 3)[-1] == (5, 5)
+    with pytest.raises(ValueError):
+        PlannerConfig(decode_target_utilisation=1.5)
