@@ -16,7 +16,13 @@ import redis
 from router.autoscale.actuators import decisions_key
 from router.errors import RegistryError
 from router.state.registry import WorkerRegistry
-from tests.support.autoscale_load import AUTOSCALER_ARGS, PROFILE, Trickle, sustained_load
+from tests.support.autoscale_load import (
+    AUTOSCALER_ARGS,
+    PROFILE,
+    QUEUED_LOAD_STREAMS,
+    Trickle,
+    sustained_load,
+)
 from tests.support.cluster import SERVED_NAME, running_cluster
 from tests.support.metrics import scrape, value
 from tests.support.waiting import eventually
@@ -93,7 +99,7 @@ def _grow_and_shrink(url: str, redis_url: str, timeline: Path) -> None:
     prefill_url = workers(redis_url)["prefill"][0]
     (old_decode,) = workers(redis_url, "worker_id")["decode"]
     moved_before = value(scrape(url), "pdserve_router_redispatches_total", role="decode")
-    with sustained_load(url, SERVED_NAME) as results:
+    with sustained_load(url, SERVED_NAME, QUEUED_LOAD_STREAMS) as results:
         try:
             eventually(lambda: len(workers(redis_url)["decode"]), lambda n: n == 2,
                        timeout_s=400, interval_s=2)
