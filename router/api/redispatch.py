@@ -16,8 +16,13 @@ each queued request's predicted TTFT is the work ahead of it on its worker plus 
 to a target's tail is made only when it lowers the total predicted TTFT over every queued
 request, greedily, each request at most once in its life. Targets are the pool's workers that
 joined (even if new arrivals already reached them: until the first plan they are offered to,
-at most ``JOIN_WINDOW_S`` after the join) or are idle (nothing running or queued, by their
-report and the router's ledger), that are not leaving and did not just fail. Work is counted
+at most ``JOIN_WINDOW_S`` after the join; no load report needed) or are idle (nothing running
+or queued, by their report and the router's ledger), that queue nothing by their last report,
+are not leaving and did not just fail. A step runs every ``interval_s`` and at once when a
+worker joins, inside the membership update that adds it (``ClusterSource.on_join``): the queue
+it can take is planned before any new arrival is placed on it. Without that, on a fast engine
+new arrivals balanced the old worker's queue within a second of the join, ahead of requests
+that had waited longer (CI run 21's compose cluster: a 96-token request per 0.4 s). Work is counted
 in the pool's unit: prefill roles (prefill, aggregated, flex) in uncached prompt tokens, the
 router's ledger on the source and the pool policy's cache estimate on each target (a joined
 worker: nothing cached), so a move that breaks a long prefix hit is not made; decode in
@@ -181,9 +186,8 @@ class Redispatcher:
         pool = proxy.placement.pool(role)
         snapshots = {c.worker_id: c for c in proxy.tracker.candidates(live.values(), loads)}
         free = [wid for wid, c in snapshots.items()
-                if not c.recently_failed and (load := loads.get(wid)) is not None
-                and load.waiting == 0 and (wid in joined or (
-                    load.running == 0 and proxy.tracker.in_flight(wid) == 0))]
+                if not c.recently_failed and _takes(loads.get(wid), wid in joined,
+                                                    proxy.tracker.in_flight(wid))]
         for wid in free:  # offered: a joined worker's one chance
             joined.pop(wid, None)
         if not free:
@@ -224,15 +228,32 @@ class Redispatcher:
             except Exception:  # a bad step must not end re-dispatch for the router's life
                 logger.exception("re-dispatch step failed")
 
+    def _joined_now(self, records: Sequence[WorkerRecord]) -> None:
+        """A worker joined: plan at once, before new arrivals reach it (they would otherwise
+        balance the old queue with requests that came later, a wait the queued ones keep)."""
+        logger.debug("re-dispatch step on the join of %s",
+                     ", ".join(r.worker_id for r in records))
+        self.step()
+
     def start(self) -> None:
-        """Run :meth:`step` every ``interval_s`` (0: never)."""
+        """Run :meth:`step` every ``interval_s`` and whenever a worker joins (0: never)."""
         if self.interval_s > 0 and self._task is None:
+            self.proxy.cluster.on_join(self._joined_now)
             self._task = asyncio.create_task(self._loop())
 
     async def close(self) -> None:
         """Stop the loop."""
         await cancel_task(self._task)
         self._task = None
+
+
+def _takes(load: WorkerLoad | None, joined: bool, in_flight: int) -> bool:
+    """Whether a worker is a re-dispatch target (pure): it queues nothing, by its last report,
+    and either joined (no report needed: what runs there is this router's ``in_flight``) or
+    is idle (reported nothing running, and nothing of this router's in flight there)."""
+    if load is None:
+        return joined
+    return load.waiting == 0 and (joined or (load.running == 0 and in_flight == 0))
 
 
 def log_move(role: str, request_id: str, source: str, target: str) -> None:

@@ -22,6 +22,10 @@ from router.state.registry import WorkerRecord, WorkerRegistry
 logger = logging.getLogger(__name__)
 
 
+JoinListener = Callable[[Sequence[WorkerRecord]], None]
+"""Told which workers just joined (``ClusterSource.on_join``)."""
+
+
 class ClusterSource(Protocol):
     """What the API layer needs from a membership view."""
 
@@ -41,6 +45,10 @@ class ClusterSource(Protocol):
 
     def leaving(self, worker_id: str) -> bool:
         """Whether ``worker_id`` asked to leave (draining or deregistered): its streams move."""
+
+    def on_join(self, listener: JoinListener) -> None:
+        """Call ``listener`` with the workers that joined, in the membership update that adds
+        them (before any request can be placed on them)."""
 
 
 Probe = Callable[[WorkerRecord], Awaitable[bool]]
@@ -74,6 +82,7 @@ class ClusterView:
         self._redis_ok = False
         self._leaving: frozenset[str] = frozenset()
         self._task: asyncio.Task[None] | None = None
+        self._join_listeners: list[JoinListener] = []
 
     @property
     def redis_ok(self) -> bool:
@@ -171,6 +180,15 @@ class ClusterView:
         for wid in sorted(old - new):
             logger.info("worker left: %s", wid)
         self._records = tuple(records)
+        joined = [r for r in records if r.worker_id not in old]
+        for listener in self._join_listeners if joined else ():
+            try:  # synchronous: no request is placed between the update and the listener
+                listener(joined)
+            except Exception:  # a listener's failure must not stop membership updates
+                logger.exception("join listener failed")
+
+    def on_join(self, listener: JoinListener) -> None:
+        self._join_listeners.append(listener)
 
     async def _loop(self) -> None:
         while True:
@@ -248,6 +266,9 @@ class StaticCluster:
 
     def leaving(self, worker_id: str) -> bool:
         return False  # nobody leaves a fixed membership
+
+    def on_join(self, listener: JoinListener) -> None:
+        return None  # nobody joins a fixed membership either
 
     def models(self) -> list[str]:
         return sorted({r.model for r in self.records})

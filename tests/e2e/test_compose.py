@@ -27,7 +27,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import compose as c
-from tests.support.autoscale_load import AUTOSCALER_ARGS, PROFILE, Trickle, sustained_load
+from tests.support.autoscale_load import (
+    AUTOSCALER_ARGS,
+    PROFILE,
+    QUEUED_LOAD_STREAMS,
+    Trickle,
+    sustained_load,
+)
 from tests.support.waiting import eventually
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(5400)]
@@ -122,9 +128,12 @@ def images(tools: None) -> c.Images:
 @pytest.fixture(scope="module")
 def cluster(images: c.Images) -> Iterator[Cluster]:
     router_port, prom_port = _port(8000), _port(9090)
+    # one sequence per engine: under the autoscale test's load the decode runs one stream and
+    # queues the others, so the replica the autoscaler adds joins while requests wait
+    vllm_args = f"{os.environ.get('PDSERVE_VLLM_ARGS', '')} --max-num-seqs 1".strip()
     env = dict(os.environ, PDSERVE_IMAGE=images.pdserve, REDIS_IMAGE=images.redis,
                PROMETHEUS_IMAGE=images.prometheus, PDSERVE_PORT=str(router_port),
-               PROMETHEUS_PORT=str(prom_port))
+               PROMETHEUS_PORT=str(prom_port), PDSERVE_VLLM_ARGS=vllm_args)
     cl = Cluster(env, f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{prom_port}")
     cl.compose("down", "-v", "--remove-orphans", "--timeout", "10")  # a previous run's leftovers
     started = time.monotonic()
@@ -468,19 +477,22 @@ def _autoscaler_override(tmp: Path) -> Path:
 
 def test_autoscaler_grows_decode_to_two_and_back(cluster: Cluster, tmp_path: Path) -> None:
     """`--profile autoscale` for real: load grows decode 1 -> 2 through the Docker Engine API,
-    both replicas serve and Prometheus finds the new one; once the load is gone the autoscaler
-    drains and removes it, with no failed request and no stranded KV."""
+    both replicas serve and Prometheus finds the new one, and a stream queued on the first
+    replica when the new one joined moves to it (re-dispatch) and is answered there; once the
+    load is gone the autoscaler drains and removes it, with no failed request and no stranded
+    KV."""
     t0 = time.monotonic()
     marks: dict[str, float] = {}
     (prefill,) = cluster.containers("prefill")
     (first,) = cluster.containers("decode")
     p0 = cluster.metrics(prefill)
+    moved_before = _router_metric(cluster, "pdserve_router_redispatches_total")
     auto = [*c.compose_cmd(), "-p", PROJECT, "-f", str(c.DEPLOY / "docker-compose.yml"),
             "-f", str(_autoscaler_override(tmp_path)), "--profile", "autoscale"]
     c.run([*auto, "up", "-d", "--no-deps", "--no-build", "autoscaler"], timeout_s=300,
           env=cluster.env)
     try:
-        with sustained_load(cluster.router_url, SERVED) as results:
+        with sustained_load(cluster.router_url, SERVED, QUEUED_LOAD_STREAMS) as results:
             # Alone this took 242 s (a clone's vLLM start included); beside two busy
             # simulator processes (load average up to 31) the clone had not registered
             # after 400 s. A bound, not a speed: the speed is in the marks printed below.
@@ -505,6 +517,13 @@ def test_autoscaler_grows_decode_to_two_and_back(cluster: Cluster, tmp_path: Pat
             eventually(lambda: _prom(cluster, 'up{job="pdserve-workers",role="decode"} == 1'),
                        lambda r: len(r) == 2, timeout_s=60, interval_s=1)
             marks["both served, both scraped"] = time.monotonic() - t0
+            # a stream queued on the first replica when the clone joined moved to the clone
+            eventually(lambda: _router_metric(cluster, "pdserve_router_redispatches_total")
+                       - moved_before, lambda n: n >= 1, timeout_s=60, interval_s=1)
+            router_log = cluster.compose("logs", "--no-color", "router", check=False).stdout
+            moved = [line for line in router_log.splitlines() if "re-dispatch: decode" in line]
+            assert any(f"moved from decode-{first[:12]}-" in line
+                       and f"to decode-{clone[:12]}-" in line for line in moved), moved
 
         # Load gone: after the cooldown the autoscaler drains the new replica and removes it; a
         # trickle of requests flows through the drain and every one of them succeeds.
@@ -550,6 +569,13 @@ def test_autoscaler_grows_decode_to_two_and_back(cluster: Cluster, tmp_path: Pat
               check=False)
         print(f"autoscale e2e: {time.monotonic() - t0:.0f} s; marks "
               + ", ".join(f"{k} {v:.0f} s" for k, v in marks.items()))
+
+
+def _router_metric(cluster: Cluster, name: str) -> float:
+    """A router metric's value, summed over its labels, from its published /metrics."""
+    text = httpx.get(f"{cluster.router_url}/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == name)
 
 
 def test_down_leaves_nothing(cluster: Cluster) -> None:

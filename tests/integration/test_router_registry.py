@@ -137,3 +137,37 @@ async def test_cluster_view_keeps_last_membership_when_redis_dies() -> None:
         await view.close()
         await reg.close()
         server.stop()
+
+
+async def test_cluster_view_tells_join_listeners_in_the_update_that_adds_the_worker(
+        redis_server: RedisServer) -> None:
+    """Each join is told once, with the worker already routable when the listener runs (the
+    re-dispatch step placed there sees it); a listener that raises stops nothing. Control: a
+    refresh with no change tells nobody."""
+    reg = WorkerRegistry(redis_server.url, prefix="t5", ttl_s=30)
+    view = ClusterView(WorkerRegistry(redis_server.url, prefix="t5"), refresh_interval_s=3600)
+    told: list[tuple[list[str], list[str]]] = []
+
+    def listener(records) -> None:  # type: ignore[no-untyped-def]
+        told.append(([r.worker_id for r in records], [r.worker_id for r in view.workers()]))
+
+    def broken(records) -> None:  # type: ignore[no-untyped-def]
+        raise RuntimeError("a listener bug")
+
+    view.on_join(broken)
+    view.on_join(listener)
+    try:
+        await reg.register(_record("p0"))
+        await view.start()
+        assert told == [(["p0"], ["p0"])]
+        await view.refresh()
+        assert told == [(["p0"], ["p0"])]  # control: nothing joined
+        await reg.register(_record("d1", role="decode"))
+        await view.refresh()
+        assert told[1:] == [(["d1"], ["d1", "p0"])]
+        await reg.deregister("d1")
+        await view.refresh()
+        assert len(told) == 2 and [r.worker_id for r in view.workers()] == ["p0"]
+    finally:
+        await view.close()
+        await reg.close()

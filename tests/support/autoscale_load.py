@@ -4,21 +4,20 @@
 The autoscaler sees one instance through :data:`PROFILE`: a decode instance delivers ~10 output
 tokens/s within a 1 s TPOT (9 sequences: 0.02 + 0.1 * 9 = 0.92 s steps), 7.8 at the target
 utilisation, so :data:`LOAD_STREAMS` concurrent 96-token streams (over 2.6 tokens/s each) need a
-second one, while one 8-token request every 2 s (under 5.9 tokens/s, the safety utilisation of
-one) lets the pool shrink back. Few streams: the new worker starts beside them on this
-machine's two cores. ``pdserve up --autoscale``'s test runs one sequence per engine
+second one, while one 8-token request every 2 s (under 5.9 tokens/s, the safety utilisation of one)
+lets the pool shrink back. Few streams: the new worker starts beside them on this machine's two
+cores. Re-dispatch's tests (``pdserve up --autoscale`` and Compose's) run one sequence per engine
 (``--max-num-seqs 1``) and :data:`QUEUED_LOAD_STREAMS`: one decodes on each engine and the old
-decode queues the other three, so when the new one joins at least two still wait there even if
-a stream ended meanwhile and its next request went to the new one, and moving the first of them
-pays: re-dispatch has a queue to move from (with three streams one waited, and whether moving it
-paid depended on that timing). Not more: the load's last answers must end well within the
-cooldown, or the first trickle interval reads their length. On a fast engine (the compose
-containers in a CI run: 130-230 tokens/s observed, a 96-token request per 0.4-0.7 s) new
-arrivals rebalance such a queue before the router first offers the new worker (1-3 s after it
-joins), so the compose test does not expect a move.
-Prefill capacity is ample. No online fitting and no
-burst headroom (:data:`AUTOSCALER_ARGS`): the capacity and the load are what the tests set,
-whatever the machine's speed.
+decode queues the other three, so when the new one joins at least two still wait there even if a
+stream ended meanwhile and its next request went to the new one, and moving the first of them pays:
+re-dispatch has a queue to move from (with three streams one waited, and whether moving it paid
+depended on that timing). Not more: the load's last answers must end well within the cooldown, or
+the first trickle interval reads their length. On a fast engine (the compose containers in a CI run:
+130-230 tokens/s observed, a 96-token request per 0.4-0.7 s) new arrivals rebalanced such a queue
+before the router's next re-dispatch step (1-3 s after the join); the router now plans a join the
+moment it sees it. Prefill capacity is ample. No online fitting and no burst headroom
+(:data:`AUTOSCALER_ARGS`): the capacity and the load are what the tests set, whatever the machine's
+speed.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ PROFILE = {"prefill": {"s_per_token": 1e-6, "overhead_s": 0.001},
            "decode": {"step_base_s": 0.02, "step_per_seq_s": 0.1, "max_seqs": 256}}
 LOAD_STREAMS = 3
 QUEUED_LOAD_STREAMS = 4
-"""The load of the test that runs one sequence per engine (re-dispatch's)."""
+"""The load of the tests that run one sequence per engine (re-dispatch's)."""
 COOLDOWN_S = 10
 AUTOSCALER_ARGS = ["--interval-s=2", f"--cooldown-s={COOLDOWN_S}", "--tpot-slo-s=1.0",
                    "--ttft-slo-s=30", "--correction-alpha=0", "--burst-quantile=0",

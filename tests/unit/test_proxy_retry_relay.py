@@ -35,6 +35,7 @@ from router.placement import Placement
 from router.policy.base import RouteRequest
 from router.policy.context import PolicyContext
 from router.samples import parse_samples, total
+from router.state.cluster import JoinListener
 from router.state.load import LoadTracker
 from router.state.registry import WorkerRecord
 
@@ -67,6 +68,7 @@ class MemoryCluster:
         self.records = records
         self.evicted: list[str] = []
         self.left: set[str] = set()
+        self.listeners: list[JoinListener] = []
 
     @property
     def redis_ok(self) -> bool:
@@ -91,6 +93,15 @@ class MemoryCluster:
 
     def leaving(self, worker_id: str) -> bool:
         return worker_id in self.left
+
+    def on_join(self, listener: JoinListener) -> None:
+        self.listeners.append(listener)
+
+    def join(self, record: WorkerRecord) -> None:
+        """A worker joins, the listeners told in the same update (as ClusterView does)."""
+        self.records.append(record)
+        for listener in self.listeners:
+            listener([record])
 
     def leave(self, worker_id: str) -> None:
         """The worker drains (the registry's draining set): out of routing, streams move."""

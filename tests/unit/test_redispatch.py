@@ -101,13 +101,18 @@ async def test_no_move_when_the_rule_sees_no_gain(rig_of: Callable[..., Rig],
     client.cancel()
 
 
-@pytest.mark.parametrize(("d2_before", "d2_ahead", "moves"), [
-    (False, 1, 1),  # joined since the last step, already took a new arrival: less ahead
-    (False, 2, 0),  # control: joined, but as much ahead of a newcomer as on d1
-    (True, 1, 0),   # control: busy and a member at the last step already (neither new nor idle)
+@pytest.mark.parametrize(("d2_before", "d2_report", "moves", "later"), [
+    (False, None, 1, 0),        # joined, not scraped yet: nothing of the router's runs there
+    (False, load(1, 0), 1, 0),  # joined, already took a new arrival: less ahead than on d1
+    (False, load(2, 0), 0, 0),  # control: joined, but as much ahead of a newcomer as on d1
+    # control: joined, and it queues already (not offered: a target once its queue is gone)
+    (False, load(0, 1), 0, 1),
+    (True, load(1, 0), 0, 0),   # control: busy and a member at the last step (not new, not idle)
+    (True, None, 0, 0),         # control: a member at the last step, never scraped
 ])
 async def test_a_worker_that_joined_is_a_target_until_offered_once(
-        rig_of: Callable[..., Rig], d2_before: bool, d2_ahead: int, moves: int) -> None:
+        rig_of: Callable[..., Rig], d2_before: bool, d2_report: WorkerLoad | None,
+        moves: int, later: int) -> None:
     rig = rig_of(p1=[], d1=[HUNG], d2=[Script(EVENTS)])
     d2 = next(r for r in rig.cluster.records if r.worker_id == "d2")
     if not d2_before:
@@ -120,18 +125,47 @@ async def test_a_worker_that_joined_is_a_target_until_offered_once(
     client = asyncio.create_task(play(await decode(rig, stream=True)))
     await waiting_on(rig, "d1")
     rig.cluster.records.append(d2)
-    rig.proxy.reported_loads = lambda: {"d1": load(2, 1)}  # d2 not scraped yet: no target
-    assert redispatch.step() == 0
-    rig.proxy.reported_loads = lambda: {"d1": load(2, 1), "d2": load(d2_ahead, 0)}
+    reports = {"d1": load(2, 1)} | ({} if d2_report is None else {"d2": d2_report})
+    rig.proxy.reported_loads = lambda: reports
     assert redispatch.step() == moves
-    rig.proxy.reported_loads = lambda: {"d1": load(2, 1), "d2": load(d2_ahead, 0)}
-    assert redispatch.step() == 0  # offered once; busy: not a target any more
-    if moves:
+    rig.proxy.reported_loads = lambda: {"d1": load(2, 1), "d2": load(1, 0)}
+    # offered once: busy, not a target any more (unless it never was one)
+    assert redispatch.step() == later
+    if moves or later:
         assert '"text":"c"' in (await asyncio.wait_for(client, 5)).decode()
         assert rig.workers.calls == ["d1", "d2"]
     else:
         assert rig.workers.calls == ["d1"]
         client.cancel()
+
+
+@pytest.mark.parametrize("listening", [True, False])
+async def test_a_join_is_planned_in_the_membership_update_that_adds_the_worker(
+        rig_of: Callable[..., Rig], listening: bool) -> None:
+    """The cluster tells the started Redispatcher of a join at once: the queued decode moves
+    without waiting for a step of the loop (an hour away here). Control: the same join with
+    no listener (the loop's step not due) moves nothing."""
+    rig = rig_of(p1=[], d1=[HUNG], d2=[Script(EVENTS)])
+    d2 = next(r for r in rig.cluster.records if r.worker_id == "d2")
+    rig.cluster.records.remove(d2)
+    redispatch = Redispatcher(rig.proxy, 3600.0, 1e-4)
+    if listening:
+        redispatch.start()
+    rig.proxy.reported_loads = lambda: {"d1": load(2, 1)}  # d2 never scraped
+    redispatch.step()  # the members before the join
+    client = asyncio.create_task(play(await decode(rig, stream=True)))
+    await waiting_on(rig, "d1")
+    rig.cluster.join(d2)
+    try:
+        if listening:
+            assert '"text":"c"' in (await asyncio.wait_for(client, 5)).decode()
+            assert rig.workers.calls == ["d1", "d2"] and redispatches(rig, "decode") == 1
+        else:
+            await asyncio.sleep(0.6)  # past two of the stream's looks at a move
+            assert rig.workers.calls == ["d1"] and redispatches(rig, "decode") == 0
+            client.cancel()
+    finally:
+        await redispatch.close()
 
 
 async def test_a_request_sent_after_the_scrape_is_not_counted_as_queued(
