@@ -37,19 +37,20 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from bench.sim import shapes
 from bench.sim.autoscale import (
+    SIM_MOVES,
     AutoscaleSettings,
     Hopeless,
     StaticController,
     autoscale_summary,
     make_controller,
 )
-from bench.sim.engine import PoolController, RunResult, simulate
+from bench.sim.engine import Moves, PoolController, RunResult, simulate
 from bench.sim.oracle import (
     LEVELS,
     TARGET,
@@ -129,6 +130,12 @@ class Scenario:
     interval_s: float = 10.0
     policy: str = shared.default("policy")
     """The router's default prefill placement policy."""
+    warm_blocks: int = 0
+    """Prefix blocks a joining prefill instance is warmed with (``Moves.warm_blocks``)."""
+
+    def moves(self) -> Moves:
+        """The simulated router's moves: :data:`SIM_MOVES` with this scenario's warming."""
+        return replace(SIM_MOVES, warm_blocks=self.warm_blocks)
 
     def profile(self) -> InstanceProfile:
         """The default instance ``slowdown`` x slower."""
@@ -201,7 +208,8 @@ def one_row(shape: str, seed: int, sc: Scenario,
                            "held_out": seed not in TUNED.get(shape, ())}
     for mode in ("planner", "threshold", "static"):
         settings = AutoscaleSettings(mode, sc.max_prefill, sc.max_decode,
-                                     interval_s=sc.interval_s, start_delay_s=sc.start_delay_s)
+                                     interval_s=sc.interval_s, start_delay_s=sc.start_delay_s,
+                                     moves=sc.moves())
         res = run(reqs, sc.policy, settings, sc.ttft_slo_s, sc.tpot_slo_s, profile)
         row["static-max" if mode == "static" else mode] = autoscale_summary(
             res, sc.ttft_slo_s, sc.tpot_slo_s)
@@ -210,7 +218,8 @@ def one_row(shape: str, seed: int, sc: Scenario,
         oracle = OracleController(shapes.knots(shape, sc.duration_s, seed), table,
                                   sc.start_delay_s + sc.interval_s, sc.interval_s,
                                   margin=margin)
-        res = run(reqs, sc.policy, AutoscaleSettings("planner", sc.max_prefill, sc.max_decode),
+        res = run(reqs, sc.policy, AutoscaleSettings("planner", sc.max_prefill, sc.max_decode,
+                                                     moves=sc.moves()),
                   sc.ttft_slo_s, sc.tpot_slo_s, profile, oracle)
         row["oracle"] = autoscale_summary(res, sc.ttft_slo_s, sc.tpot_slo_s)
         row["oracle_margin"] = margin
@@ -301,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                          "steady-state table, sized for the true rate a start ahead")
     ap.add_argument("--oracle-margin", type=float, default=1.0,
                     help="the oracle sizes for this x the true level (default 1.0)")
+    ap.add_argument("--warm-blocks", type=int, default=0,
+                    help="prefix blocks a joining prefill instance is warmed with (default 0)")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     ap.add_argument("--out", default=None, help="write table.json here")
     args = ap.parse_args(argv)
@@ -309,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         shapes.knots(name, 60.0, 0)  # unknown shape: ValueError naming the allowed ones
     sc = Scenario(args.duration_s, args.peak_rps, args.slowdown, args.slo_ttft, args.slo_tpot,
-                  args.max_prefill, args.max_decode, args.start_delay_s, policy=args.policy)
+                  args.max_prefill, args.max_decode, args.start_delay_s, policy=args.policy,
+                  warm_blocks=args.warm_blocks)
     t0 = time.perf_counter()
     tables = oracle_tables(names, sc, args.jobs) if args.oracle else None
     if tables is not None:

@@ -71,6 +71,10 @@ class RouterSettings:
     """How often requests still queued in a worker's engine are checked for a worker of their
     pool that would start them sooner (one that joined or went idle), and moved there
     (``router.api.redispatch``); 0 = never."""
+    warm_tokens: int = 16384
+    """Prompt tokens sent to warm the prefix cache of a prefill, aggregated or flex worker
+    that joins: the recent prompts placement would now send it that a peer caches, as
+    one-token requests (``router.api.warm``); 0 = off."""
     no_worker_wait_s: float = 5.0
     """An admitted request that finds its pool empty (membership changing: an evicted or
     restarting worker) waits this long for a worker before failing with 503."""
@@ -210,7 +214,7 @@ class RouterSettings:
                      "max_concurrent_per_key", "answer_deadline_s",
                      "prefill_tokens_per_min_per_key", "decode_tokens_per_min_per_key",
                      "load_poll_interval_s", "disagg_min_prefill_tokens",
-                     "redispatch_interval_s"):
+                     "redispatch_interval_s", "warm_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if any(not k or k != k.strip() for k in (*self.api_keys, *self.admin_api_keys)):
@@ -276,6 +280,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="how often requests still queued on a busy worker move to one of their "
                    "pool that would start them sooner, e.g. one that just joined "
                    "(PDSERVE_ROUTER_REDISPATCH_INTERVAL_S, default 1; 0 = off)")
+    p.add_argument("--warm-tokens", dest="warm_tokens", type=int,
+                   help="prompt tokens sent to warm the prefix cache of a worker that joins "
+                   "with the recent prompts it would now get that a peer caches "
+                   "(PDSERVE_ROUTER_WARM_TOKENS, default 16384; 0 = off)")
     p.add_argument("--disagg-min-prefill-tokens", dest="disagg_min_prefill_tokens", type=int,
                    help="selective disaggregation: prompts with fewer uncached tokens (on the "
                    "chosen decode worker) skip the prefill hop "
@@ -324,6 +332,7 @@ _ENV_NAMES = {
     "migration_limit": "MIGRATION_LIMIT",
     "stall_timeout_s": "STALL_TIMEOUT_S",
     "redispatch_interval_s": "REDISPATCH_INTERVAL_S",
+    "warm_tokens": "WARM_TOKENS",
     "max_upstream_connections": "MAX_UPSTREAM_CONNECTIONS",
     "load_poll_interval_s": "LOAD_POLL_INTERVAL_S",
     "first_token_from_prefill": "FIRST_TOKEN_FROM_PREFILL",

@@ -156,6 +156,15 @@ class RouterMetrics:
             "Requests still queued in a worker's engine (no output yet) moved to a worker of "
             "their pool that could start them sooner (router.api.redispatch), by pool.",
             ["role"], registry=r)
+        self.warm_requests = Counter(
+            "pdserve_router_warm_requests_total",
+            "One-token requests the router sent to warm the prefix cache of a worker that "
+            "joined (router.api.warm), by the worker's role and outcome: ok, error.",
+            ["role", "outcome"], registry=r)
+        self.warm_tokens = Counter(
+            "pdserve_router_warm_tokens_total",
+            "Prompt tokens of those warm requests that were answered, by the worker's role.",
+            ["role"], registry=r)
         self.migrations_refused = Counter(
             "pdserve_router_migrations_refused_total",
             "Client streams that ended with an error event although their worker failed "

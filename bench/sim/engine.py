@@ -65,6 +65,7 @@ from router.policy.base import CacheChanged, PlacementPolicy, PolicyEvent, Route
 from router.policy.load_model import LoadModel
 from router.policy.rebalance import QueuedRequest, plan_rebalance
 from router.policy.registry import create_decode_policy
+from router.policy.warm import plan_warm
 
 __all__ = ["IntervalStats", "Moves", "PoolController", "ReplicaPoint", "RunResult", "simulate",
            "sim_placement"]
@@ -477,35 +478,39 @@ class _Run:
     def hand_over(self, takes: Callable[[str], bool],
                   holders: Iterable[PrefillInstance] | None = None) -> float:
         """Warm the instances ``takes`` accepts with the prefixes of recent requests placement
-        would now send them, pulled from the instance that holds the most of each (from
-        ``holders`` only, when given): at most ``warm_blocks`` blocks each, newest requests
-        first. The policy hears what each now caches (``CacheChanged``). Returns the longest
-        pull (blocks x block tokens x the KV transfer time per token) any of them makes."""
+        would send them, as the router plans it (:func:`router.policy.warm.plan_warm`), pulled
+        from the instance that holds the most of each (from ``holders`` only, when given): at
+        most ``warm_blocks`` blocks each, newest requests first. A request placement would
+        send to a holder goes to its spill target (placement's choice among the instances
+        caching none of it and those being warmed), as the router asks. The policy hears what
+        each now caches (``CacheChanged``). Returns the longest pull (blocks x block tokens x
+        the KV transfer time per token) any of them makes."""
         budget = cast(Moves, self.moves).warm_blocks
         pool, place = self.prefill, self.p_place
         sources = list(pool.routable.values() if holders is None else holders)
-        chains: dict[str, list[tuple[int, ...]]] = {}
-        got: dict[str, int] = {}
-        for route in reversed(self.recent):
-            choice = place.choose(route, pool.candidates)
-            if choice is None or not takes(choice.worker):
-                continue
-            wid = choice.worker
-            if got.get(wid, 0) >= budget:
-                continue
+
+        def choose(route: RouteRequest) -> str | None:
             hashes = route.block_hashes
-            have = pool.routable[wid].cache.match(hashes)
-            best = max((x.cache.match(hashes) for x in sources if x.wid != wid), default=0)
-            if best > have:
-                chains.setdefault(wid, []).append(tuple(hashes[:best]))
-                got[wid] = got.get(wid, 0) + best - have
+            spill = [c for c in pool.candidates if takes(c.worker_id)
+                     or pool.routable[c.worker_id].cache.match(hashes) == 0]
+            choice = place.choose(route, spill)
+            return None if choice is None else choice.worker
+
+        def held(route: RouteRequest, wid: str) -> int:
+            return max((x.cache.match(route.block_hashes) for x in sources if x.wid != wid),
+                       default=0)
+
+        plans = plan_warm(list(self.recent), choose, takes,
+                          lambda route, wid: pool.routable[wid].cache.match(route.block_hashes),
+                          held, lambda route: route.block_hashes, budget)
         longest = 0
-        for wid, wanted in chains.items():
+        for wid, wanted in plans.items():
             cache = pool.routable[wid].cache
-            for chain in reversed(wanted):  # oldest first: the newest end most recent
+            for prefix in reversed(wanted):  # oldest first: the newest end most recent
+                chain = tuple(prefix.route.block_hashes[:prefix.blocks])
                 cache.insert(chain)
                 place.tell(CacheChanged(wid, stored=chain))
-            longest = max(longest, got[wid])
+            longest = max(longest, sum(p.new_blocks for p in wanted))
         return longest * self.pp.block_tokens * self.dp.kv_transfer_s_per_token
 
     def redispatch(self, now: float, why: str, targets: list[PrefillInstance],

@@ -49,6 +49,7 @@ from router.api.transport import UpstreamTransport
 from router.api.untrusted import read_capped_body, refuse_worker_only_fields
 from router.api.upstream import no_workers
 from router.api.version import versions
+from router.api.warm import Warmer
 from router.config import RouterSettings
 from router.errors import APIError, InvalidRequestError
 from router.metrics import RouterMetrics
@@ -85,6 +86,7 @@ class RouterService:
         self.client: httpx.AsyncClient | None = None
         self.proxy: PDProxy | None = None
         self.redispatch: Redispatcher | None = None
+        self.warmer: Warmer | None = None
         """Moves requests queued on busy workers to ones that would start them sooner."""
         self.loads: WorkerLoadPoller | None = None
         if settings.load_poll_interval_s > 0:
@@ -151,16 +153,20 @@ class RouterService:
         self.redispatch = Redispatcher(self.proxy, self.settings.redispatch_interval_s
                                        if self.loads is not None else 0.0,
                                        self.settings.prefill_s_per_token)
+        self.warmer = Warmer(self.proxy, self.settings.warm_tokens)
+        self.redispatch.start()  # joins: queued work moves first, then the warm requests
+        self.warmer.start()
         await self.cluster.start()
         if self.loads is not None:
             self.loads.start()
-        self.redispatch.start()
         if self.kv_events is not None:
             self.kv_events.start()
 
     async def close(self) -> None:
         if self.redispatch is not None:
             await self.redispatch.close()
+        if self.warmer is not None:
+            await self.warmer.close()
         if self.kv_events is not None:
             await self.kv_events.close()
         if self.loads is not None:
@@ -362,6 +368,7 @@ class RouterService:
         if whole is None and shape is not None:
             whole = whole_request_role(roles - {"prefill"})
         token_ids, prompt_tokens = await self._check_context(req, records, body)
+        tokenized = bool(token_ids)
         if not token_ids:  # no tokenizer on this host: place by the text itself
             self.metrics.tokenizer_fallbacks.inc()
             token_ids = approximate_ids(_prompt_text(req))
@@ -376,6 +383,8 @@ class RouterService:
                              prompt_token_ids=token_ids,
                              block_hashes=block_hashes(token_ids,
                                                        seed=salt_seed(body.get(CACHE_SALT))))
+        if tokenized and self.warmer is not None and not body.get(CACHE_SALT):
+            self.warmer.saw(route)  # a prompt a worker that joins may be warmed with
         clock.mark("validated")
         assert self.proxy is not None, "RouterService.start() was not awaited"
         stream = bool(req.stream)

@@ -106,7 +106,7 @@ class PDProxy:
                                              connect=settings.connect_timeout_s)
         self.unspent = UnspentLeases(
             lambda: self.client, lambda model: self.live("decode", model), self.signed,
-            self._release_headers,
+            self.worker_headers,
             lambda outcome: metrics.unspent_kv_releases.labels(outcome=outcome).inc(),
             timeout_s=settings.connect_timeout_s + 5.0)
         """Frees the prefill leases of params no decode received (``router.api.unspent``)."""
@@ -277,7 +277,9 @@ class PDProxy:
             headers["authorization"] = f"Bearer {keyring.worker_api_keys[0]}"
         return headers
 
-    def _release_headers(self, request_id: str) -> dict[str, str]:
+    def worker_headers(self, request_id: str) -> dict[str, str]:
+        """Headers of a call the router itself makes to a worker (a lease release, a warm
+        request): JSON, the request id and the workers' key."""
         headers = {"content-type": "application/json", "x-request-id": request_id}
         keyring = current(self.keyring)
         if keyring is not None:

@@ -127,6 +127,54 @@ def test_mixed_fleet_routes_each_request_to_a_complete_path(
                    lambda n: n == 0, timeout_s=15)
 
 
+def _hits(url: str) -> float:
+    """Prompt tokens a vLLM engine found in its prefix cache so far."""
+    return value(scrape(url), "vllm:prefix_cache_hits_total")
+
+
+def test_a_worker_that_joins_is_warmed_with_the_prompts_it_would_take(
+        cluster: Cluster, plain: Plain, tiny_model_dir: Path) -> None:
+    """Warm before traffic (router.api.warm): prompts served by the cluster's prefill are
+    sent to the plain vLLM when it joins as an aggregated worker (it is their spill target),
+    so vLLM's own prefix-cache counters show them as hits there the first time they are asked
+    of it; a prompt the router never saw is not (control)."""
+    warm = make_prompts(tiny_model_dir, [600, 560, 520], seed=41, tag="warmed")
+    (cold,) = make_prompts(tiny_model_dir, [600], seed=41, tag="never")
+    for prompt in warm:  # served P/D: the router's cache model has them on the prefill
+        body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        resp = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+    ok0 = value(scrape(cluster.url), "pdserve_router_warm_requests_total", role="aggregated",
+                outcome="ok")
+    record = _plain_record(plain, tiny_model_dir).signed(
+        Keyring.parse(cluster.keyring_file.read_text()))
+    register(cluster.redis_url, [record], prefix="pdserve")
+    try:
+        # at least the three newest prompts: the plan goes newest first
+        eventually(lambda: value(scrape(cluster.url), "pdserve_router_warm_requests_total",
+                                 role="aggregated", outcome="ok") - ok0,
+                   lambda n: n >= len(warm), timeout_s=120, interval_s=0.5)
+        for prompt in [*warm, cold]:
+            before = _hits(plain.url)
+            _reference(plain, prompt, max_tokens=1)
+            hit = _hits(plain.url) - before
+            if prompt == cold:
+                assert hit < 32, hit  # control: never seen, nothing to warm it with
+            else:
+                assert hit >= 448, hit  # 520-600 tokens: all full blocks but the last
+    finally:
+        async def leave() -> None:
+            reg = WorkerRegistry(cluster.redis_url)
+            try:
+                await reg.deregister(record.worker_id)
+            finally:
+                await reg.close()
+
+        asyncio.run(leave())
+        eventually(lambda: httpx.get(f"{cluster.url}/health").json()["aggregated_workers"],
+                   lambda n: n == 0, timeout_s=15)
+
+
 def test_selective_disaggregation_skips_the_prefill_for_short_or_cached_prompts(
         cluster: Cluster, plain: Plain, workers: dict[str, str], tiny_model_dir: Path) -> None:
     short, long = make_prompts(tiny_model_dir, [20, 300], seed=13, tag="selective")
