@@ -480,9 +480,9 @@ class _Run:
         """Warm the instances ``takes`` accepts with the prefixes of recent requests placement
         would send them, as the router plans it (:func:`router.policy.warm.plan_warm`), pulled
         from the instance that holds the most of each (from ``holders`` only, when given): at
-        most ``warm_blocks`` blocks each, newest requests first. A request placement would
-        send to a holder goes to its spill target (placement's choice among the instances
-        caching none of it and those being warmed), as the router asks. The policy hears what
+        most ``warm_blocks`` blocks each, newest requests first. A request counts for where
+        placement sends it, or for its spill target (placement's choice with that first
+        choice taken out), as the router asks. The policy hears what
         each now caches (``CacheChanged``). Returns the longest pull (blocks x block tokens x
         the KV transfer time per token) any of them makes."""
         budget = cast(Moves, self.moves).warm_blocks
@@ -490,10 +490,10 @@ class _Run:
         sources = list(pool.routable.values() if holders is None else holders)
 
         def choose(route: RouteRequest) -> str | None:
-            hashes = route.block_hashes
-            spill = [c for c in pool.candidates if takes(c.worker_id)
-                     or pool.routable[c.worker_id].cache.match(hashes) == 0]
-            choice = place.choose(route, spill)
+            choice = place.choose(route, pool.candidates)
+            if choice is not None and not takes(choice.worker):  # its spill target
+                choice = place.choose(route, [c for c in pool.candidates
+                                              if c.worker_id != choice.worker])
             return None if choice is None else choice.worker
 
         def held(route: RouteRequest, wid: str) -> int:

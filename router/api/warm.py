@@ -4,9 +4,10 @@ A prefill, aggregated or flex worker that joins starts with an empty prefix cach
 requests placement sends it recompute prompts a peer already caches. When it joins (in the
 membership update that adds it, :meth:`ClusterSource.on_join`), the router plans with
 :func:`router.policy.warm.plan_warm` over the last ``RECENT_REQUESTS`` tokenized, unsalted
-requests of its model: those placement would send to it when the workers caching them are too
-busy (it is their spill target: placement's choice among the workers caching none of the prompt,
-and the new one), each warmed up to the prefix the policy's cache model says a peer caches,
+requests of its model: those placement would send to it, or send to it when its first choice
+(the worker caching them, for a prefix-aware policy) is too busy: their spill target, placement's
+choice with that first choice taken out. Each is warmed up to the prefix the policy's cache
+model says one of those first choices caches,
 newest first, at most ``--warm-tokens`` tokens. Each prefix goes to the worker as a one-token
 completion (``max_tokens`` 1, the prompt as token ids), ``WARM_CONCURRENCY`` at a time, booked
 through placement like any request: while the worker warms, the load it carries is counted
@@ -91,13 +92,21 @@ class Warmer:
             offers[role] = (pool, proxy.tracker.candidates(live, loads),
                             [r.worker_id for r in live])
 
+        first: dict[str, set[str]] = {}
+        """Per request id: the workers placement would try for it ahead of ``wid``."""
+
         def choose(route: RouteRequest) -> str | None:
-            # where it goes when the workers caching it are too busy to take it (a
-            # prefix-aware policy sends it to them otherwise): its spill target
+            # placement's choice, and where the request goes when that worker is too busy to
+            # take it (its spill target): two policy calls, whatever the fleet's size
+            ahead = first.setdefault(route.request_id, set())
             for pool, candidates, _ in offers.values():
-                spill = [c for c in candidates if c.worker_id == wid
-                         or pool.cached_tokens(route, c.worker_id) == 0]
-                choice = pool.choose(route, spill)
+                choice = pool.choose(route, candidates)
+                if choice is None:
+                    continue
+                if choice.worker != wid:
+                    ahead.add(choice.worker)
+                    choice = pool.choose(route, [c for c in candidates
+                                                 if c.worker_id != choice.worker])
                 if choice is not None and choice.worker == wid:
                     return wid
             return None
@@ -106,8 +115,9 @@ class Warmer:
             return offers[role][0].cached_tokens(route, worker) // self.block_tokens
 
         def held(route: RouteRequest, target: str) -> int:
-            return max((blocks(role, route, w) for role, (_, _, ids) in offers.items()
-                        for w in ids if w != target), default=0)
+            peers = first.get(route.request_id) or {
+                w for _, _, ids in offers.values() for w in ids if w != target}
+            return max((blocks(role, route, w) for role in offers for w in peers), default=0)
 
         def have(route: RouteRequest, target: str) -> int:
             return max(blocks(role, route, target) for role in offers)
@@ -176,6 +186,10 @@ class Warmer:
         """Warm every worker that joins from now on (``budget_tokens`` 0: never)."""
         if self.budget_tokens > 0:
             self.proxy.cluster.on_join(self.joined)
+
+    async def settled(self) -> None:
+        """Until every warming started so far has ended."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def close(self) -> None:
         """Stop warming."""

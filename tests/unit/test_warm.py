@@ -4,7 +4,6 @@ recent prompts placement would now send it, as one-token requests, through the p
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -34,18 +33,24 @@ def counted(rig: Rig, name: str, **labels: str) -> float:
     return total(parse_samples(rig.metrics.render().decode()), name, **labels)
 
 
-async def served_then_join(rig: Rig, warmer: Warmer, *, joins: str = "p2") -> list[str]:
+def serve_on_p1(rig: Rig, warmer: Warmer) -> None:
     """Every prompt served by p1 (booked through placement: the cache model now has them
-    there), then ``joins`` joins; returns the workers the warm requests went to."""
-    newcomer = next(r for r in rig.cluster.records if r.worker_id == joins)
-    rig.cluster.records.remove(newcomer)
+    there), and seen by the warmer."""
     p1 = next(r for r in rig.cluster.records if r.worker_id == "p1")
     for route in routes():
         warmer.saw(route)
         rig.proxy.begin("prefill", route, p1)
         rig.proxy.end("prefill", route, p1, ok=True)
+
+
+async def served_then_join(rig: Rig, warmer: Warmer, *, joins: str = "p2") -> list[str]:
+    """:func:`serve_on_p1` while ``joins`` is out, then it joins; returns the workers the
+    warm requests went to."""
+    newcomer = next(r for r in rig.cluster.records if r.worker_id == joins)
+    rig.cluster.records.remove(newcomer)
+    serve_on_p1(rig, warmer)
     rig.cluster.join(newcomer)
-    await asyncio.gather(*warmer._tasks)
+    await warmer.settled()
     return rig.workers.calls
 
 
@@ -104,18 +109,31 @@ async def test_a_failed_warm_request_is_counted_and_leaves_nothing_booked(
 async def test_only_the_prompts_whose_spill_target_is_the_newcomer(rig_of: Callable[..., Rig]
                                                                    ) -> None:
     """Three prefill workers: p1 served every prompt, p2 is a member, p3 joins. A prompt
-    spills (p1 too busy) to p2 or p3 by placement's own choice; p3 is warmed with those it
-    would take, not the others (control: they exist, or the check would pass on any
-    subset)."""
+    spills (its first choice, p1, too busy) to p2 or p3 by placement's own choice; p3 is
+    warmed with those it would take, not the others (control: they exist, or the check would
+    pass on any subset)."""
     rig = rig_of({"policy": "dualmap"}, p1=[], p2=[], p3=[ANSWER] * len(PROMPTS), d1=[])
     warmer = Warmer(rig.proxy, 16384)
     warmer.start()
     pool = rig.proxy.placement.pool("prefill")
+    p3 = next(r for r in rig.cluster.records if r.worker_id == "p3")
+    rig.cluster.records.remove(p3)
+    serve_on_p1(rig, warmer)
+    # placement's choices as the join finds them: p1 first (it caches them all), then p2 or p3
+    rig.cluster.records.append(p3)
     pool.sync(MODEL, ["p1", "p2", "p3"])
-    spill = [c for c in rig.proxy.pool("prefill", MODEL) if c.worker_id != "p1"]
-    to_p3 = {r.prompt_token_ids for r in routes()
-             if (c := pool.choose(r, spill)) is not None and c.worker == "p3"}
+    candidates = rig.proxy.pool("prefill", MODEL)
+    to_p3 = set()
+    for r in routes():
+        first = pool.choose(r, candidates)
+        assert first is not None and first.worker == "p1"
+        spill = pool.choose(r, [c for c in candidates if c.worker_id != "p1"])
+        if spill is not None and spill.worker == "p3":
+            to_p3.add(r.prompt_token_ids)
     assert 0 < len(to_p3) < len(PROMPTS)
-    calls = await served_then_join(rig, warmer, joins="p3")
+    rig.cluster.records.remove(p3)
+    rig.cluster.join(p3)
+    await warmer.settled()
+    calls = rig.workers.calls
     assert calls == ["p3"] * len(to_p3)
     assert {tuple(body["prompt"]) for body in rig.workers.bodies} == to_p3
