@@ -100,6 +100,15 @@ def _pulls(cluster: Cluster) -> float:
                for r in registered_records(cluster))
 
 
+def _step_engines(cluster: Cluster) -> None:
+    """One whole one-token request straight to each worker: its engine steps, and ships the
+    transfer counters of its last steps to its /metrics (it pulls nothing itself)."""
+    for r in registered_records(cluster):
+        body = {"model": SERVED_NAME, "prompt": "step", "max_tokens": 1}
+        httpx.post(f"{r.http_url}/v1/completions", json=body, headers=cluster.worker_auth,
+                   timeout=60).raise_for_status()
+
+
 def _sdk_outputs(url: str, prompt: str) -> list[str]:
     """Completion, streamed completion, chat and streamed chat of ``prompt`` (greedy)."""
     from openai import OpenAI
@@ -150,9 +159,16 @@ def test_every_path_equals_a_plain_server(adaptive: Cluster, plain: Plain,
                 assert {reason for _, reason in grew} == {"forced"}, grew
                 # each answer's KV really was pulled: a worker's transfer counters reach its
                 # /metrics with its engine's next step, so wait for them (CI run 17 read 4 of
-                # 8 at once), then check the exact count
-                pulled = eventually(lambda: _pulls(adaptive) - pulls,  # noqa: B023
-                                    lambda n: n >= 4 * len(prompts), timeout_s=60)
+                # 8 at once), stepping idle engines with a one-token request (CI run 25 read 4
+                # for 60 s: no step came), then check the exact count
+                def pulled_now() -> float:
+                    n = _pulls(adaptive) - pulls  # noqa: B023
+                    if n < 4 * len(prompts):  # noqa: B023
+                        _step_engines(adaptive)
+                    return n
+
+                pulled = eventually(pulled_now, lambda n: n >= 4 * len(prompts),  # noqa: B023
+                                    timeout_s=60, interval_s=1)
                 assert pulled == 4 * len(prompts)
             else:  # idle engines, relaxed SLOs: the model serves each whole
                 assert set(grew) == {("whole", "whole_meets_slo")}, grew

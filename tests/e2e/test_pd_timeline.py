@@ -23,17 +23,23 @@ DECODE_PHASES = [p for p in KV_PHASES if p.startswith("decode_")]
 PREFILL_PHASES = [p for p in KV_PHASES if p.startswith("prefill_")]
 
 
-def _stream(url: str, prompt: str, request_id: str) -> list[str]:
+def _stream(url: str, prompt: str, request_id: str) -> tuple[str, int]:
+    """A streamed 6-token completion: its text and the output tokens its usage counts (not its
+    chunks: vLLM merges deltas into one chunk when its reader lags, as in CI run 25, 5 chunks
+    for 6 tokens)."""
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0,
-            "stream": True}
-    texts = []
+            "stream": True, "stream_options": {"include_usage": True}}
+    text, tokens = "", 0
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120,
                       headers={"x-request-id": request_id}) as resp:
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if line.startswith("data: {"):
-                texts += [c.get("text", "") for c in json.loads(line[6:])["choices"]]
-    return texts
+                chunk = json.loads(line[6:])
+                text += "".join(c.get("text", "") for c in chunk["choices"])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    return text, tokens
 
 
 def _phase_counts(samples: Any, name: str, phases: list[str]) -> dict[str, float]:
@@ -50,7 +56,8 @@ def test_phases_of_a_pd_request_are_complete_and_add_up(
     (prompt,) = make_prompts(tiny_model_dir, [300], seed=7, tag="timeline")
     r0, d0, p0 = scrape(cluster.url), scrape(workers["decode"]), scrape(workers["prefill"])
     rid = f"tl-{uuid.uuid4().hex}"
-    assert len(_stream(cluster.url, prompt, rid)) == 6
+    text, tokens = _stream(cluster.url, prompt, rid)
+    assert text and tokens == 6
 
     # Router: every phase once, and the phases add up to the request's end-to-end time.
     r1 = scrape(cluster.url)
