@@ -53,6 +53,30 @@ def _router(redis_url: str, *, keyring: Path | None = None, **settings: Any) -> 
         router.stop()
 
 
+@contextmanager
+def _joined_as_aggregated(cluster: Cluster, plain: Plain, tiny_model_dir: Path
+                          ) -> Iterator[WorkerRecord]:
+    """The session's plain vLLM registered in the cluster's Redis as an aggregated worker
+    (signed with the cluster's secret: its router takes no registration made without it); on
+    exit deregistered, and gone from the router (the other tests expect the P/D pools alone)."""
+    record = _plain_record(plain, tiny_model_dir).signed(
+        Keyring.parse(cluster.keyring_file.read_text()))
+    register(cluster.redis_url, [record], prefix="pdserve")
+    try:
+        yield record
+    finally:
+        async def leave() -> None:
+            reg = WorkerRegistry(cluster.redis_url)
+            try:
+                await reg.deregister(record.worker_id)
+            finally:
+                await reg.close()
+
+        asyncio.run(leave())
+        eventually(lambda: httpx.get(f"{cluster.url}/health").json()["aggregated_workers"],
+                   lambda n: n == 0, timeout_s=15)
+
+
 def _reference(plain: Plain, prompt: str, max_tokens: int = 8) -> str:
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     return httpx.post(f"{plain.url}/v1/completions", json=body, timeout=120).json()[
@@ -95,11 +119,7 @@ def test_aggregated_mode_serves_the_openai_sdk(plain: Plain, tiny_model_dir: Pat
 
 def test_mixed_fleet_routes_each_request_to_a_complete_path(
         cluster: Cluster, plain: Plain, tiny_model_dir: Path) -> None:
-    # signed with the cluster's secret: its router takes no registration made without it
-    record = _plain_record(plain, tiny_model_dir).signed(
-        Keyring.parse(cluster.keyring_file.read_text()))
-    register(cluster.redis_url, [record], prefix="pdserve")
-    try:
+    with _joined_as_aggregated(cluster, plain, tiny_model_dir):
         eventually(lambda: httpx.get(f"{cluster.url}/health").json()["aggregated_workers"],
                    lambda n: n == 1, timeout_s=15)
         before = _paths(cluster.url)
@@ -114,17 +134,6 @@ def test_mixed_fleet_routes_each_request_to_a_complete_path(
         grew = {p: after[p] - before[p] for p in after}
         assert sum(grew.values()) == len(prompts)
         assert grew["aggregated"] >= 1 and grew["pd"] >= 1, grew  # both kinds of path used
-    finally:
-        async def leave() -> None:  # the other tests expect the P/D pools alone
-            reg = WorkerRegistry(cluster.redis_url)
-            try:
-                await reg.deregister(record.worker_id)
-            finally:
-                await reg.close()
-
-        asyncio.run(leave())
-        eventually(lambda: httpx.get(f"{cluster.url}/health").json()["aggregated_workers"],
-                   lambda n: n == 0, timeout_s=15)
 
 
 def _hits(url: str) -> float:
@@ -146,10 +155,7 @@ def test_a_worker_that_joins_is_warmed_with_the_prompts_it_would_take(
         assert resp.status_code == 200, resp.text
     ok0 = value(scrape(cluster.url), "pdserve_router_warm_requests_total", role="aggregated",
                 outcome="ok")
-    record = _plain_record(plain, tiny_model_dir).signed(
-        Keyring.parse(cluster.keyring_file.read_text()))
-    register(cluster.redis_url, [record], prefix="pdserve")
-    try:
+    with _joined_as_aggregated(cluster, plain, tiny_model_dir):
         # at least the three newest prompts: the plan goes newest first
         eventually(lambda: value(scrape(cluster.url), "pdserve_router_warm_requests_total",
                                  role="aggregated", outcome="ok") - ok0,
@@ -162,17 +168,6 @@ def test_a_worker_that_joins_is_warmed_with_the_prompts_it_would_take(
                 assert hit < 32, hit  # control: never seen, nothing to warm it with
             else:
                 assert hit >= 448, hit  # 520-600 tokens: all full blocks but the last
-    finally:
-        async def leave() -> None:
-            reg = WorkerRegistry(cluster.redis_url)
-            try:
-                await reg.deregister(record.worker_id)
-            finally:
-                await reg.close()
-
-        asyncio.run(leave())
-        eventually(lambda: httpx.get(f"{cluster.url}/health").json()["aggregated_workers"],
-                   lambda n: n == 0, timeout_s=15)
 
 
 def test_selective_disaggregation_skips_the_prefill_for_short_or_cached_prompts(
