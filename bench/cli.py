@@ -378,7 +378,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     info = server_info(args.url, args.model)
     synth = PromptSynthesizer(tokenizer_for(args, info), seed=args.seed)
-    cfg = ClientConfig(url=args.url, model=info.model, timeout_s=args.timeout)
+    cfg = ClientConfig(url=args.url, model=info.model, timeout_s=args.timeout,
+                       api_key=args.api_key)
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
     doc = asyncio.run(profile(cfg, synth, prompt_lengths=ints(args.prompt_lengths),
                               batch_sizes=ints(args.batch_sizes), repeats=args.repeats,
@@ -498,6 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="1,2,4,8,16")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--api-key", help="bearer token, if the server needs one (a pdserve "
+                                     "worker's: its vLLM API key)")
     p.set_defaults(func=cmd_profile)
     return parser
 

@@ -68,26 +68,28 @@ def _pdserve(*args: str) -> list[str]:
     return [sys.executable, "-m", "serve.cli", *args]
 
 
-def _wait(url: str, proc: subprocess.Popen[bytes], workers: dict[str, int],
-          timeout_s: float = 900.0) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], workers: dict[str, int],
+                 timeout_s: float = 900.0) -> None:
     """Until ``url``/health answers 200 with at least ``workers`` (e.g. ``aggregated_workers``
-    2) registered."""
+    2) registered (none asked: any 200, a JSON body or not)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{url}: server exited with {proc.returncode}")
         try:
             resp = httpx.get(f"{url}/health", timeout=2)
-            if resp.status_code == 200 and all(resp.json().get(k, 0) >= n
-                                               for k, n in workers.items()):
+            if resp.status_code == 200 and (not workers or all(
+                    resp.json().get(k, 0) >= n for k, n in workers.items())):
                 return
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(1.0)
     raise TimeoutError(f"{url} not ready in {timeout_s} s")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_session(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a process started in its own session and everything it started (SIGINT, SIGKILL
+    after 120 s)."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -139,8 +141,8 @@ def start(setup: str, workload: Workload, min_prefill_tokens: int) -> Running:
                        "--served-model-name", SERVED)
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    _wait(url, proc, ready)
-    return Running(url, lambda: _stop(proc), proc.pid)
+    wait_healthy(url, proc, ready)
+    return Running(url, lambda: stop_session(proc), proc.pid)
 
 
 def warm_up(url: str, trace: Path, out: Path, args: argparse.Namespace) -> None:

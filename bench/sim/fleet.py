@@ -79,6 +79,9 @@ class FleetSettings:
     cache_blocks: int = 20_000
     """Prefix-cache size per engine, in blocks."""
     block_tokens: int = 16
+    engine_block_tokens: int | None = None
+    """The engine reuses cached prefixes in whole blocks of this many tokens (vLLM's block
+    size: 128 on CPU); None: to the token, as the policy's ``block_tokens`` model it."""
     warmup_s: float = 10.0
     """Requests arriving earlier run but are not measured."""
 
@@ -143,6 +146,18 @@ class _Run:
     def arrive(self, req: SimRequest, now: float) -> None:
         route = RouteRequest(str(req.index), MODEL, block_hashes=req.block_hashes,
                              num_prompt_tokens=req.prompt_tokens)
+        prefiller, decoder = self.place(route, req, now)
+        job = _Job(req, route, decoder, decoder is not prefiller, now >= self.s.warmup_s)
+        prefiller.in_flight += 1
+        if decoder is not prefiller:
+            decoder.in_flight += 1
+        prefiller.add_prefill(job, req.prompt_tokens - self.cached_tokens(prefiller, req))
+        self.wake(prefiller, now)
+
+    def place(self, route: RouteRequest, req: SimRequest, now: float
+              ) -> tuple[ColocatedEngine[_Job], ColocatedEngine[_Job]]:
+        """The engines that prefill and decode ``route`` (the same one: whole), planned by
+        the adaptive policy."""
         cands = [(e.role, Candidate(e.wid, e.in_flight, False, 0, e.running))
                  for e in self.engines]
         loads = self.paths.loads(route, cands, now)
@@ -152,16 +167,18 @@ class _Run:
         self.paths.dispatched(route, plan, req.output_tokens, now, sensitive=decision.sensitive)
         self.res.paths[plan.path] += 1
         self.res.reasons[decision.reason] += 1
-        prefiller = self.by_id[plan.prefill_worker or plan.worker]
-        decoder = self.by_id[plan.worker]
-        job = _Job(req, route, decoder, plan.path == "pd", now >= self.s.warmup_s)
-        bt = self.s.block_tokens
-        hit = min(prefiller.cache.match(req.block_hashes) * bt, req.prompt_tokens - 1)
-        prefiller.in_flight += 1
-        if decoder is not prefiller:
-            decoder.in_flight += 1
-        prefiller.add_prefill(job, req.prompt_tokens - max(hit, 0))
-        self.wake(prefiller, now)
+        return self.by_id[plan.prefill_worker or plan.worker], self.by_id[plan.worker]
+
+    def cached_tokens(self, e: ColocatedEngine[_Job], req: SimRequest) -> int:
+        """Prompt tokens of ``req`` that ``e``'s cache holds and the engine reuses (never the
+        whole prompt; whole engine blocks only when ``engine_block_tokens`` is set)."""
+        hit = min(e.cache.match(req.block_hashes) * self.s.block_tokens, req.prompt_tokens - 1)
+        unit = self.s.engine_block_tokens
+        return max(hit // unit * unit if unit else hit, 0)
+
+    def released(self, job: _Job) -> None:
+        """``job``'s last token is out: tell the policy."""
+        self.paths.finished(job.route.request_id)
 
     def prefilled(self, e: ColocatedEngine[_Job], job: _Job, now: float) -> None:
         e.cache.insert(job.route.block_hashes)
@@ -181,7 +198,7 @@ class _Run:
             self.done(job, max(now, job.first_s))
 
     def done(self, job: _Job, now: float) -> None:
-        self.paths.finished(job.route.request_id)
+        self.released(job)
         job.decoder.in_flight -= 1
         if job.measured:
             out = job.req.output_tokens

@@ -1,0 +1,359 @@
+"""Routing on the real cluster: pdserve's policies and vllm-router's in front of the same workers.
+
+    python -m bench.routing_real [--traces shared_prefix,api] [--rates 2,4,6] [--point-s 60]
+                                 [--routers dualmap,llmd_default,...,vllm-router:cache_aware]
+                                 [--out DIR]
+
+One ``pdserve up --mode aggregated --replicas 2`` (two plain vLLM engines on the tiny model, one
+core each, prefix caching on) serves every point. Each router in ``--routers`` is started in turn
+in front of those same two workers and stopped before the next:
+
+  NAME                  ``pdserve router --policy NAME`` (any prefill policy of
+                        ``router.policy.registry``: dualmap, the peers sglang_cache_aware,
+                        llmd_default, dynamo_kv, aibrix_prefix, preble_e2, the baselines), reading
+                        the workers from the cluster's Redis;
+  vllm-router:POLICY    the vLLM project's Rust router (``pip install vllm-router``, the
+                        ``bench`` extra) with ``--policy POLICY`` (cache_aware, power_of_two, ...)
+                        and the two workers' URLs.
+
+Traces (``pdserve bench synth``, replayed by ``pdserve bench replay --rate``): ``shared_prefix``
+(800-token prompts, 80 % conversation turns resent with their earlier turns) and ``api`` (API
+calls, 400-token prompts, 8 shared system prompts of 300 tokens). Every rate point replays its
+own ``--point-s`` seconds of trace (the same for every router). Before each point both engines'
+prefix caches are emptied (vLLM's ``/reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE=1``), so no
+router inherits what the one before it cached; each router first serves a discarded warm-up.
+
+Per point: the prefix-cache hit rate from vLLM's own counters (``vllm:prefix_cache_hits_total`` /
+``vllm:prefix_cache_queries_total``, both engines), the prompt tokens each engine computed or
+reused (``vllm:prompt_tokens_total``), TTFT and TPOT p50/p90/p99, SLO attainment (TTFT 1 s,
+TPOT 50 ms), failures, the load average and where each process ran. First (``--profile``, on by
+default) the idle first worker is profiled (``pdserve bench profile``, ``DIR/profile.json``): the
+calibration ``python -m bench.sim_fidelity`` replays the same points with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.goodput_workloads import Workload, build_trace
+from bench.pd_goodput import stop_session, wait_healthy
+from bench.placement import affinity, children, descendants
+from kvtransfer.signing import worker_api_key
+from router.samples import parse_samples, total
+from serve.redis_server import free_port
+
+SERVED = "tiny-llama"
+TTFT_SLO_S = 1.0
+TPOT_SLO_S = 0.05
+TRACES: dict[str, Workload] = {w.name: w for w in (
+    Workload("shared_prefix", 800, 64, TTFT_SLO_S, TPOT_SLO_S, max_prompt_tokens=2500,
+             max_response_tokens=192, conversation_fraction=0.8, sessions=True),
+    Workload("api", 400, 64, TTFT_SLO_S, TPOT_SLO_S, max_prompt_tokens=1500,
+             max_response_tokens=192),
+)}
+"""The traces by name (the goodput family's shape: prompt and answer medians, SLOs)."""
+RATES = {"shared_prefix": (2.0, 4.0, 6.0), "api": (3.0, 6.0, 9.0)}
+"""Each trace's default rate points (req/s): from light load to past where the two engines
+keep 90 % of requests within the SLOs."""
+API_SYSTEM_PROMPTS = 8
+API_SYSTEM_PROMPT_TOKENS = 300
+DEFAULT_ROUTERS = ("dualmap", "sglang_cache_aware", "llmd_default", "dynamo_kv",
+                   "aibrix_prefix", "preble_e2", "round_robin", "vllm-router:cache_aware",
+                   "vllm-router:power_of_two")
+COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+            "vllm:prompt_tokens_total")
+
+
+def _pdserve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "serve.cli", *args]
+
+
+@functools.cache
+def tiny_model() -> str:
+    """The tiny offline model's directory (the workers' weights and the replay's tokenizer)."""
+    out = subprocess.run(_pdserve("model", "tiny"), check=True, capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+@dataclass
+class Cluster:
+    """The shared workers (``pdserve up --mode aggregated --replicas 2``) and how to reach
+    them."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    redis_url: str
+    env: dict[str, str]
+    workers: list[str] = field(default_factory=list)
+
+    @property
+    def worker_key(self) -> str:
+        """The workers' vLLM API key (derived from the cluster secret, as pdserve's router
+        sends it)."""
+        return worker_api_key(self.env["PDSERVE_CLUSTER_SECRET"].encode())
+
+
+def start_cluster(log_dir: Path) -> Cluster:
+    """Two aggregated workers behind pdserve's own router; returns once both answer."""
+    port, redis = free_port(), f"redis://127.0.0.1:{free_port()}/0"
+    env = {**os.environ, "PDSERVE_CLUSTER_SECRET": secrets.token_urlsafe(32),
+           "VLLM_SERVER_DEV_MODE": "1"}
+    cmd = _pdserve("up", "--mode", "aggregated", "--replicas", "2", "--port", str(port),
+                   "--redis-url", redis, "--served-model-name", SERVED, "--ttft-slo-s",
+                   str(TTFT_SLO_S), "--tpot-slo-s", str(TPOT_SLO_S), "--log-dir", str(log_dir))
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    cluster = Cluster(proc, f"http://127.0.0.1:{port}", redis, env)
+    try:
+        wait_healthy(cluster.url, proc, {"aggregated_workers": 2}, 900)
+        data = httpx.get(f"{cluster.url}/workers", timeout=10).json()["data"]
+        cluster.workers = sorted(w["url"] for w in data if w["role"] == "aggregated")
+    except BaseException:
+        stop_session(proc)
+        raise
+    return cluster
+
+
+@dataclass
+class Router:
+    """One router under test, running."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+
+
+def start_router(name: str, cluster: Cluster) -> Router:
+    """``name``: a pdserve prefill policy or ``vllm-router:POLICY``."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    if name.startswith("vllm-router:"):
+        binary = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable),
+                                                             "vllm-router")
+        if not os.path.exists(binary):
+            raise RuntimeError("vllm-router is not installed (pip install 'pdserve[bench]')")
+        cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+               *cluster.workers, "--policy", name.split(":", 1)[1], "--api-key",
+               cluster.worker_key, "--prometheus-port", str(free_port()),
+               "--log-level", "warning"]
+        want: dict[str, int] = {}
+    else:
+        cmd = _pdserve("router", "--host", "127.0.0.1", "--port", str(port), "--redis-url",
+                       cluster.redis_url, "--policy", name, "--ttft-slo-s", str(TTFT_SLO_S),
+                       "--tpot-slo-s", str(TPOT_SLO_S), "--log-level", "WARNING")
+        want = {"aggregated_workers": 2}
+    proc = subprocess.Popen(cmd, env=cluster.env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(url, proc, want, 180)
+    except BaseException:
+        stop_session(proc)
+        raise
+    return Router(name, url, proc)
+
+
+def counters(workers: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Each worker's prefix-cache and prompt-token counters, now."""
+    out = {}
+    for url in workers:
+        samples = parse_samples(httpx.get(f"{url}/metrics", timeout=10).text)
+        out[url] = {name: total(samples, name) for name in COUNTERS}
+    return out
+
+
+def cache_stats(before: Mapping[str, Mapping[str, float]],
+                after: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
+    """The prefix-cache hit rate over every worker between two :func:`counters` readings and
+    the prompt tokens each worker took meanwhile."""
+    def delta(url: str, name: str) -> float:
+        return after[url][name] - before[url][name]
+
+    hits = sum(delta(u, "vllm:prefix_cache_hits_total") for u in after)
+    queries = sum(delta(u, "vllm:prefix_cache_queries_total") for u in after)
+    return {"hit_rate": hits / queries if queries else None,
+            "prompt_tokens": [delta(u, "vllm:prompt_tokens_total") for u in sorted(after)]}
+
+
+def reset_caches(cluster: Cluster) -> None:
+    """Empty both engines' prefix caches (needs ``VLLM_SERVER_DEV_MODE=1``)."""
+    for url in cluster.workers:
+        httpx.post(f"{url}/reset_prefix_cache", timeout=30).raise_for_status()
+
+
+def replay(url: str, trace: Path, workload: Workload, rate: float | None, out: Path,
+           api_key: str | None, max_requests: int | None = None) -> dict[str, Any]:
+    """``pdserve bench replay`` of ``trace`` against ``url``; its summary."""
+    cmd = _pdserve("bench", "replay", "--url", url, "--trace", str(trace), "--model", SERVED,
+                   "--tokenizer", tiny_model(),
+                   "--ttft-slo-s", str(workload.ttft_slo_s), "--tpot-slo-s",
+                   str(workload.tpot_slo_s), "--out", str(out), "--no-progress", "--no-plots")
+    cmd += ["--rate", str(rate)] if rate else ["--rate", "1"]
+    if max_requests:
+        cmd += ["--max-requests", str(max_requests)]
+    if not workload.sessions:
+        cmd += ["--no-sessions", "--system-prompts", str(API_SYSTEM_PROMPTS),
+                "--system-prompt-tokens", str(API_SYSTEM_PROMPT_TOKENS)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    return summary
+
+
+def profile_worker(cluster: Cluster, out: Path) -> None:
+    """``pdserve bench profile`` of the first worker, idle (the simulator's calibration:
+    ``python -m bench.sim_fidelity``)."""
+    subprocess.run(_pdserve("bench", "profile", "--url", cluster.workers[0], "--model", SERVED,
+                            "--tokenizer", tiny_model(), "--api-key", cluster.worker_key,
+                            "--out", str(out)), check=True, stdout=subprocess.DEVNULL)
+
+
+def layout(cluster: Cluster, router: Router) -> str:
+    """Where each process may run: the workers (one core each), the router under test."""
+    parts = [f"{name}:{affinity(pid)}" for name, pid in children(cluster.proc.pid).items()]
+    cores = sorted({affinity(p) for p in [router.proc.pid, *descendants(router.proc.pid)]})
+    return " ".join([*parts, f"{router.name}:{'|'.join(cores)}"])
+
+
+def run_router(name: str, cluster: Cluster, workload: Workload, traces: Mapping[float, Path],
+               warm: Path, out: Path, api_key: str | None) -> list[dict[str, Any]]:
+    """Every rate point of ``workload`` through router ``name``; one record per point."""
+    router = start_router(name, cluster)
+    points = []
+    try:
+        replay(router.url, warm, workload, None, out / "warmup", api_key, max_requests=10)
+        where = layout(cluster, router)
+        for rate, trace in sorted(traces.items()):
+            reset_caches(cluster)
+            time.sleep(1.0)
+            before = counters(cluster.workers)
+            load0 = os.getloadavg()[0]
+            summary = replay(router.url, trace, workload, rate, out / f"rate_{rate:g}", api_key)
+            time.sleep(1.5)  # an engine's last counters ship with its next step or stats tick
+            stats = cache_stats(before, counters(cluster.workers))
+            points.append({
+                "router": name, "trace": workload.name, "rate": rate, **stats,
+                **{k: summary.get(k) for k in (
+                    "requests_completed", "requests_failed", "slo_attainment", "ttft_p50",
+                    "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99")},
+                "load_before": load0, "load_after": os.getloadavg()[0], "layout": where})
+            print(format_row(points[-1]), flush=True)
+    finally:
+        stop_session(router.proc)
+    return points
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:,.0f}"
+
+
+def format_row(p: Mapping[str, Any]) -> str:
+    """One table row of a point."""
+    hit = "-" if p["hit_rate"] is None else f"{p['hit_rate']:.1%}"
+    tokens = " / ".join(f"{t / 1000:.0f}k" for t in p["prompt_tokens"])
+    att = "-" if p["slo_attainment"] is None else f"{p['slo_attainment']:.3f}"
+    return (f"| {p['trace']} | {p['rate']:g} | {p['router']} | {hit} | {tokens} | "
+            f"{_ms(p['ttft_p50'])} / {_ms(p['ttft_p90'])} / {_ms(p['ttft_p99'])} | "
+            f"{_ms(p['tpot_p50'])} / {_ms(p['tpot_p90'])} / {_ms(p['tpot_p99'])} | {att} | "
+            f"{p['requests_failed']} | {p['load_before']:.1f}-{p['load_after']:.1f} |")
+
+
+HEADER = ("| trace | req/s | router | prefix hit rate | prompt tokens per worker | "
+          "TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | attainment | failed | load |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
+
+
+def verdict(points: Sequence[Mapping[str, Any]], ours: str = "dualmap") -> list[str]:
+    """Per trace and rate: whether ``ours`` has a hit rate >= every other router's at an equal
+    or better TTFT p99 and attainment, and where not, who beat it on what."""
+    lines = []
+    for trace, rate in sorted({(p["trace"], p["rate"]) for p in points}):
+        here = {p["router"]: p for p in points if (p["trace"], p["rate"]) == (trace, rate)}
+        if ours not in here:
+            continue
+        mine = here[ours]
+        behind = []
+        for name, p in sorted(here.items()):
+            what = [label for label, better in (
+                ("hit rate", (p["hit_rate"] or 0) > (mine["hit_rate"] or 0)),
+                ("TTFT p99", (p["ttft_p99"] or 0) < (mine["ttft_p99"] or 0)),
+                ("attainment", (p["slo_attainment"] or 0) > (mine["slo_attainment"] or 0)))
+                if better and name != ours]
+            if what:
+                behind.append(f"{name} ({', '.join(what)})")
+        lines.append(f"{trace} @ {rate:g} req/s: {ours} "
+                     + ("ahead of or equal to every router on all three" if not behind
+                        else f"behind {'; '.join(behind)}"))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.routing_real",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--traces", default=",".join(TRACES))
+    parser.add_argument("--rates", default=None,
+                        help="req/s of each point, for every trace (default: RATES)")
+    parser.add_argument("--point-s", type=float, default=60.0,
+                        help="wall seconds of trace each point replays")
+    parser.add_argument("--routers", default=",".join(DEFAULT_ROUTERS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                        help="profile a worker first (DIR/profile.json, the simulator's "
+                             "calibration for python -m bench.sim_fidelity)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="routing-real-"))
+    out.mkdir(parents=True, exist_ok=True)
+    routers = [r for r in args.routers.split(",") if r]
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    cluster = start_cluster(out / "logs")
+    points: list[dict[str, Any]] = []
+    try:
+        print(f"workers {cluster.workers}; cores "
+              + " ".join(f"{n}:{affinity(p)}" for n, p in children(cluster.proc.pid).items()),
+              flush=True)
+        if args.profile:
+            profile_worker(cluster, out / "profile.json")
+        for tname in [t for t in args.traces.split(",") if t]:
+            workload = TRACES[tname]
+            warm = build_trace(workload, out / f"{tname}-warm.csv", 30, args.seed + 1000)
+            # both engines meet the first router warm (vLLM compiles its first shapes)
+            replay(cluster.url, warm, workload, None, out / f"{tname}-cluster-warm", None,
+                   max_requests=20)
+            rates = [float(x) for x in args.rates.split(",")] if args.rates else RATES[tname]
+            traces = {r: build_trace(workload, out / f"{tname}-{r:g}.csv", r * args.point_s,
+                                     args.seed) for r in rates}
+            print(f"\n{tname}: {args.point_s:.0f} s per point, seed {args.seed}\n{HEADER}",
+                  flush=True)
+            for name in routers:
+                key = cluster.worker_key if name.startswith("vllm-router:") else None
+                points += run_router(name, cluster, workload, traces, warm,
+                                     out / tname / name.replace(":", "-"), key)
+                (out / "points.json").write_text(json.dumps(points, indent=2))
+    finally:
+        stop_session(cluster.proc)
+    print(f"\n{HEADER}")
+    for p in sorted(points, key=lambda p: (p["trace"], p["rate"])):
+        print(format_row(p))
+    print("\n" + "\n".join(verdict(points)))
+    print(f"load average after: {os.getloadavg()}\nwritten: {out / 'points.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
