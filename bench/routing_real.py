@@ -20,8 +20,9 @@ Traces (``pdserve bench synth``, replayed by ``pdserve bench replay --rate``): `
 (800-token prompts, 80 % conversation turns resent with their earlier turns) and ``api`` (API
 calls, 400-token prompts, 8 shared system prompts of 300 tokens). Every rate point replays its
 own ``--point-s`` seconds of trace (the same for every router). Before each point both engines'
-prefix caches are emptied (vLLM's ``/reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE=1``), so no
-router inherits what the one before it cached; each router first serves a discarded warm-up.
+prefix caches are emptied (vLLM's ``/reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE=1``) and the
+router is started afresh, so neither the engines nor the router carry anything from the point
+before (a router kept across points still believes the engines hold the prefixes it sent them).
 
 Per point: the prefix-cache hit rate from vLLM's own counters (``vllm:prefix_cache_hits_total`` /
 ``vllm:prefix_cache_queries_total``, both engines), the prompt tokens each engine computed or
@@ -138,8 +139,9 @@ class Router:
     proc: subprocess.Popen[bytes]
 
 
-def start_router(name: str, cluster: Cluster) -> Router:
-    """``name``: a pdserve prefill policy or ``vllm-router:POLICY``."""
+def start_router(name: str, cluster: Cluster, extra: Sequence[str] = ()) -> Router:
+    """``name``: a pdserve prefill policy or ``vllm-router:POLICY``; ``extra``: more
+    arguments for a pdserve router (the later of two equal flags wins)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if name.startswith("vllm-router:"):
@@ -155,7 +157,7 @@ def start_router(name: str, cluster: Cluster) -> Router:
     else:
         cmd = _pdserve("router", "--host", "127.0.0.1", "--port", str(port), "--redis-url",
                        cluster.redis_url, "--policy", name, "--ttft-slo-s", str(TTFT_SLO_S),
-                       "--tpot-slo-s", str(TPOT_SLO_S), "--log-level", "WARNING")
+                       "--tpot-slo-s", str(TPOT_SLO_S), "--log-level", "WARNING", *extra)
         want = {"aggregated_workers": 2}
     proc = subprocess.Popen(cmd, env=cluster.env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -231,30 +233,33 @@ def layout(cluster: Cluster, router: Router) -> str:
 
 
 def run_router(name: str, cluster: Cluster, workload: Workload, traces: Mapping[float, Path],
-               warm: Path, out: Path, api_key: str | None) -> list[dict[str, Any]]:
-    """Every rate point of ``workload`` through router ``name``; one record per point."""
-    router = start_router(name, cluster)
+               out: Path, api_key: str | None, extra: Sequence[str] = ()
+               ) -> list[dict[str, Any]]:
+    """Every rate point of ``workload`` through router ``name``; one record per point. Each
+    point gets emptied engine caches and a router started afresh after that, so no router
+    carries what it believes the engines cache (its prefix tree, rings, load history) from
+    one point to the next, while the engines no longer hold it."""
     points = []
-    try:
-        replay(router.url, warm, workload, None, out / "warmup", api_key, max_requests=10)
-        where = layout(cluster, router)
-        for rate, trace in sorted(traces.items()):
-            reset_caches(cluster)
+    for rate, trace in sorted(traces.items()):
+        reset_caches(cluster)
+        router = start_router(name, cluster, extra)  # ready means first requests at full speed
+        try:
             time.sleep(1.0)
+            where = layout(cluster, router)
             before = counters(cluster.workers)
             load0 = os.getloadavg()[0]
             summary = replay(router.url, trace, workload, rate, out / f"rate_{rate:g}", api_key)
             time.sleep(1.5)  # an engine's last counters ship with its next step or stats tick
             stats = cache_stats(before, counters(cluster.workers))
-            points.append({
-                "router": name, "trace": workload.name, "rate": rate, **stats,
-                **{k: summary.get(k) for k in (
-                    "requests_completed", "requests_failed", "slo_attainment", "ttft_p50",
-                    "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99")},
-                "load_before": load0, "load_after": os.getloadavg()[0], "layout": where})
-            print(format_row(points[-1]), flush=True)
-    finally:
-        stop_session(router.proc)
+        finally:
+            stop_session(router.proc)
+        points.append({
+            "router": name, "trace": workload.name, "rate": rate, **stats,
+            **{k: summary.get(k) for k in (
+                "requests_completed", "requests_failed", "slo_attainment", "ttft_p50",
+                "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99")},
+            "load_before": load0, "load_after": os.getloadavg()[0], "layout": where})
+        print(format_row(points[-1]), flush=True)
     return points
 
 
@@ -312,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="wall seconds of trace each point replays")
     parser.add_argument("--routers", default=",".join(DEFAULT_ROUTERS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pdserve-arg", action="append", default=[],
+                        help="one more argument for every pdserve router, e.g. "
+                             "--pdserve-arg=--ttft-slo-s=0.5 (repeatable)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="profile a worker first (DIR/profile.json, the simulator's "
                              "calibration for python -m bench.sim_fidelity)")
@@ -342,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             for name in routers:
                 key = cluster.worker_key if name.startswith("vllm-router:") else None
-                points += run_router(name, cluster, workload, traces, warm,
-                                     out / tname / name.replace(":", "-"), key)
+                points += run_router(name, cluster, workload, traces,
+                                     out / tname / name.replace(":", "-"), key,
+                                     args.pdserve_arg)
                 (out / "points.json").write_text(json.dumps(points, indent=2))
     finally:
         stop_session(cluster.proc)
