@@ -64,7 +64,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _pdserve(*args: str) -> list[str]:
+def pdserve_command(*args: str) -> list[str]:
+    """The command line of ``pdserve ARGS`` with this interpreter."""
     return [sys.executable, "-m", "serve.cli", *args]
 
 
@@ -110,7 +111,8 @@ class Running:
 
 
 def _tiny_model() -> str:
-    out = subprocess.run(_pdserve("model", "tiny"), check=True, capture_output=True, text=True)
+    out = subprocess.run(pdserve_command("model", "tiny"), check=True, capture_output=True,
+                         text=True)
     return out.stdout.strip().splitlines()[-1]
 
 
@@ -126,18 +128,18 @@ def start(setup: str, workload: Workload, min_prefill_tokens: int) -> Running:
               "--ttft-slo-s", str(workload.ttft_slo_s), "--tpot-slo-s", str(workload.tpot_slo_s)]
     ready: dict[str, int] = {}
     if setup == "pd":
-        cmd = _pdserve("up", *common)
+        cmd = pdserve_command("up", *common)
     elif setup == "selective":
-        cmd = _pdserve("up", *common,
+        cmd = pdserve_command("up", *common,
                        f"--router-arg=--disagg-min-prefill-tokens={min_prefill_tokens}")
     elif setup == "aggregated":
-        cmd = _pdserve("up", *common, "--mode", "aggregated", "--replicas", "2")
+        cmd = pdserve_command("up", *common, "--mode", "aggregated", "--replicas", "2")
         ready = {"aggregated_workers": 2}
     elif setup == "adaptive":
-        cmd = _pdserve("up", *common, "--mode", "adaptive", "--replicas", "2")
+        cmd = pdserve_command("up", *common, "--mode", "adaptive", "--replicas", "2")
         ready = {"flex_workers": 2}
     else:
-        cmd = _pdserve("worker", "--role", "aggregated", "--port", str(port),
+        cmd = pdserve_command("worker", "--role", "aggregated", "--port", str(port),
                        "--served-model-name", SERVED)
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -148,7 +150,7 @@ def start(setup: str, workload: Workload, min_prefill_tokens: int) -> Running:
 def warm_up(url: str, trace: Path, out: Path, args: argparse.Namespace) -> None:
     """A discarded replay of the trace's first requests: every setup meets the sweep warm
     (tokenizer loaded, vLLM's first long-prompt shapes compiled, connections open)."""
-    subprocess.run(_pdserve("bench", "replay", "--url", url, "--trace", str(trace), "--rate",
+    subprocess.run(pdserve_command("bench", "replay", "--url", url, "--trace", str(trace), "--rate",
                             "1", "--max-requests", str(args.warmup_requests), "--out", str(out),
                             "--no-progress", "--no-plots", "--no-sessions"),
                    check=True, stdout=subprocess.DEVNULL)
@@ -161,7 +163,7 @@ def replay_point(url: str, workload: Workload, rate: float, out: Path,
     span = workload.point_s(args.point_s)
     out.mkdir(parents=True, exist_ok=True)
     trace = rate_point_trace(workload, out / "trace.csv", rate, span, args.seed)
-    subprocess.run(_pdserve("bench", "replay", "--url", url, "--trace", str(trace),
+    subprocess.run(pdserve_command("bench", "replay", "--url", url, "--trace", str(trace),
                             "--rate", str(rate), "--ttft-slo-s", str(workload.ttft_slo_s),
                             "--tpot-slo-s", str(workload.tpot_slo_s), "--out", str(out),
                             "--no-progress", "--no-plots",

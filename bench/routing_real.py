@@ -35,7 +35,6 @@ calibration ``python -m bench.sim_fidelity`` replays the same points with.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import secrets
@@ -52,13 +51,13 @@ from typing import Any
 import httpx
 
 from bench.goodput_workloads import Workload, build_trace
-from bench.pd_goodput import stop_session, wait_healthy
+from bench.pd_goodput import SERVED, pdserve_command, stop_session, wait_healthy
 from bench.placement import affinity, children, descendants
 from kvtransfer.signing import worker_api_key
 from router.samples import parse_samples, total
 from serve.redis_server import free_port
+from serve.tiny_model import build_tiny_model
 
-SERVED = "tiny-llama"
 TTFT_SLO_S = 1.0
 TPOT_SLO_S = 0.05
 TRACES: dict[str, Workload] = {w.name: w for w in (
@@ -78,17 +77,6 @@ DEFAULT_ROUTERS = ("dualmap", "sglang_cache_aware", "llmd_default", "dynamo_kv",
                    "vllm-router:power_of_two")
 COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
             "vllm:prompt_tokens_total")
-
-
-def _pdserve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "serve.cli", *args]
-
-
-@functools.cache
-def tiny_model() -> str:
-    """The tiny offline model's directory (the workers' weights and the replay's tokenizer)."""
-    out = subprocess.run(_pdserve("model", "tiny"), check=True, capture_output=True, text=True)
-    return out.stdout.strip().splitlines()[-1]
 
 
 @dataclass
@@ -114,9 +102,10 @@ def start_cluster(log_dir: Path) -> Cluster:
     port, redis = free_port(), f"redis://127.0.0.1:{free_port()}/0"
     env = {**os.environ, "PDSERVE_CLUSTER_SECRET": secrets.token_urlsafe(32),
            "VLLM_SERVER_DEV_MODE": "1"}
-    cmd = _pdserve("up", "--mode", "aggregated", "--replicas", "2", "--port", str(port),
-                   "--redis-url", redis, "--served-model-name", SERVED, "--ttft-slo-s",
-                   str(TTFT_SLO_S), "--tpot-slo-s", str(TPOT_SLO_S), "--log-dir", str(log_dir))
+    cmd = pdserve_command("up", "--mode", "aggregated", "--replicas", "2", "--port", str(port),
+                          "--redis-url", redis, "--served-model-name", SERVED, "--ttft-slo-s",
+                          str(TTFT_SLO_S), "--tpot-slo-s", str(TPOT_SLO_S), "--log-dir",
+                          str(log_dir))
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     cluster = Cluster(proc, f"http://127.0.0.1:{port}", redis, env)
@@ -155,9 +144,10 @@ def start_router(name: str, cluster: Cluster, extra: Sequence[str] = ()) -> Rout
                "--log-level", "warning"]
         want: dict[str, int] = {}
     else:
-        cmd = _pdserve("router", "--host", "127.0.0.1", "--port", str(port), "--redis-url",
-                       cluster.redis_url, "--policy", name, "--ttft-slo-s", str(TTFT_SLO_S),
-                       "--tpot-slo-s", str(TPOT_SLO_S), "--log-level", "WARNING", *extra)
+        cmd = pdserve_command("router", "--host", "127.0.0.1", "--port", str(port),
+                              "--redis-url", cluster.redis_url, "--policy", name,
+                              "--ttft-slo-s", str(TTFT_SLO_S), "--tpot-slo-s", str(TPOT_SLO_S),
+                              "--log-level", "WARNING", *extra)
         want = {"aggregated_workers": 2}
     proc = subprocess.Popen(cmd, env=cluster.env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -200,10 +190,11 @@ def reset_caches(cluster: Cluster) -> None:
 def replay(url: str, trace: Path, workload: Workload, rate: float | None, out: Path,
            api_key: str | None, max_requests: int | None = None) -> dict[str, Any]:
     """``pdserve bench replay`` of ``trace`` against ``url``; its summary."""
-    cmd = _pdserve("bench", "replay", "--url", url, "--trace", str(trace), "--model", SERVED,
-                   "--tokenizer", tiny_model(),
-                   "--ttft-slo-s", str(workload.ttft_slo_s), "--tpot-slo-s",
-                   str(workload.tpot_slo_s), "--out", str(out), "--no-progress", "--no-plots")
+    cmd = pdserve_command("bench", "replay", "--url", url, "--trace", str(trace), "--model",
+                          SERVED, "--tokenizer", str(build_tiny_model()),
+                          "--ttft-slo-s", str(workload.ttft_slo_s), "--tpot-slo-s",
+                          str(workload.tpot_slo_s), "--out", str(out), "--no-progress",
+                          "--no-plots")
     cmd += ["--rate", str(rate)] if rate else ["--rate", "1"]
     if max_requests:
         cmd += ["--max-requests", str(max_requests)]
@@ -220,9 +211,10 @@ def replay(url: str, trace: Path, workload: Workload, rate: float | None, out: P
 def profile_worker(cluster: Cluster, out: Path) -> None:
     """``pdserve bench profile`` of the first worker, idle (the simulator's calibration:
     ``python -m bench.sim_fidelity``)."""
-    subprocess.run(_pdserve("bench", "profile", "--url", cluster.workers[0], "--model", SERVED,
-                            "--tokenizer", tiny_model(), "--api-key", cluster.worker_key,
-                            "--out", str(out)), check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(pdserve_command("bench", "profile", "--url", cluster.workers[0], "--model",
+                                   SERVED, "--tokenizer", str(build_tiny_model()), "--api-key",
+                                   cluster.worker_key, "--out", str(out)),
+                   check=True, stdout=subprocess.DEVNULL)
 
 
 def layout(cluster: Cluster, router: Router) -> str:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cli import build_workload
+from bench.metrics import distribution
 from bench.prompts import PromptSynthesizer, load_tokenizer
 from bench.sim.fleet import FleetResult, FleetSettings
 from bench.sim.paths import profile_settings
@@ -99,18 +100,13 @@ def rebuild(point_dir: Path, tokenizer: Any, block_tokens: int) -> list[SimReque
     return out
 
 
-def _pct(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def sim_summary(res: FleetResult, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, Any]:
-    """The simulated run in the real summary's keys."""
-    tpots = [t for t in res.tpot_s if t > 0]
-    return {"ttft_p50": _pct(res.ttft_s, 0.5), "ttft_p90": _pct(res.ttft_s, 0.9),
-            "tpot_p50": _pct(tpots, 0.5), "tpot_p90": _pct(tpots, 0.9),
+    """The simulated run in the real summary's keys, its percentiles computed as the real
+    summary's are (:func:`bench.metrics.distribution`)."""
+    ttft = distribution(res.ttft_s, (50, 90))
+    tpot = distribution([t for t in res.tpot_s if t > 0], (50, 90))
+    return {"ttft_p50": ttft["p50"], "ttft_p90": ttft["p90"],
+            "tpot_p50": tpot["p50"], "tpot_p90": tpot["p90"],
             "slo_attainment": res.attainment(ttft_slo_s, tpot_slo_s)}
 
 

@@ -4,62 +4,40 @@ peer's, a baseline), exactly as the router's aggregated pool places it.
 
 Each engine is a :class:`~bench.sim.colocated.ColocatedEngine` (prefill chunks and decode steps in
 the same iterations). Placement is :class:`router.placement.Pool` over these engines: per arrival
-``choose`` among candidates carrying the router's own accounting (requests in flight, uncached
-prompt tokens dispatched and not finished, the engines' running sequences), ``begin`` at once and
+``choose`` among candidates carrying the router's own accounting (its ``LoadTracker``: requests
+in flight, uncached prompt tokens dispatched and not finished; and the engines' running
+sequences), ``begin`` at once and
 ``end`` when the last token is out, as the router's proxy does for a whole request. The run itself
 is :mod:`bench.sim.fleet`'s, so timing, prefix caches and results are the same as its fleets'.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from bench.sim.colocated import ColocatedEngine
 from bench.sim.fleet import MODEL, Fleet, FleetResult, FleetSettings, _Job, _Run
 from bench.sim.workload import SimRequest
 from router.placement import Pool
 from router.policy.base import Candidate, PlacementPolicy, RouteRequest
+from router.state.load import LoadTracker
 
 ROLE = "aggregated"
-
-
-class _Ledger:
-    """The pool's dispatch ledger over the engines: in flight and uncached tokens pending."""
-
-    def __init__(self, engines: Sequence[ColocatedEngine[_Job]]) -> None:
-        self.engines = {e.wid: e for e in engines}
-        self.pending = dict.fromkeys(self.engines, 0)
-        self.in_flight = dict.fromkeys(self.engines, 0)
-        self._tokens: dict[str, int] = {}
-
-    def start(self, worker_id: str, request_id: str | None = None, tokens: int = 0,
-              *, prefill: bool = False) -> None:
-        self.in_flight[worker_id] += 1
-        self.pending[worker_id] += tokens
-        if request_id is not None:
-            self._tokens[request_id] = tokens
-
-    def finish(self, worker_id: str, request_id: str | None = None) -> None:
-        self.in_flight[worker_id] -= 1
-        if request_id is not None:
-            self.pending[worker_id] -= self._tokens.pop(request_id, 0)
-
-    def candidates(self) -> list[Candidate]:
-        """Every engine as the router sees it."""
-        return [Candidate(wid, self.in_flight[wid], False, self.pending[wid], e.running)
-                for wid, e in self.engines.items()]
 
 
 class _PlacedRun(_Run):
     def __init__(self, n: int, policy: PlacementPolicy, s: FleetSettings) -> None:
         super().__init__(Fleet(ROLE, (ROLE,) * n), s)
-        self.ledger = _Ledger(self.engines)
+        self.ledger = LoadTracker()  # the router's own accounting
         self.pool = Pool(ROLE, policy, self.ledger)
         self.pool.sync(MODEL, [e.wid for e in self.engines])
 
     def place(self, route: RouteRequest, req: SimRequest, now: float
               ) -> tuple[ColocatedEngine[_Job], ColocatedEngine[_Job]]:
-        choice = self.pool.choose(route, self.ledger.candidates())
+        ledger = self.ledger
+        candidates = [Candidate(e.wid, ledger.in_flight(e.wid), False,
+                                ledger.pending_tokens(e.wid), e.running) for e in self.engines]
+        choice = self.pool.choose(route, candidates)
         assert choice is not None  # every engine is a candidate
         self.pool.begin(route, choice.worker)
         self.res.paths["whole"] += 1
