@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import math
 import os
 import threading
 import time
@@ -38,6 +37,7 @@ from kvtransfer.protocol import (
     release_message,
     renew_message,
 )
+from kvtransfer.regions import register_kv_caches
 from kvtransfer.stats import CONTROL_COUNTERS, TransferStats
 
 if TYPE_CHECKING:
@@ -75,34 +75,6 @@ PEER_IDLE_S = 120.0
 its old endpoint is never used again) is disconnected; a later pull reconnects."""
 
 
-def describe_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[
-        tuple[str, torch.Tensor, int, RegionSpec]]:
-    """Split every KV tensor into block-major regions: (name, tensor, block_dim, spec).
-
-    The block dimension is the first of size ``num_blocks``. Dimensions before it (e.g. K/V on
-    GPU layouts) become separate regions; everything after it must be one dense block.
-    """
-    out = []
-    for name in sorted(kv_caches):
-        t = kv_caches[name]
-        if not t.is_contiguous():
-            raise KVTransferError(f"KV cache {name} is not contiguous: {tuple(t.shape)}")
-        dims = [d for d, size in enumerate(t.shape) if size == num_blocks]
-        if not dims:
-            raise KVTransferError(f"KV cache {name} {tuple(t.shape)} has no {num_blocks}-block dim")
-        d = dims[0]
-        es = t.element_size()
-        block_bytes = math.prod(t.shape[d + 1:]) * es
-        outer = math.prod(t.shape[:d])
-        outer_stride = (t.stride(d - 1) * es) if d > 0 else 0
-        for o in range(outer):
-            spec = RegionSpec(name=f"{name}#{o}", base=t.data_ptr() + o * outer_stride,
-                              block_stride=t.stride(d) * es, block_bytes=block_bytes,
-                              num_blocks=num_blocks, rkey=b"")
-            out.append((name, t, d, spec))
-    return out
-
-
 class WorkerHalf:
     """Worker-side state of one engine: transport, regions, leases and pulls in flight."""
 
@@ -135,19 +107,13 @@ class WorkerHalf:
         """Register every KV tensor once and start answering release messages."""
         from kvtransfer.transport.factory import open_transport
 
-        described = describe_regions(kv_caches, self.num_blocks)
         # A transport without its own progress thread (nixl) serves remote reads promptly
         # only while a lease is active: no lease, no reader.
         self._engine = open_transport(self.config, label=f"pdserve-{self.engine_id[:8]}",
                                       reads_expected=lambda: self.leases.num_active > 0)
-        regions = []
-        for _, tensor, block_dim, spec in described:
-            reg = self._engine.register(spec.base, spec.num_blocks * spec.block_stride,
-                                        keepalive=tensor)
-            regions.append(RegionSpec(spec.name, spec.base, spec.block_stride, spec.block_bytes,
-                                      spec.num_blocks, reg.rkey))
-            self._tensors.append((tensor, block_dim))
-        self._regions = regions
+        registered = register_kv_caches(self._engine, kv_caches, self.num_blocks)
+        self._tensors.extend(registered.tensors)
+        self._regions = regions = list(registered.regions)
         # The transport is part of compatibility: a UCX decode cannot read a NIXL prefill.
         compat = compat_hash(**self._compat_facts, transport=self.config.transport,
                              regions=[(r.name, r.block_bytes) for r in regions])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.connector.worker import describe_regions
 from kvtransfer.errors import KVTransferError
+from kvtransfer.regions import describe_regions
 
 
 def test_block_major_layout_is_one_dense_region_per_layer() -> None:
@@ -32,3 +32,18 @@ def test_non_contiguous_or_blockless_tensors_are_rejected() -> None:
         describe_regions({"l": torch.zeros(8, 4).t()}, num_blocks=8)
     with pytest.raises(KVTransferError):
         describe_regions({"l": torch.zeros(3, 4)}, num_blocks=8)
+
+
+def test_registration_gives_every_region_an_rkey_and_its_memory_type() -> None:
+    from kvtransfer.regions import register_kv_caches
+    from kvtransfer.transport import UcxEngine
+
+    caches = {f"layer.{i}": torch.zeros(2, 8, 4, 16, dtype=torch.bfloat16) for i in range(2)}
+    with UcxEngine(name="regions-test") as engine:
+        registered = register_kv_caches(engine, caches, num_blocks=8)
+    described = [spec for *_, spec in describe_regions(caches, num_blocks=8)]
+    assert [(r.name, r.base, r.block_bytes) for r in registered.regions] == [
+        (s.name, s.base, s.block_bytes) for s in described]
+    assert all(r.rkey for r in registered.regions)
+    assert registered.memory_types == ("host",) * 4  # CPU tensors: host memory, on CPU UCX
+    assert [t for t, _ in registered.tensors] == [caches["layer.0"]] * 2 + [caches["layer.1"]] * 2
