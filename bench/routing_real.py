@@ -30,6 +30,16 @@ reused (``vllm:prompt_tokens_total``), TTFT and TPOT p50/p90/p99, SLO attainment
 TPOT 50 ms), failures, the load average and where each process ran. First (``--profile``, on by
 default) the idle first worker is profiled (``pdserve bench profile``, ``DIR/profile.json``): the
 calibration ``python -m bench.sim_fidelity`` replays the same points with.
+
+vllm-router's ``cache_aware`` (0.1.17) routes on token ids: before placing a request it asks
+every worker to tokenize it (``POST /v1/completions/render``), and where that fails it places
+the request on the least-loaded worker without learning anything (its ``missing_tokens``
+outcome), i.e. it no longer routes by prefix. vLLM 0.32 answers that route only when started
+with ``--enable-scale-out`` (otherwise 403), so the workers here are started with it whenever a
+vllm-router is among ``--routers`` (every router then meets the same workers), the route is
+checked once, and each vllm-router point records the router's own decision counts
+(``vllm_router_prefix_routing_decisions_total`` by outcome) and says when any went without
+tokens.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from kvtransfer.signing import worker_api_key
 from router.samples import parse_samples, total
 from serve.redis_server import free_port
 from serve.tiny_model import build_tiny_model
+from serve.vllm_cli import ENV_VLLM_ARGS
 
 TTFT_SLO_S = 1.0
 TPOT_SLO_S = 0.05
@@ -75,6 +86,10 @@ API_SYSTEM_PROMPT_TOKENS = 300
 DEFAULT_ROUTERS = ("dualmap", "sglang_cache_aware", "llmd_default", "dynamo_kv",
                    "aibrix_prefix", "preble_e2", "round_robin", "vllm-router:cache_aware",
                    "vllm-router:power_of_two")
+SCALE_OUT_ARG = "--enable-scale-out"
+"""vLLM's flag that serves ``/v1/completions/render``, the tokenizing route vllm-router's
+``cache_aware`` needs (vLLM 0.32 answers 403 without it)."""
+DECISIONS = "vllm_router_prefix_routing_decisions_total"
 COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
             "vllm:prompt_tokens_total")
 
@@ -97,11 +112,14 @@ class Cluster:
         return worker_api_key(self.env["PDSERVE_CLUSTER_SECRET"].encode())
 
 
-def start_cluster(log_dir: Path) -> Cluster:
-    """Two aggregated workers behind pdserve's own router; returns once both answer."""
+def start_cluster(log_dir: Path, scale_out: bool = False) -> Cluster:
+    """Two aggregated workers behind pdserve's own router; returns once both answer.
+    ``scale_out``: the workers also serve vLLM's render route (:data:`SCALE_OUT_ARG`)."""
     port, redis = free_port(), f"redis://127.0.0.1:{free_port()}/0"
     env = {**os.environ, "PDSERVE_CLUSTER_SECRET": secrets.token_urlsafe(32),
            "VLLM_SERVER_DEV_MODE": "1"}
+    if scale_out:
+        env[ENV_VLLM_ARGS] = f"{env.get(ENV_VLLM_ARGS, '')} {SCALE_OUT_ARG}".strip()
     cmd = pdserve_command("up", "--mode", "aggregated", "--replicas", "2", "--port", str(port),
                           "--redis-url", redis, "--served-model-name", SERVED, "--ttft-slo-s",
                           str(TTFT_SLO_S), "--tpot-slo-s", str(TPOT_SLO_S), "--log-dir",
@@ -119,6 +137,19 @@ def start_cluster(log_dir: Path) -> Cluster:
     return cluster
 
 
+def renders(cluster: Cluster) -> bool:
+    """Whether every worker tokenizes a completions request on vLLM's render route (what
+    vllm-router's ``cache_aware`` asks before each placement)."""
+    for url in cluster.workers:
+        r = httpx.post(f"{url}/v1/completions/render", timeout=30,
+                       headers={"Authorization": f"Bearer {cluster.worker_key}"},
+                       json={"model": SERVED, "prompt": "one two three"})
+        if r.status_code != 200 or not (r.json() or [{}])[0].get("token_ids"):
+            print(f"render route of {url}: {r.status_code} {r.text[:200]}", flush=True)
+            return False
+    return True
+
+
 @dataclass
 class Router:
     """One router under test, running."""
@@ -126,6 +157,26 @@ class Router:
     name: str
     url: str
     proc: subprocess.Popen[bytes]
+    metrics_url: str | None = None
+    """vllm-router's Prometheus endpoint (None for pdserve's routers)."""
+
+
+def decisions(router: Router) -> dict[str, float] | None:
+    """vllm-router's prefix-routing decisions so far, by outcome (``prefix_hit``,
+    ``prefix_miss``, ``missing_tokens``, ...); None for a router without them."""
+    if router.metrics_url is None:
+        return None
+    return decision_counts(httpx.get(router.metrics_url, timeout=10).text)
+
+
+def decision_counts(exposition: str) -> dict[str, float]:
+    """:data:`DECISIONS` summed by outcome from a Prometheus text exposition."""
+    out: dict[str, float] = {}
+    for (name, labels), value in parse_samples(exposition).items():
+        if name == DECISIONS:
+            outcome = dict(labels).get("outcome", "?")
+            out[outcome] = out.get(outcome, 0.0) + value
+    return out
 
 
 def start_router(name: str, cluster: Cluster, extra: Sequence[str] = ()) -> Router:
@@ -133,14 +184,17 @@ def start_router(name: str, cluster: Cluster, extra: Sequence[str] = ()) -> Rout
     arguments for a pdserve router (the later of two equal flags wins)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    metrics_url = None
     if name.startswith("vllm-router:"):
         binary = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable),
                                                              "vllm-router")
         if not os.path.exists(binary):
             raise RuntimeError("vllm-router is not installed (pip install 'pdserve[bench]')")
+        metrics_port = free_port()
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
                *cluster.workers, "--policy", name.split(":", 1)[1], "--api-key",
-               cluster.worker_key, "--prometheus-port", str(free_port()),
+               cluster.worker_key, "--prometheus-port", str(metrics_port),
                "--log-level", "warning"]
         want: dict[str, int] = {}
     else:
@@ -156,7 +210,7 @@ def start_router(name: str, cluster: Cluster, extra: Sequence[str] = ()) -> Rout
     except BaseException:
         stop_session(proc)
         raise
-    return Router(name, url, proc)
+    return Router(name, url, proc, metrics_url)
 
 
 def counters(workers: Sequence[str]) -> dict[str, dict[str, float]]:
@@ -243,6 +297,7 @@ def run_router(name: str, cluster: Cluster, workload: Workload, traces: Mapping[
             summary = replay(router.url, trace, workload, rate, out / f"rate_{rate:g}", api_key)
             time.sleep(1.5)  # an engine's last counters ship with its next step or stats tick
             stats = cache_stats(before, counters(cluster.workers))
+            routed = decisions(router)
         finally:
             stop_session(router.proc)
         points.append({
@@ -250,8 +305,13 @@ def run_router(name: str, cluster: Cluster, workload: Workload, traces: Mapping[
             **{k: summary.get(k) for k in (
                 "requests_completed", "requests_failed", "slo_attainment", "ttft_p50",
                 "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99")},
-            "load_before": load0, "load_after": os.getloadavg()[0], "layout": where})
+            "load_before": load0, "load_after": os.getloadavg()[0], "layout": where,
+            "router_decisions": routed})
         print(format_row(points[-1]), flush=True)
+        if routed is not None:
+            warn = (" -- WARNING: requests placed without tokens (no prefix routing)"
+                    if routed.get("missing_tokens") else "")
+            print(f"  {name} decisions: {routed}{warn}", flush=True)
     return points
 
 
@@ -321,9 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     routers = [r for r in args.routers.split(",") if r]
     print(f"load average before: {os.getloadavg()}", flush=True)
-    cluster = start_cluster(out / "logs")
+    vllm_router = any(r.startswith("vllm-router:") for r in routers)
+    cluster = start_cluster(out / "logs", scale_out=vllm_router)
     points: list[dict[str, Any]] = []
     try:
+        if vllm_router and not renders(cluster):
+            raise RuntimeError("the workers do not serve /v1/completions/render: vllm-router's "
+                               "cache_aware would place every request without tokens")
         print(f"workers {cluster.workers}; cores "
               + " ".join(f"{n}:{affinity(p)}" for n, p in children(cluster.proc.pid).items()),
               flush=True)

@@ -137,3 +137,20 @@ def test_contention_slows_the_simulated_engines_by_the_fitted_factor() -> None:
     # every request runs alone: twice the profile's times is twice the TTFT and TPOT
     assert slowed["ttft_p50"] == pytest.approx(2 * alone["ttft_p50"])
     assert slowed["tpot_p50"] == pytest.approx(2 * alone["tpot_p50"])
+
+
+def test_vllm_router_decisions_are_summed_by_outcome() -> None:
+    from bench.routing_real import decision_counts
+
+    text = (
+        "# TYPE vllm_router_prefix_routing_decisions_total counter\n"
+        'vllm_router_prefix_routing_decisions_total{policy="cache_aware",stage="regular",'
+        'outcome="prefix_hit"} 60\n'
+        'vllm_router_prefix_routing_decisions_total{policy="cache_aware",stage="pd",'
+        'outcome="prefix_hit"} 5\n'
+        'vllm_router_prefix_routing_decisions_total{policy="cache_aware",stage="regular",'
+        'outcome="missing_tokens"} 3\n'
+        "# TYPE vllm_router_processed_requests_total counter\n"
+        'vllm_router_processed_requests_total{worker="http://w1"} 68\n')
+    assert decision_counts(text) == {"prefix_hit": 65.0, "missing_tokens": 3.0}
+    assert decision_counts("# TYPE other counter\nother_total 4\n") == {}  # control
