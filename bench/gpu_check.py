@@ -217,6 +217,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the variants and the GPU tests, write the JSON and print the table; the exit status
+    is 0, NO_GPU or 1 as the module docstring says."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON and logs")
