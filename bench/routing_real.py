@@ -335,6 +335,49 @@ HEADER = ("| trace | req/s | router | prefix hit rate | prompt tokens per worker
           "|---|---|---|---|---|---|---|---|---|---|")
 
 
+AVERAGED = ("hit_rate", "ttft_p50", "ttft_p99", "slo_attainment")
+"""The per-point figures :func:`aggregate` averages (and gives the range of)."""
+
+
+def aggregate(points: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One record per (trace, rate, router) over its rounds: the mean of each of
+    :data:`AVERAGED` under the same key, its (min, max) under ``KEY_range``, and ``runs``;
+    sorted by trace, rate, router. Figures missing in a round are left out of that mean."""
+    groups: dict[tuple[str, float, str], list[Mapping[str, Any]]] = {}
+    for p in points:
+        groups.setdefault((p["trace"], p["rate"], p["router"]), []).append(p)
+    out = []
+    for (trace, rate, router), group in sorted(groups.items()):
+        rec: dict[str, Any] = {"trace": trace, "rate": rate, "router": router,
+                               "runs": len(group)}
+        for key in AVERAGED:
+            vals = [float(p[key]) for p in group if p.get(key) is not None]
+            rec[key] = sum(vals) / len(vals) if vals else None
+            rec[f"{key}_range"] = (min(vals), max(vals)) if vals else None
+        out.append(rec)
+    return out
+
+
+def _mean_cell(m: Mapping[str, Any], key: str, fmt: str, scale: float = 1.0) -> str:
+    if m[key] is None:
+        return "-"
+    lo, hi = m[f"{key}_range"]
+    return f"{m[key] * scale:{fmt}} ({lo * scale:{fmt}}-{hi * scale:{fmt}})"
+
+
+def format_mean_row(m: Mapping[str, Any]) -> str:
+    """One row of the means table: mean (min-max) of hit rate, TTFT p50 and p99 (ms) and
+    attainment."""
+    return (f"| {m['trace']} | {m['rate']:g} | {m['router']} | {m['runs']} | "
+            f"{_mean_cell(m, 'hit_rate', '.1%')} | {_mean_cell(m, 'ttft_p50', ',.0f', 1000)} | "
+            f"{_mean_cell(m, 'ttft_p99', ',.0f', 1000)} | "
+            f"{_mean_cell(m, 'slo_attainment', '.3f')} |")
+
+
+MEAN_HEADER = ("| trace | req/s | router | runs | prefix hit rate | TTFT p50 ms | TTFT p99 ms | "
+               "attainment |\n|---|---|---|---|---|---|---|---|")
+
+
 def verdict(points: Sequence[Mapping[str, Any]], ours: str = "dualmap") -> list[str]:
     """Per trace and rate: whether ``ours`` has a hit rate >= every other router's at an equal
     or better TTFT p99 and attainment, and where not, who beat it on what."""
@@ -375,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="profile a worker first (DIR/profile.json, the simulator's "
                              "calibration for python -m bench.sim_fidelity)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds over every router (interleaved: A B C, A B C), each point "
+                             "with a fresh router and emptied caches; the summary gives the mean "
+                             "and range per router and the verdict is taken on the means")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="routing-real-"))
@@ -404,18 +451,28 @@ def main(argv: list[str] | None = None) -> int:
                                      args.seed) for r in rates}
             print(f"\n{tname}: {args.point_s:.0f} s per point, seed {args.seed}\n{HEADER}",
                   flush=True)
-            for name in routers:
-                key = cluster.worker_key if name.startswith("vllm-router:") else None
-                points += run_router(name, cluster, workload, traces,
-                                     out / tname / name.replace(":", "-"), key,
-                                     args.pdserve_arg)
-                (out / "points.json").write_text(json.dumps(points, indent=2))
+            for round_ in range(args.repeats):
+                for name in routers:
+                    key = cluster.worker_key if name.startswith("vllm-router:") else None
+                    where = out / tname / name.replace(":", "-")
+                    new = run_router(name, cluster, workload, traces,
+                                     where / f"round_{round_}" if args.repeats > 1 else where,
+                                     key, args.pdserve_arg)
+                    points += [{**p, "round": round_} for p in new]
+                    (out / "points.json").write_text(json.dumps(points, indent=2))
     finally:
         stop_session(cluster.proc)
     print(f"\n{HEADER}")
     for p in sorted(points, key=lambda p: (p["trace"], p["rate"])):
         print(format_row(p))
-    print("\n" + "\n".join(verdict(points)))
+    if args.repeats > 1:
+        means = aggregate(points)
+        print(f"\nmeans over {args.repeats} rounds\n{MEAN_HEADER}")
+        for m in means:
+            print(format_mean_row(m))
+        print("\n" + "\n".join(verdict(means)))
+    else:
+        print("\n" + "\n".join(verdict(points)))
     print(f"load average after: {os.getloadavg()}\nwritten: {out / 'points.json'}")
     return 0
 

@@ -154,3 +154,24 @@ def test_vllm_router_decisions_are_summed_by_outcome() -> None:
         'vllm_router_processed_requests_total{worker="http://w1"} 68\n')
     assert decision_counts(text) == {"prefix_hit": 65.0, "missing_tokens": 3.0}
     assert decision_counts("# TYPE other counter\nother_total 4\n") == {}  # control
+
+
+def test_rounds_are_averaged_per_router_and_judged_on_the_means() -> None:
+    from bench.routing_real import aggregate, format_mean_row
+
+    def point(router: str, hit: float, p99: float, att: float | None) -> dict[str, object]:
+        return {"trace": "t", "rate": 6.0, "router": router, "hit_rate": hit, "ttft_p50": 0.2,
+                "ttft_p99": p99, "slo_attainment": att}
+
+    rounds = [point("dualmap", 0.30, 1.0, 0.95), point("x", 0.32, 1.4, 0.90),
+              point("dualmap", 0.34, 1.2, None), point("x", 0.30, 1.0, 0.96)]
+    means = aggregate(rounds)
+    dm, x = means
+    assert (dm["router"], dm["runs"]) == ("dualmap", 2)
+    assert dm["hit_rate"] == pytest.approx(0.32) and dm["hit_rate_range"] == (0.30, 0.34)
+    assert dm["slo_attainment"] == 0.95 and dm["slo_attainment_range"] == (0.95, 0.95)
+    assert x["ttft_p99"] == pytest.approx(1.2)
+    assert "ahead of or equal" in verdict(means)[0]  # equal hits and p99, better attainment
+    assert "behind x" in verdict([dm, {**x, "slo_attainment": 0.99}])[0]  # control
+    assert format_mean_row(dm) == ("| t | 6 | dualmap | 2 | 32.0% (30.0%-34.0%) | 200 (200-200) "
+                                   "| 1,100 (1,000-1,200) | 0.950 (0.950-0.950) |")
