@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.kv_transfer_peer import Channel
+from bench.metrics import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_GPU = 3
@@ -53,15 +54,14 @@ PROTO_WORDS = ("cuda_ipc", "cuda_copy", "tcp/", "rndv", "ucp_get", "zero-copy", 
 
 
 def gbps(nbytes: int, seconds: list[float]) -> float:
-    """Bytes per second in GB/s at the median time."""
-    ordered = sorted(seconds)
-    return nbytes / ordered[len(ordered) // 2] / 1e9 if ordered else 0.0
+    """Bytes per second in GB/s at the median time (0 for no times)."""
+    median = percentile(seconds, 50, empty=0.0)
+    return nbytes / median / 1e9 if median else 0.0
 
 
-def percentile_us(seconds: list[float], q: float) -> float:
-    """The q-quantile (0..1, nearest rank) in microseconds."""
-    ordered = sorted(seconds)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6 if ordered else 0.0
+def percentile_us(seconds: list[float], p: float) -> float:
+    """The ``p``-th percentile (0..100, as every bench summary takes it) in microseconds."""
+    return percentile(seconds, p, empty=0.0) * 1e6
 
 
 class Side:
@@ -158,10 +158,10 @@ def summarize(name: str, result: dict[str, Any]) -> list[dict[str, Any]]:
     small = result["small"]
     rows.append({"variant": name, "layout": f"small ({small['blocks']} blocks)",
                  "mib": round(small["bytes"] / 2**20, 2), "ops": small["ops"], "ok": small["ok"],
-                 "ours_p50_us": round(percentile_us(small["pull_s"], 0.5), 1),
-                 "ours_p99_us": round(percentile_us(small["pull_s"], 0.99), 1),
-                 "torch_p50_us": round(percentile_us(small["torch_s"], 0.5), 1),
-                 "torch_p99_us": round(percentile_us(small["torch_s"], 0.99), 1)})
+                 "ours_p50_us": round(percentile_us(small["pull_s"], 50), 1),
+                 "ours_p99_us": round(percentile_us(small["pull_s"], 99), 1),
+                 "torch_p50_us": round(percentile_us(small["torch_s"], 50), 1),
+                 "torch_p99_us": round(percentile_us(small["torch_s"], 99), 1)})
     return rows
 
 

@@ -53,6 +53,7 @@ from bench import field_pd
 from bench.goodput_workloads import WORKLOADS, Workload, build_trace, rate_point_trace
 from bench.placement import children, placement_of
 from bench.sweep import sweep as bisect_rates
+from serve.tiny_model import build_tiny_model
 
 SETUPS = ("plain", "aggregated", "pd", "selective", "adaptive", "vllm_pd")
 SERVED = "tiny-llama"
@@ -110,18 +111,12 @@ class Running:
         self.note = note
 
 
-def _tiny_model() -> str:
-    out = subprocess.run(pdserve_command("model", "tiny"), check=True, capture_output=True,
-                         text=True)
-    return out.stdout.strip().splitlines()[-1]
-
-
 def start(setup: str, workload: Workload, min_prefill_tokens: int) -> Running:
     """Start ``setup`` (the pdserve ones through the pdserve CLI, with ``workload``'s SLOs)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     if setup == "vllm_pd":
-        stack = field_pd.start(_tiny_model(), SERVED, port)
+        stack = field_pd.start(str(build_tiny_model()), SERVED, port)
         return Running(url, stack.stop, stack.procs[0].pid, field_pd.SETTINGS)
     redis = f"redis://127.0.0.1:{_free_port()}/0"
     common = ["--port", str(port), "--redis-url", redis, "--served-model-name", SERVED,
@@ -131,7 +126,7 @@ def start(setup: str, workload: Workload, min_prefill_tokens: int) -> Running:
         cmd = pdserve_command("up", *common)
     elif setup == "selective":
         cmd = pdserve_command("up", *common,
-                       f"--router-arg=--disagg-min-prefill-tokens={min_prefill_tokens}")
+                              f"--router-arg=--disagg-min-prefill-tokens={min_prefill_tokens}")
     elif setup == "aggregated":
         cmd = pdserve_command("up", *common, "--mode", "aggregated", "--replicas", "2")
         ready = {"aggregated_workers": 2}
@@ -140,7 +135,7 @@ def start(setup: str, workload: Workload, min_prefill_tokens: int) -> Running:
         ready = {"flex_workers": 2}
     else:
         cmd = pdserve_command("worker", "--role", "aggregated", "--port", str(port),
-                       "--served-model-name", SERVED)
+                              "--served-model-name", SERVED)
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     wait_healthy(url, proc, ready)
@@ -150,9 +145,10 @@ def start(setup: str, workload: Workload, min_prefill_tokens: int) -> Running:
 def warm_up(url: str, trace: Path, out: Path, args: argparse.Namespace) -> None:
     """A discarded replay of the trace's first requests: every setup meets the sweep warm
     (tokenizer loaded, vLLM's first long-prompt shapes compiled, connections open)."""
-    subprocess.run(pdserve_command("bench", "replay", "--url", url, "--trace", str(trace), "--rate",
-                            "1", "--max-requests", str(args.warmup_requests), "--out", str(out),
-                            "--no-progress", "--no-plots", "--no-sessions"),
+    subprocess.run(pdserve_command("bench", "replay", "--url", url, "--trace", str(trace),
+                                   "--rate", "1", "--max-requests", str(args.warmup_requests),
+                                   "--out", str(out), "--no-progress", "--no-plots",
+                                   "--no-sessions"),
                    check=True, stdout=subprocess.DEVNULL)
 
 
@@ -164,10 +160,10 @@ def replay_point(url: str, workload: Workload, rate: float, out: Path,
     out.mkdir(parents=True, exist_ok=True)
     trace = rate_point_trace(workload, out / "trace.csv", rate, span, args.seed)
     subprocess.run(pdserve_command("bench", "replay", "--url", url, "--trace", str(trace),
-                            "--rate", str(rate), "--ttft-slo-s", str(workload.ttft_slo_s),
-                            "--tpot-slo-s", str(workload.tpot_slo_s), "--out", str(out),
-                            "--no-progress", "--no-plots",
-                            *(() if workload.sessions else ("--no-sessions",))),
+                                   "--rate", str(rate), "--ttft-slo-s", str(workload.ttft_slo_s),
+                                   "--tpot-slo-s", str(workload.tpot_slo_s), "--out", str(out),
+                                   "--no-progress", "--no-plots",
+                                   *(() if workload.sessions else ("--no-sessions",))),
                    check=True, stdout=subprocess.DEVNULL)
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     summary["load_avg_1m"] = os.getloadavg()[0]
