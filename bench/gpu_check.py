@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.gpu_pull import block_bytes
 from bench.kv_transfer_peer import Channel
 from bench.metrics import percentile
 
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             sizes = args.sizes_mib if device == "cuda" else args.host_sizes_mib
             mibs = [int(s) for s in sizes.split(",")]
-            per_block = 2 * args.layers * _block_bytes()
+            per_block = 2 * args.layers * block_bytes()
             spec = {"layers": args.layers, "sizes_mib": mibs, "seed": 1234,
                     "num_blocks": max(64, 2 * max(mibs) * 2**20 // per_block),
                     "layouts": ["contiguous", "scattered"], "repeats": args.repeats,
@@ -296,12 +297,6 @@ def main(argv: list[str] | None = None) -> int:
               f"({'passed' if 'host' in results and passed(results['host']) else 'not passed'})")
         return 1 if failed or tests_failed else NO_GPU
     return 1 if failed or tests_failed else 0
-
-
-def _block_bytes() -> int:
-    from bench.gpu_pull import block_bytes
-
-    return block_bytes()
 
 
 if __name__ == "__main__":
