@@ -154,8 +154,13 @@ class WorkerHalf:
             responder.answer(incoming)
 
     # ---------------------------------------------------------------- per step
-    def start_step(self, meta: PdserveMetadata) -> None:
-        """Take this step's leases, pulls and releases from the scheduler half."""
+    def take_lease_messages(self, meta: PdserveMetadata) -> None:
+        """Grant this step's leases and send its releases and renewals (once per ``meta``):
+        called when the step's metadata is bound, before its forward, so a decode's release
+        waits for no forward pass."""
+        if meta.lease_messages_taken:
+            return
+        meta.lease_messages_taken = True
         for request_id, (expires_at, token) in meta.leases.items():
             now = time.monotonic()
             logger.debug("lease %s granted for %.1f s", request_id, expires_at - now)
@@ -165,6 +170,10 @@ class WorkerHalf:
             self._send_release_only(remote)
         for remote in meta.renewals:
             self._send_renewal(remote)
+
+    def start_step(self, meta: PdserveMetadata) -> None:
+        """Start this step's pulls (and take its lease messages, if binding did not)."""
+        self.take_lease_messages(meta)
         for spec in meta.pulls:
             self._start_pull(spec)
 
