@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +148,33 @@ def test_one_trace_across_router_prefill_and_decode(cluster: Cluster,
     assert len(vllm_spans) >= 2, [(s.service, s.name) for s in spans]
     for s in spans:
         assert s.start_ns <= s.end_ns
+
+
+def test_a_lease_is_granted_before_the_next_prefill_runs(
+        cluster: Cluster, tiny_model_dir: Path) -> None:
+    """A finished prefill's lease is granted when the next engine step starts, not when it
+    ends: vLLM starts a connector's (asynchronous) loads only after the forward, and on CPU the
+    forward is the whole step, so a grant taken there waited for the next request's prefill
+    (200-400 ms of handoff, the decode's release waiting on the grant). Two long prompts sent
+    together: the second's prefill ends a step or more after the first's; the first's lease
+    must be granted early in that span (before the fix it came at its end)."""
+    first, second = make_prompts(tiny_model_dir, [1800, 1800], seed=11, tag="grant")
+    ids = [f"gr-{uuid.uuid4().hex}", f"gr-{uuid.uuid4().hex}"]
+    with ThreadPoolExecutor(2) as pool:
+        done = [pool.submit(_stream, cluster.url, first, ids[0])]
+        time.sleep(0.05)  # the first is admitted first; the second queues behind it
+        done.append(pool.submit(_stream, cluster.url, second, ids[1]))
+        assert all(f.result()[1] == 6 for f in done)
+
+    def prefill_events(rid: str) -> dict[str, float] | None:
+        found = [x["events"] for x in _lines(cluster.kv_timeline)
+                 if rid in x["request_id"] and x["role"] == "prefill"]
+        return found[0] if found else None
+
+    a = eventually(lambda: prefill_events(ids[0]), bool, timeout_s=15)
+    b = eventually(lambda: prefill_events(ids[1]), bool, timeout_s=15)
+    assert a is not None and b is not None
+    span = b["prefill_done"] - a["prefill_done"]
+    # the set-up holds: the second prompt's prefill ran (at least partly) after the first's
+    assert span > 0.05, (a, b)
+    assert a["lease_granted"] - a["prefill_done"] < 0.5 * span, (a, b)
