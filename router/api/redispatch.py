@@ -29,6 +29,14 @@ worker: nothing cached), so a move that breaks a long prefix hit is not made; de
 sequences (a queued decode starts when a sequence ahead of it ends; a moved one computes its
 prompt on the target, which a count of 1 understates for a long prompt; see the README).
 
+Flex workers (an adaptive fleet, ``router.policy.adaptive``) are neither sources nor targets:
+the path policy plans each of their requests from the engines' queues and the split it keeps
+(quiet decoders that prefill nothing), which this rule does not see, and vLLM counts a decode
+that is pulling its KV as waiting. On the switching goodput trace (2 flex engines, 1.5 req/s,
+107 requests) re-dispatch moved 12 decodes off the quiet decoder onto the engine prefilling,
+each recomputing its prompt there: three clients saw 1.5-18 s between their first two tokens,
+and two abandoned pulls held their blocks for the 20 s pull timeout.
+
 How a move runs: the stream closes its connection (vLLM aborts a request whose client left; a
 decode that got ``kv_transfer_params`` and never pulled releases the prefill's lease) and sends
 the request again to the target, nothing having reached the client from the source
@@ -181,8 +189,13 @@ class Redispatcher:
     def _move(self, role: str, model: str, sources: list[tuple[str, list[Waiting]]],
               loads: Mapping[str, WorkerLoad], joined: dict[str, float]) -> int:
         proxy = self.proxy
+        # an adaptive fleet's requests stay where its path policy put them (module doc)
+        flex = {r.worker_id for r in proxy.cluster.workers("flex", model)}
+        sources = [(wid, es) for wid, es in sources if wid not in flex]
         live = {r.worker_id: r for r in proxy.live(role, model)
-                if not proxy.cluster.leaving(r.worker_id)}
+                if not proxy.cluster.leaving(r.worker_id) and r.worker_id not in flex}
+        if not sources:
+            return 0
         pool = proxy.placement.pool(role)
         snapshots = {c.worker_id: c for c in proxy.tracker.candidates(live.values(), loads)}
         free = [wid for wid, c in snapshots.items()

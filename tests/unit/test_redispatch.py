@@ -81,6 +81,24 @@ async def test_a_queued_decode_moves_to_a_worker_that_joined(rig_of: Callable[..
     assert rig.in_flight() == {} and rig.proxy.waiting.workers() == []
 
 
+async def test_an_adaptive_fleets_decodes_stay_where_the_path_policy_put_them(
+        rig_of: Callable[..., Rig]) -> None:
+    """The test above with flex workers (an adaptive fleet): the same queue and the same idle
+    newcomer, and nothing moves. The path policy placed the decode (on a quiet decoder, away
+    from the engine prefilling), and a flex engine counts a decode pulling its KV as waiting:
+    a move would recompute the prompt on an engine the split keeps prefilling."""
+    rig = rig_of(p1=[], d1=[HUNG], d2=[Script(EVENTS)])
+    rig.cluster.records[:] = [record(r.worker_id, "flex" if r.role == "decode" else r.role)
+                              for r in rig.cluster.records]
+    client = await start_stream(rig)
+    rig.proxy.reported_loads = lambda: {"d1": load(2, 1), "d2": load(0, 0)}
+    assert Redispatcher(rig.proxy, 1.0, 1e-4).step() == 0
+    await asyncio.sleep(0.6)  # past two of the stream's looks at a move
+    assert rig.workers.calls == ["d1"] and not rig.workers.streams[0].closed
+    assert redispatches(rig, "decode") == 0
+    client.cancel()
+
+
 @pytest.mark.parametrize(("reports", "why"), [
     ({"d1": load(2, 0), "d2": load(0, 0)}, "d1 queues nothing: the request is running there"),
     ({"d1": load(2, 1), "d2": load(0, 1)}, "d2 queues work too"),
