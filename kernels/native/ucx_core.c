@@ -524,11 +524,15 @@ static void close_now(EngineObject *e, ucp_ep_h ep);
 
 /* The control ep (peer error handling) and the data ep.  The data ep goes without UCX error
  * handling only where that buys the cma lane: a peer on this kernel boot and pid namespace, with
- * cma among our resources.  A dead cma peer fails the read in the posting call.  Everywhere
- * else (tcp, IB, another pid namespace) UCX leaves a peer failure undefined without error
- * handling: a flush was seen to complete OK over tcp after the peer died mid-transfer, with
- * the bytes never written.  So those data eps keep peer error handling.  p's locality fields
- * are set by then. */
+ * cma among our resources, that UCX reads from (not the pvm path, whose reads bypass UCX).  A
+ * dead cma peer fails the read in the posting call.  Everywhere else (tcp, IB, another pid
+ * namespace) UCX leaves a peer failure undefined without error handling: a flush was seen to
+ * complete OK over tcp after the peer died mid-transfer, with the bytes never written.  So those
+ * data eps keep peer error handling.  On the pvm path the data ep keeps it too: UCX pairs the
+ * eps two workers open to each other in creation order, and when both engines request from each
+ * other (flex workers) a data ep without error handling was paired with the other side's control
+ * or reply ep ("asymmetric endpoint configuration"), and every request on that connection hung
+ * until its timeout.  p's path and locality fields are set by then. */
 ucs_status_t ucx_ep_create(EngineObject *e, peer_t *p, const void *address)
 {
     ucp_ep_params_t ep = {
@@ -541,7 +545,7 @@ ucs_status_t ucx_ep_create(EngineObject *e, peer_t *p, const void *address)
     ucs_status_t st = ucp_ep_create(e->worker, &ep, &p->ep);
     if (st != UCS_OK) return st;
     ucp_ep_params_t dep = ep;
-    p->dep_err_handling = !(p->same_boot && p->same_pidns && e->has_cma);
+    p->dep_err_handling = !(p->path != PATH_PVM && p->same_boot && p->same_pidns && e->has_cma);
     if (!p->dep_err_handling) {
         dep.field_mask &= ~(uint64_t)UCP_EP_PARAM_FIELD_ERR_HANDLER;
         dep.err_mode = UCP_ERR_HANDLING_MODE_NONE;

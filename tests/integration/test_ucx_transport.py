@@ -12,6 +12,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -518,3 +519,41 @@ def test_a_reply_not_vouched_for_opens_no_endpoint(tls: str) -> None:
         assert known.result() == b"expired" and server.unanswered_strangers == 1
         assert stranger.poll() == "pending"
         peer.abort()
+
+
+@pytest.mark.parametrize("path", ["pvm", "ucx"])
+def test_two_engines_that_request_from_each_other_are_both_answered(path: str) -> None:
+    """Flex workers pull from each other: B requests from A (A answers over its reply
+    endpoint), then A requests from B. UCX pairs the endpoints two workers open to each other
+    in creation order; on the pvm path A's data endpoint went without error handling and was
+    paired with one of B's that had it ("asymmetric endpoint configuration"), so A's requests
+    hung until their timeout (a 20 s release stall in the adaptive cluster). Both directions
+    answer, before and after the reversal."""
+    def answer(engine: UcxEngine, stop: threading.Event) -> None:
+        while not stop.is_set():
+            engine.wait_requests(0.05)
+            for req in engine.poll_requests():
+                req.reply(b"re:" + req.payload, vouched=True)
+
+    stop = threading.Event()
+    with UcxEngine(name="flex-a") as a, UcxEngine(name="flex-b") as b:
+        for engine in (a, b):
+            _landing(engine, BLOCK)  # some registered memory, as a worker has (kept alive)
+        threads = [threading.Thread(target=answer, args=(e, stop), daemon=True) for e in (a, b)]
+        for t in threads:
+            t.start()
+        try:
+            b_to_a = b.connect(a.address, a.locality if path == "pvm" else None)
+            a_to_b = None
+            for i, sender in enumerate(("b", "b", "a", "b", "a")):
+                if sender == "a" and a_to_b is None:
+                    a_to_b = a.connect(b.address, b.locality if path == "pvm" else None)
+                peer = b_to_a if sender == "b" else a_to_b
+                assert peer is not None and peer.path == path
+                transfer = peer.request(b"%s %d" % (sender.encode(), i))
+                transfer.wait(DEADLINE_S)  # the failure was a hang, not a slow answer
+                assert transfer.result() == b"re:%s %d" % (sender.encode(), i)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(5)
