@@ -32,10 +32,10 @@ prompt on the target, which a count of 1 understates for a long prompt; see the 
 Flex workers (an adaptive fleet, ``router.policy.adaptive``) are neither sources nor targets:
 the path policy plans each of their requests from the engines' queues and the split it keeps
 (quiet decoders that prefill nothing), which this rule does not see, and vLLM counts a decode
-that is pulling its KV as waiting. On the switching goodput trace (2 flex engines, 1.5 req/s,
-107 requests) re-dispatch moved 12 decodes off the quiet decoder onto the engine prefilling,
-each recomputing its prompt there: three clients saw 1.5-18 s between their first two tokens,
-and two abandoned pulls held their blocks for the 20 s pull timeout.
+that is pulling its KV as waiting. Seen once on the switching goodput trace (2 flex engines,
+1.5 req/s, 107 requests): while the quiet decoder's releases hung (an endpoint pairing bug of
+the native engine, since fixed), re-dispatch moved 12 of its decodes onto the engine the split
+kept prefilling, each recomputing its prompt there.
 
 How a move runs: the stream closes its connection (vLLM aborts a request whose client left; a
 decode that got ``kv_transfer_params`` and never pulled releases the prefill's lease) and sends
