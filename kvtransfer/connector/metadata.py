@@ -33,9 +33,6 @@ class PdserveMetadata(KVConnectorMetadata):
     """Prefill: new leases, request id -> (expiry on the monotonic clock, lease token)."""
     renewals: list[RemotePrefill] = field(default_factory=list)
     """Decode: leases to extend because their requests still wait in this engine's queue."""
-    lease_messages_taken: bool = False
-    """Set by the worker half once it granted ``leases`` and sent ``releases`` and
-    ``renewals`` (binding the metadata and starting the step both take them; once only)."""
 
 
 @dataclass(frozen=True)

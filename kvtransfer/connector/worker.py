@@ -155,12 +155,9 @@ class WorkerHalf:
 
     # ---------------------------------------------------------------- per step
     def take_lease_messages(self, meta: PdserveMetadata) -> None:
-        """Grant this step's leases and send its releases and renewals (once per ``meta``):
-        called when the step's metadata is bound, before its forward, so a decode's release
-        waits for no forward pass."""
-        if meta.lease_messages_taken:
-            return
-        meta.lease_messages_taken = True
+        """Grant this step's leases and send its releases and renewals: called when the step's
+        metadata is bound (vLLM binds it before every forward and before ``start_load_kv``), so
+        a decode's release waits for no forward pass."""
         for request_id, (expires_at, token) in meta.leases.items():
             now = time.monotonic()
             logger.debug("lease %s granted for %.1f s", request_id, expires_at - now)
@@ -172,8 +169,7 @@ class WorkerHalf:
             self._send_renewal(remote)
 
     def start_step(self, meta: PdserveMetadata) -> None:
-        """Start this step's pulls (and take its lease messages, if binding did not)."""
-        self.take_lease_messages(meta)
+        """Start this step's pulls (its lease messages were taken when it was bound)."""
         for spec in meta.pulls:
             self._start_pull(spec)
 
