@@ -23,7 +23,7 @@ worker joins, inside the membership update that adds it (``ClusterSource.on_join
 it can take is planned before any new arrival is placed on it. Without that, on a fast engine
 new arrivals balanced the old worker's queue within a second of the join, ahead of requests
 that had waited longer (CI run 21's compose cluster: a 96-token request per 0.4 s). Work is counted
-in the pool's unit: prefill roles (prefill, aggregated, flex) in uncached prompt tokens, the
+in the pool's unit: prefill roles (prefill, aggregated) in uncached prompt tokens, the
 router's ledger on the source and the pool policy's cache estimate on each target (a joined
 worker: nothing cached), so a move that breaks a long prefix hit is not made; decode in
 sequences (a queued decode starts when a sequence ahead of it ends; a moved one computes its
@@ -65,8 +65,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PREFILL_ROLES = ("prefill", "aggregated", "flex")
-"""Pools whose queued work is counted in uncached prompt tokens (decode: in sequences)."""
+PREFILL_ROLES = ("prefill", "aggregated")
+"""Pools whose queued work is counted in uncached prompt tokens (decode: in sequences); flex
+workers are left to the path policy (module doc)."""
 JOIN_WINDOW_S = 10.0
 """How long a worker counts as joined while no queue was there to move to it."""
 SEQUENCE = LoadModel(per_token_s=1.0)
@@ -157,7 +158,10 @@ class Redispatcher:
         loads = proxy.reported_loads()
         joined = self._new_members()
         groups: dict[tuple[str, str], list[tuple[str, list[Waiting]]]] = {}
+        flex = self._flex()
         for wid in proxy.waiting.workers():
+            if wid in flex:  # an adaptive fleet's requests stay on their planned path
+                continue
             queued = queued_now(proxy.waiting.on(wid), loads.get(wid))
             by_pool: dict[tuple[str, str], list[Waiting]] = {}
             for entry in queued:
@@ -166,8 +170,13 @@ class Redispatcher:
                 groups.setdefault(key, []).append((wid, entries))
         moved = 0
         for (role, model), sources in groups.items():
-            moved += self._move(role, model, sources, loads, joined.setdefault((role, model), {}))
+            moved += self._move(role, model, sources, loads, joined.setdefault((role, model), {}),
+                                flex)
         return moved
+
+    def _flex(self) -> set[str]:
+        """Every flex worker's id (neither a source nor a target: module doc)."""
+        return {r.worker_id for r in self.proxy.cluster.workers("flex")}
 
     def _new_members(self) -> dict[tuple[str, str], dict[str, float]]:
         """Each pool's workers that joined since an earlier step (none at the first), not yet
@@ -187,15 +196,11 @@ class Redispatcher:
         return self._joined
 
     def _move(self, role: str, model: str, sources: list[tuple[str, list[Waiting]]],
-              loads: Mapping[str, WorkerLoad], joined: dict[str, float]) -> int:
+              loads: Mapping[str, WorkerLoad], joined: dict[str, float],
+              flex: set[str]) -> int:
         proxy = self.proxy
-        # an adaptive fleet's requests stay where its path policy put them (module doc)
-        flex = {r.worker_id for r in proxy.cluster.workers("flex", model)}
-        sources = [(wid, es) for wid, es in sources if wid not in flex]
         live = {r.worker_id: r for r in proxy.live(role, model)
                 if not proxy.cluster.leaving(r.worker_id) and r.worker_id not in flex}
-        if not sources:
-            return 0
         pool = proxy.placement.pool(role)
         snapshots = {c.worker_id: c for c in proxy.tracker.candidates(live.values(), loads)}
         free = [wid for wid, c in snapshots.items()
