@@ -18,13 +18,13 @@ Each workload is a BurstGPT-shaped trace (``pdserve bench synth``) with its own 
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.trace import TraceRow, read_trace, write_trace
+from bench.synth import SynthConfig, synth_rows
+from bench.trace import TraceRow, read_trace, schedule, write_trace
 
 
 @dataclass(frozen=True)
@@ -66,16 +66,22 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
 """Every workload by name."""
 
 
+def synth_config(workload: Workload, duration_s: float, seed: int) -> SynthConfig:
+    """The ``pdserve bench synth`` settings of ``workload``'s trace: ``duration_s`` seconds at
+    1 req/s (a replay's ``--rate`` compresses it), bursty arrivals, its length medians and
+    caps."""
+    return SynthConfig(duration_s=duration_s, rate=1.0,
+                       prompt_median=workload.prompt_median,
+                       response_median=workload.response_median,
+                       max_prompt_tokens=workload.max_prompt_tokens,
+                       max_response_tokens=workload.max_response_tokens,
+                       conversation_fraction=workload.conversation_fraction, seed=seed)
+
+
 def _synth(workload: Workload, out: Path, duration_s: float, seed: int) -> None:
-    subprocess.run([sys.executable, "-m", "serve.cli", "bench", "synth", "--out", str(out),
-                    "--duration", str(duration_s), "--rate", "1",
-                    "--prompt-median", str(workload.prompt_median),
-                    "--response-median", str(workload.response_median),
-                    "--max-prompt-tokens", str(workload.max_prompt_tokens),
-                    "--max-response-tokens", str(workload.max_response_tokens),
-                    "--conversation-fraction", str(workload.conversation_fraction),
-                    "--seed", str(seed), "--layout", "v2" if workload.sessions else "v1"],
-                   check=True, stdout=subprocess.DEVNULL)
+    """What ``pdserve bench synth`` writes for :func:`synth_config` (in process)."""
+    write_trace(synth_rows(synth_config(workload, duration_s, seed)), out,
+                layout="v2" if workload.sessions else "v1")
 
 
 def alternate(traces: Sequence[list[TraceRow]], phases: int, duration_s: float
@@ -119,3 +125,15 @@ def rate_point_trace(workload: Workload, out: Path, rate: float, span_s: float, 
     ``rate * span_s`` requests; a switching one changing phase every ``phase_s``), written at
     1 req/s for ``pdserve bench replay --rate`` to compress."""
     return build_trace(workload, out, rate * span_s, seed, phase_count(workload, span_s))
+
+
+def point_rows(workload: Workload, rate: float, span_s: float, seed: int
+               ) -> list[tuple[float, TraceRow]]:
+    """The requests one rate point replays, each with its send time (s from the point's
+    start): :func:`rate_point_trace` written and read back, scheduled at ``rate`` as
+    ``pdserve bench replay --rate`` schedules it (the simulator's copy of a real point)."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-point-") as tmp:
+        trace = rate_point_trace(workload, Path(tmp) / "trace.csv", rate, span_s, seed)
+        rows = list(read_trace(trace))
+    sched, _ = schedule(rows, rate=rate)
+    return [(s.at_s, s.row) for s in sched]

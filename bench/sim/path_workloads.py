@@ -26,6 +26,7 @@ import itertools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from bench.sim.workload import SimRequest, WorkloadConfig, build_requests
 from bench.synth import iter_gamma_rows
@@ -49,6 +50,23 @@ def _mix(rng: random.Random, t: float) -> tuple[int, int]:
 
 def _switch(rng: random.Random, t: float) -> tuple[int, int]:
     return (_decode_heavy if int(t // SWITCH_S) % 2 else _prefill_heavy)(rng, t)
+
+
+class SimWorkload(Protocol):
+    """What ``pdserve sim paths`` measures a fleet on: a name, an SLO pair, and the requests
+    of a rate point (this module's workloads, and the goodput benchmark's own,
+    :mod:`bench.sim.bench_workloads`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def ttft_slo_s(self) -> float: ...
+
+    @property
+    def tpot_slo_s(self) -> float: ...
+
+    def requests(self, rate_rps: float, seed: int) -> list[SimRequest]: ...
 
 
 @dataclass(frozen=True)

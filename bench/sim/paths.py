@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from bench.sim.fleet import FleetResult, FleetSettings, make_fleet, simulate_fleet
-from bench.sim.path_workloads import PathWorkload
+from bench.sim.path_workloads import SimWorkload
 from bench.sim.sweep import highest_rate
 from router.autoscale.profile import InstanceProfile
 from router.policy.path_cost import PathCosts
@@ -53,7 +53,7 @@ class CompareConfig:
     bisect_steps: int = 5
 
 
-def capacity(workload: PathWorkload, fleet_name: str, seed: int, cfg: CompareConfig,
+def capacity(workload: SimWorkload, fleet_name: str, seed: int, cfg: CompareConfig,
              start_rps: float) -> Capacity:
     """The highest rate at which ``fleet_name`` keeps ``cfg.target`` within both SLOs."""
     fleet = make_fleet(fleet_name, cfg.instances)
@@ -72,7 +72,7 @@ def capacity(workload: PathWorkload, fleet_name: str, seed: int, cfg: CompareCon
     return Capacity(rate, passed.get(rate))
 
 
-def first_guess(workload: PathWorkload, cfg: CompareConfig) -> float:
+def first_guess(workload: SimWorkload, cfg: CompareConfig) -> float:
     """Half of what the fleet could prefill with no decoding at all (req/s)."""
     sample = workload.requests(1.0, 0)
     mean_prompt = statistics.fmean(r.prompt_tokens for r in sample)
@@ -88,7 +88,7 @@ class Row:
     adaptive_pd_share: list[float]
 
 
-def compare(workloads: Sequence[PathWorkload], fleets: Sequence[str], cfg: CompareConfig,
+def compare(workloads: Sequence[SimWorkload], fleets: Sequence[str], cfg: CompareConfig,
             progress: Callable[[str], None] | None = None) -> list[Row]:
     """Every fleet's capacity on every workload for every seed."""
     rows = []

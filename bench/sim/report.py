@@ -157,3 +157,53 @@ def paths_ranking(rows: Sequence[Row]) -> str:
         order = sorted(mean, key=lambda f: -mean[f])
         out.append(f"{row.workload}: " + " > ".join(order))
     return "\n".join(out) + "\n"
+
+
+REAL_SETUPS: dict[str, str] = {"aggregated": "aggregated", "pd": "pd1:1", "adaptive": "adaptive"}
+"""``bench.pd_goodput`` setup -> the simulated fleet of the same engines (N aggregated, static
+P/D one to one, N flex). plain, selective and vllm_pd have none."""
+TIE_SHARE = 0.05
+"""Simulated capacities within this share of each other rank as tied (the real table's
+bisection resolves ~5 %)."""
+
+
+def real_capacities(goodput: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]]
+                    ) -> dict[str, dict[str, float]]:
+    """``bench.pd_goodput``'s ``goodput.json`` -> workload -> setup -> sustained req/s (the
+    lower of its runs, as the benchmark's table reads it; 0 when none passed)."""
+    return {w: {s: min(float(r.get("max_rate_rps") or 0.0) for r in runs)
+                for s, runs in by_setup.items() if runs}
+            for w, by_setup in goodput.items()}
+
+
+def _order(a: float, b: float, tie_share: float) -> int:
+    """1 when ``a`` ranks above ``b``, -1 below, 0 when within ``tie_share`` of the larger."""
+    if abs(a - b) <= tie_share * max(abs(a), abs(b)):
+        return 0
+    return 1 if a > b else -1
+
+
+def ranking_agreement(rows: Sequence[Row], real: Mapping[str, Mapping[str, float]]) -> str:
+    """Markdown table: for every simulated ``bench:<name>`` workload the real table also
+    measured, each setup's real and simulated capacity and how many pairs of setups the two
+    order alike (ties: equal real rates; simulated ones within :data:`TIE_SHARE`)."""
+    head = ("| workload | setup: real / simulated req/s | pairs ordered alike | best (real; "
+            "simulated) |\n|---|---|---|---|\n")
+    lines = []
+    for row in rows:
+        name = row.workload.removeprefix("bench:")
+        measured = real.get(name)
+        if row.workload == name or not measured:
+            continue
+        sim = {f: sum(c) / len(c) for f, c in row.capacity_rps.items() if c}
+        both = [s for s in REAL_SETUPS if s in measured and REAL_SETUPS[s] in sim]
+        pairs = [(a, b) for i, a in enumerate(both) for b in both[i + 1:]]
+        alike = sum(_order(measured[a], measured[b], 0.0)
+                    == _order(sim[REAL_SETUPS[a]], sim[REAL_SETUPS[b]], TIE_SHARE)
+                    for a, b in pairs)
+        cells = ", ".join(f"{s} {measured[s]:.2f} / {sim[REAL_SETUPS[s]]:.2f}" for s in both)
+        best_real = max(both, key=lambda s: measured[s], default="-")
+        best_sim = max(both, key=lambda s: sim[REAL_SETUPS[s]], default="-")
+        lines.append(f"| {name} | {cells} | {alike} of {len(pairs)} | {best_real}; "
+                     f"{best_sim} |")
+    return head + "\n".join(lines) + "\n" if lines else ""
