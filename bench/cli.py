@@ -46,7 +46,15 @@ from bench.report import (
     write_requests_csv,
 )
 from bench.synth import SynthConfig, fixed_shape_rows, synth_rows
-from bench.trace import TraceError, TraceRow, TraceStats, read_trace, schedule, write_trace
+from bench.trace import (
+    TraceError,
+    TraceRow,
+    TraceStats,
+    clamp_to_context,
+    read_trace,
+    schedule,
+    write_trace,
+)
 from router import settings as shared
 
 logger = logging.getLogger(__name__)
@@ -133,9 +141,8 @@ def build_workload(rows: list[TraceRow], stats: TraceStats, synth: PromptSynthes
             n_in = min(n_in, max_input_tokens)
         if max_output_tokens is not None:
             n_out = min(n_out, max_output_tokens)
-        if max_model_len is not None and n_in + n_out > max_model_len:
-            n_out = max(1, min(n_out, max_model_len // 4))
-            n_in = min(n_in, max_model_len - n_out)
+        if max_model_len is not None:
+            n_in, n_out = clamp_to_context(n_in, n_out, max_model_len)
         clamped += (n_in, n_out) != (r.request_tokens, r.response_tokens)
         session = r.session_id if r.log_type.lower().startswith("conv") else None
         p = synth.prompt(n_in, session_id=session, response_tokens=n_out,

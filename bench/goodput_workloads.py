@@ -19,9 +19,10 @@ Each workload is a BurstGPT-shaped trace (``pdserve bench synth``) with its own 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from bench.synth import SynthConfig, synth_rows
 from bench.trace import TraceRow, read_trace, schedule, write_trace
@@ -137,3 +138,9 @@ def point_rows(workload: Workload, rate: float, span_s: float, seed: int
         rows = list(read_trace(trace))
     sched, _ = schedule(rows, rate=rate)
     return [(s.at_s, s.row) for s in sched]
+
+
+def sustained_rate(runs: Sequence[Mapping[str, Any]]) -> float:
+    """A setup's sustained rate over its repeated ``bench.pd_goodput`` runs: the lower of
+    their ``max_rate_rps`` (0 when a run passed no rate)."""
+    return min(float(r.get("max_rate_rps") or 0.0) for r in runs)

@@ -50,7 +50,13 @@ from typing import Any
 import httpx
 
 from bench import field_pd
-from bench.goodput_workloads import WORKLOADS, Workload, build_trace, rate_point_trace
+from bench.goodput_workloads import (
+    WORKLOADS,
+    Workload,
+    build_trace,
+    rate_point_trace,
+    sustained_rate,
+)
 from bench.placement import children, placement_of
 from bench.sweep import sweep as bisect_rates
 from serve.tiny_model import build_tiny_model
@@ -263,11 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _best(runs: list[dict[str, Any]]) -> float:
-    """The lower of a setup's repeated results (0 when none passed)."""
-    return min(float(r["max_rate_rps"] or 0.0) for r in runs)
-
-
 def print_table(results: dict[str, dict[str, list[dict[str, Any]]]],
                 args: argparse.Namespace) -> None:
     """Max rate per workload and setup, adaptive's ratio to the best static setup over the
@@ -280,7 +281,7 @@ def print_table(results: dict[str, dict[str, list[dict[str, Any]]]],
           + "   adaptive/best-static  adaptive/vllm_pd")
     for wname, by_setup in results.items():
         w = WORKLOADS[wname]
-        rates = {s: _best(runs) for s, runs in by_setup.items()}
+        rates = {s: sustained_rate(runs) for s, runs in by_setup.items()}
         static = max((rates[s] for s in ("aggregated", "pd", "selective") if s in rates),
                      default=0.0)
         ratio = f"{rates['adaptive'] / static:.2f}" if "adaptive" in rates and static else "-"

@@ -431,3 +431,14 @@ def per_second_counts(offsets: Iterable[float], bin_s: float = 1.0) -> list[int]
             counts.extend([0] * (b + 1 - len(counts)))
         counts[b] += 1
     return counts
+
+
+def clamp_to_context(request_tokens: int, response_tokens: int, max_model_len: int
+                     ) -> tuple[int, int]:
+    """(prompt, output) tokens of a row replayed on a server of ``max_model_len``: a row that
+    does not fit keeps at most a quarter of the context for its output and the rest for its
+    prompt."""
+    if request_tokens + response_tokens <= max_model_len:
+        return request_tokens, response_tokens
+    out = max(1, min(response_tokens, max_model_len // 4))
+    return min(request_tokens, max_model_len - out), out

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from bench.goodput_workloads import WORKLOADS as BENCH_WORKLOADS
 from bench.goodput_workloads import Workload, point_rows
 from bench.sim.workload import SimRequest
+from bench.trace import clamp_to_context
 
 PREFIX = "bench:"
 """Name prefix of these workloads among ``pdserve sim paths``' workloads."""
@@ -63,14 +64,12 @@ class BenchWorkload:
         if rate_rps <= 0:
             raise ValueError(f"rate must be > 0, got {rate_rps}")
         fresh = itertools.count(1)
+        # session id -> (history tokens, their full blocks' hashes)
         sessions: dict[str, tuple[int, tuple[int, ...]]] = {}
-        """Session id -> (history tokens, their full blocks' hashes)."""
         out: list[SimRequest] = []
         for at_s, row in point_rows(self.workload, rate_rps, self.duration_s, seed):
-            n_in, n_out = row.request_tokens, row.response_tokens
-            if n_in + n_out > self.max_model_len:
-                n_out = max(1, min(n_out, self.max_model_len // 4))
-                n_in = min(n_in, self.max_model_len - n_out)
+            n_in, n_out = clamp_to_context(row.request_tokens, row.response_tokens,
+                                           self.max_model_len)
             session = row.session_id if self.workload.sessions \
                 and row.log_type.lower().startswith("conv") else None
             shared: tuple[int, ...] = ()

@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.goodput_workloads import sustained_rate
+from bench.sim.bench_workloads import PREFIX
 from router.policy.registry import BASELINES
 
 if TYPE_CHECKING:
@@ -171,8 +173,7 @@ def real_capacities(goodput: Mapping[str, Mapping[str, Sequence[Mapping[str, Any
                     ) -> dict[str, dict[str, float]]:
     """``bench.pd_goodput``'s ``goodput.json`` -> workload -> setup -> sustained req/s (the
     lower of its runs, as the benchmark's table reads it; 0 when none passed)."""
-    return {w: {s: min(float(r.get("max_rate_rps") or 0.0) for r in runs)
-                for s, runs in by_setup.items() if runs}
+    return {w: {s: sustained_rate(runs) for s, runs in by_setup.items() if runs}
             for w, by_setup in goodput.items()}
 
 
@@ -191,7 +192,7 @@ def ranking_agreement(rows: Sequence[Row], real: Mapping[str, Mapping[str, float
             "simulated) |\n|---|---|---|---|\n")
     lines = []
     for row in rows:
-        name = row.workload.removeprefix("bench:")
+        name = row.workload.removeprefix(PREFIX)
         measured = real.get(name)
         if row.workload == name or not measured:
             continue
