@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-import uuid
 from contextvars import ContextVar
 
 from starlette.datastructures import MutableHeaders
@@ -24,7 +23,8 @@ request_id_var: ContextVar[str] = ContextVar("pdserve_request_id", default="-")
 
 
 def new_request_id() -> str:
-    return f"pd-{uuid.uuid4().hex}"
+    """A fresh request id: ``pd-`` and 32 random hex digits."""
+    return f"pd-{secrets.token_hex(16)}"
 
 
 def accept_request_id(raw: str | None) -> str:

@@ -61,6 +61,8 @@ FALLBACK_ROLES = ("decode", "aggregated", "prefill")
 """Pools a request may finish in when its own has nobody left (see ``choose_fallback``)."""
 
 _FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate")
+URL_CACHE = 1024
+"""Parsed worker URLs kept (workers x endpoints; more means churn: the cache starts over)."""
 
 
 class PDProxy:
@@ -112,6 +114,9 @@ class PDProxy:
         """Frees the prefill leases of params no decode received (``router.api.unspent``)."""
         self.waiting = WaitingRequests()
         """Streams sent and not yet answered, per worker (``router.api.redispatch``)."""
+        self._urls: dict[str, httpx.URL] = {}
+        """Worker URLs parsed once (a worker's endpoints are few; parsing one each call cost
+        the router a thirtieth of its CPU per request)."""
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -309,7 +314,7 @@ class PDProxy:
             request = self.client.build_request("POST", url, content=content, headers=headers,
                                                 timeout=timeout)
             return await self.client.send(request, stream=stream)
-        request = httpx.Request("POST", url, content=content, headers=headers,
+        request = httpx.Request("POST", self._url(url), content=content, headers=headers,
                                 extensions={"timeout": timeout.as_dict()})
         resp = await self.transport.handle_async_request(request)
         if not stream:
@@ -318,6 +323,15 @@ class PDProxy:
             finally:
                 await resp.aclose()
         return resp
+
+    def _url(self, url: str) -> httpx.URL:
+        """``url`` parsed, from the cache (emptied when it passes ``URL_CACHE`` entries)."""
+        parsed = self._urls.get(url)
+        if parsed is None:
+            if len(self._urls) >= URL_CACHE:
+                self._urls.clear()
+            parsed = self._urls[url] = httpx.URL(url)
+        return parsed
 
     # -- prefill -----------------------------------------------------------------------------
 

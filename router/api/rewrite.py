@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from router.api.fastjson import dumps
 from router.api.schemas import Endpoint
 
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {"do_remote_decode": True}
@@ -33,4 +33,5 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dic
 
 
 def encode(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    """A body as compact UTF-8 JSON (``router.api.fastjson``)."""
+    return dumps(body)

@@ -9,12 +9,12 @@ value back into the body, so the router and the workers read the same number.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
+from router.api.fastjson import loads
 from router.errors import InvalidRequestError
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -82,7 +82,7 @@ _VALUE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_e
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     """Decode the body; 400 ``invalid_json`` / ``invalid_type`` when it is not a JSON object."""
     try:
-        body = json.loads(raw)
+        body = loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}",
                                   code="invalid_json") from exc

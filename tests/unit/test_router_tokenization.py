@@ -1,0 +1,121 @@
+"""The router's prompt tokenization: the Rust backend's ids equal the wrapper's, short prompts
+are encoded on the loop and long ones in a thread, with the same ids either way."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from router.api import tokenization
+from router.api.tokenization import INLINE_CHARS, TokenizerCache, _encode, _encoder
+from serve.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return str(build_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path: str) -> Any:
+    return tokenization._load(model_path)
+
+
+PROMPTS = ["", "Hello", " leading space", "Prefill and decode.\n\nTwo engines, one KV cache.",
+           "caf\u00e9 \u4e2d\u6587 \U0001f600 tabs\tand  double  spaces", "<s> looks special",
+           "x" * 5000]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_the_backend_gives_the_wrappers_ids(tokenizer: Any, prompt: str) -> None:
+    encode = _encoder(tokenizer)
+    assert encode(prompt) == _encode(tokenizer, prompt)
+    # the fast path is the one chosen for this tokenizer (not the wrapper again)
+    assert encode.__name__ == "fast"
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt=st.text(max_size=300))
+def test_any_text_gets_the_wrappers_ids(tokenizer: Any, prompt: str) -> None:
+    assert _encoder(tokenizer)(prompt) == _encode(tokenizer, prompt)
+
+
+class _DisagreeingWrapper:
+    """A wrapper whose ``backend_tokenizer`` is some other real tokenizer (as a transformers
+    tokenizer that adds ids in Python would be): its backend must not be used."""
+
+    def __init__(self, wrapped: Any) -> None:
+        self.wrapped = wrapped
+        other = Tokenizer(models.WordLevel({"[UNK]": 0, "Hello": 1}, unk_token="[UNK]"))
+        other.pre_tokenizer = pre_tokenizers.Whitespace()
+        self.backend_tokenizer = other
+
+    def __call__(self, prompt: str, add_special_tokens: bool = True) -> Any:
+        return self.wrapped(prompt, add_special_tokens=add_special_tokens)
+
+
+def test_a_backend_that_disagrees_is_not_used(tokenizer: Any) -> None:
+    wrapper = _DisagreeingWrapper(tokenizer)
+    encode = _encoder(wrapper)
+    assert encode("Hello there") == _encode(tokenizer, "Hello there")
+    # negative control: the backend alone gives other ids
+    assert wrapper.backend_tokenizer.encode("Hello there").ids != _encode(tokenizer, "Hello there")
+
+
+def test_short_prompts_on_the_loop_long_ones_in_a_thread(model_path: str, tokenizer: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[str] = []
+    chosen = _encoder(tokenizer)
+
+    def recording(tok: Any) -> Any:
+        def encode(prompt: str) -> list[int]:
+            threads.append(threading.current_thread().name)
+            return chosen(prompt)
+        return encode
+
+    monkeypatch.setattr(tokenization, "_encoder", recording)
+    short, long = "a short prompt", "word " * (INLINE_CHARS // 5 + 1)
+
+    async def count() -> tuple[list[int] | None, list[int] | None]:
+        cache = TokenizerCache()
+        return (await cache.count_completion(model_path, short),
+                await cache.count_completion(model_path, long))
+
+    got_short, got_long = asyncio.run(count())
+    assert got_short == _encode(tokenizer, short)
+    assert got_long == _encode(tokenizer, long)
+    main = threading.main_thread().name
+    assert threads == [main, threads[1]] and threads[1] != main
+
+
+def test_short_chats_on_the_loop_long_ones_in_a_thread(model_path: str, tokenizer: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[str] = []
+    render = tokenization._render_chat
+
+    def recording(tok: Any, messages: Any, extra: Any) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return render(tok, messages, extra)
+
+    monkeypatch.setattr(tokenization, "_render_chat", recording)
+    short = [{"role": "user", "content": "a short question"}]
+    long = [{"role": "system", "content": "rules " * (INLINE_CHARS // 12 + 1)},
+            {"role": "user",
+             "content": [{"type": "text", "text": "more " * (INLINE_CHARS // 10 + 1)}]}]
+
+    async def count() -> tuple[list[int] | None, list[int] | None]:
+        cache = TokenizerCache()
+        return (await cache.count_chat(model_path, short, {}),
+                await cache.count_chat(model_path, long, {}))
+
+    got_short, got_long = asyncio.run(count())
+    assert got_short == render(tokenizer, short, {})
+    assert got_long == render(tokenizer, long, {})
+    main = threading.main_thread().name
+    assert threads == [main, threads[1]] and threads[1] != main
