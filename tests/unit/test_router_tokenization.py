@@ -104,10 +104,10 @@ def test_short_chats_on_the_loop_long_ones_in_a_thread(model_path: str, tokenize
         return render(tok, messages, extra)
 
     monkeypatch.setattr(tokenization, "_render_chat", recording)
-    short = [{"role": "user", "content": "a short question"}]
-    long = [{"role": "system", "content": "rules " * (INLINE_CHARS // 12 + 1)},
-            {"role": "user",
-             "content": [{"type": "text", "text": "more " * (INLINE_CHARS // 10 + 1)}]}]
+    short: list[dict[str, Any]] = [{"role": "user", "content": "a short question"}]
+    long: list[dict[str, Any]] = [
+        {"role": "system", "content": "rules " * (INLINE_CHARS // 12 + 1)},
+        {"role": "user", "content": [{"type": "text", "text": "more " * (INLINE_CHARS // 10 + 1)}]}]
 
     async def count() -> tuple[list[int] | None, list[int] | None]:
         cache = TokenizerCache()
