@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 
@@ -49,6 +50,8 @@ def serve(settings: RouterSettings) -> None:
     inherited listening socket ``settings.listen_fd`` when there is one, else on host:port."""
     import uvicorn
 
+    # one prompt per encode: rayon's thread pool would only add threads to the router's core
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from router.api.app import create_app
     from router.http_protocol import SlowClientLimits, protocol_class
 
