@@ -272,8 +272,8 @@ class RouterService:
             each = [await self.tokenizers.count_chat(ref.model_path, messages, body)]
         else:
             assert isinstance(req, CompletionRequest)
-            each = [await self.tokenizers.count_completion(ref.model_path, prompt)
-                    for prompt in completion_prompts(req)]
+            each = await self.tokenizers.count_completions(ref.model_path,
+                                                           completion_prompts(req))
         counted = [e for e in each if e is not None]
         if len(counted) != len(each):
             return (), 0

@@ -1,11 +1,12 @@
 """Prompt token counting with the model's own tokenizer.
 
-A prompt of up to ``INLINE_CHARS`` characters (a chat: of message text) is tokenized on the
-event loop, a completion's by the tokenizer's Rust backend directly when that gives the
-``transformers`` wrapper's ids (checked once per tokenizer). A thread hop cost more than the
-encode: the encode holds the GIL most of its run (two threads encoding ran 1.15x faster than
-one here), so the thread bought little parallelism and cost a GIL hand-off per request. Longer
-prompts go to a thread, where the loop still gets the GIL every switch interval.
+A request of up to ``INLINE_CHARS`` characters (its prompts, or a chat's text and tools) is
+tokenized on the event loop, a completion's prompts by the tokenizer's Rust backend directly
+when that gives the ``transformers`` wrapper's ids (checked once per tokenizer). A thread hop
+cost more than the encode: the encode holds the GIL most of its run (two threads encoding ran
+1.15x faster than one here), so the thread bought little parallelism and cost a GIL hand-off
+per request. Longer requests go to a thread, where the loop still gets the GIL every switch
+interval.
 One tokenizer per ``model_path`` is loaded in a thread and cached: ahead of traffic by
 :meth:`TokenizerCache.warm` (the router's ``/health`` starts it for every registered model and
 says ``warming`` until it is done, so the first request after ready does not pay the 1-4 s
@@ -90,16 +91,29 @@ class TokenizerCache:
     async def count_completion(
         self, model_path: str, prompt: str | Sequence[int]
     ) -> list[int] | None:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        encode = self._encoders.get(model_path)
-        if encode is None:
-            if await self.get(model_path) is None:
-                return None
-            encode = self._encoders[model_path]
-        if len(prompt) <= INLINE_CHARS:
-            return encode(prompt)
-        return await asyncio.to_thread(encode, prompt)
+        """``prompt``'s ids (a prompt given as ids: those); None without a tokenizer."""
+        return (await self.count_completions(model_path, [prompt]))[0]
+
+    async def count_completions(
+        self, model_path: str, prompts: Sequence[str | Sequence[int]]
+    ) -> list[list[int] | None]:
+        """Each prompt's ids, the texts encoded on the loop when they hold ``INLINE_CHARS``
+        characters or fewer in all, else in one thread call."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded: list[list[int]] | None = []
+        if texts:
+            encode = self._encoders.get(model_path)
+            if encode is None and await self.get(model_path) is not None:
+                encode = self._encoders[model_path]
+            if encode is None:
+                encoded = None
+            elif sum(map(len, texts)) <= INLINE_CHARS:
+                encoded = [encode(t) for t in texts]
+            else:
+                encoded = await asyncio.to_thread(lambda: [encode(t) for t in texts])
+        found = iter(encoded or ())
+        return [(None if encoded is None else next(found)) if isinstance(p, str) else list(p)
+                for p in prompts]
 
     async def count_chat(
         self, model_path: str, messages: list[dict[str, Any]], extra: Mapping[str, Any]
@@ -108,7 +122,7 @@ class TokenizerCache:
         if tok is None:
             return None
         try:
-            if _chat_chars(messages) <= INLINE_CHARS:
+            if _chat_chars(messages, extra) <= INLINE_CHARS:
                 return _render_chat(tok, messages, extra)
             return await asyncio.to_thread(_render_chat, tok, messages, extra)
         except Exception as exc:  # a template the router cannot render: let vLLM decide
@@ -164,9 +178,11 @@ def _encoder(tok: Any) -> Callable[[str], list[int]]:
     return lambda prompt: _encode(tok, prompt)
 
 
-def _chat_chars(messages: list[dict[str, Any]]) -> int:
-    """The characters of the messages' text (what the template's encode mostly costs)."""
-    return sum(len(c) for m in messages if isinstance(c := _text_content(m.get("content")), str))
+def _chat_chars(messages: list[dict[str, Any]], extra: Mapping[str, Any]) -> int:
+    """About the characters the template renders: the messages' text and the tools' JSON."""
+    tools = extra.get("tools")
+    return sum(len(c) for m in messages if isinstance(c := _text_content(m.get("content")), str)) \
+        + (len(str(tools)) if tools else 0)
 
 
 def _text_content(content: Any) -> Any:

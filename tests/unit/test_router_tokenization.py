@@ -119,3 +119,43 @@ def test_short_chats_on_the_loop_long_ones_in_a_thread(model_path: str, tokenize
     assert got_long == render(tokenizer, long, {})
     main = threading.main_thread().name
     assert threads == [main, threads[1]] and threads[1] != main
+
+
+def test_a_batch_is_judged_by_its_total_length(model_path: str, tokenizer: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts that are short one by one but long together go to a thread, in one call;
+    prompts given as ids come back as they are, in their places."""
+    threads: list[str] = []
+    chosen = _encoder(tokenizer)
+
+    def recording(tok: Any) -> Any:
+        def encode(prompt: str) -> list[int]:
+            threads.append(threading.current_thread().name)
+            return chosen(prompt)
+        return encode
+
+    monkeypatch.setattr(tokenization, "_encoder", recording)
+    piece = "w " * (INLINE_CHARS // 6 + 1)  # three of them pass INLINE_CHARS, two do not
+    small: list[str | list[int]] = [piece, [7, 8, 9], piece]
+    big: list[str | list[int]] = [piece, [7, 8, 9], piece, piece]
+
+    async def count() -> tuple[list[list[int] | None], list[list[int] | None]]:
+        cache = TokenizerCache()
+        return (await cache.count_completions(model_path, small),
+                await cache.count_completions(model_path, big))
+
+    got_small, got_big = asyncio.run(count())
+    ids = _encode(tokenizer, piece)
+    assert got_small == [ids, [7, 8, 9], ids]
+    assert got_big == [ids, [7, 8, 9], ids, ids]
+    main = threading.main_thread().name
+    assert threads[:2] == [main, main]
+    assert len(threads) == 5 and main not in threads[2:]
+
+
+def test_without_a_tokenizer_texts_are_unknown_and_ids_stay(tmp_path: Any) -> None:
+    async def count() -> list[list[int] | None]:
+        return await TokenizerCache().count_completions(str(tmp_path / "missing"),
+                                                        ["some text", [1, 2]])
+
+    assert asyncio.run(count()) == [None, [1, 2]]
