@@ -100,20 +100,20 @@ class TokenizerCache:
         """Each prompt's ids, the texts encoded on the loop when they hold ``INLINE_CHARS``
         characters or fewer in all, else in one thread call."""
         texts = [p for p in prompts if isinstance(p, str)]
-        encoded: list[list[int]] | None = []
-        if texts:
-            encode = self._encoders.get(model_path)
-            if encode is None and await self.get(model_path) is not None:
-                encode = self._encoders[model_path]
-            if encode is None:
-                encoded = None
-            elif sum(map(len, texts)) <= INLINE_CHARS:
-                encoded = [encode(t) for t in texts]
-            else:
-                encoded = await asyncio.to_thread(lambda: [encode(t) for t in texts])
-        found = iter(encoded or ())
-        return [(None if encoded is None else next(found)) if isinstance(p, str) else list(p)
-                for p in prompts]
+        encoded: Sequence[list[int] | None] = [None] * len(texts)
+        encode = await self._encoder_of(model_path) if texts else None
+        if encode is not None and sum(map(len, texts)) <= INLINE_CHARS:
+            encoded = [encode(t) for t in texts]
+        elif encode is not None:
+            encoded = await asyncio.to_thread(lambda: [encode(t) for t in texts])
+        found = iter(encoded)
+        return [next(found) if isinstance(p, str) else list(p) for p in prompts]
+
+    async def _encoder_of(self, model_path: str) -> Callable[[str], list[int]] | None:
+        """``model_path``'s encoder (its tokenizer loaded first), or None without one."""
+        if model_path not in self._encoders:
+            await self.get(model_path)
+        return self._encoders.get(model_path)
 
     async def count_chat(
         self, model_path: str, messages: list[dict[str, Any]], extra: Mapping[str, Any]

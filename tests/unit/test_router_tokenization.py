@@ -60,16 +60,9 @@ class _DisagreeingWrapper:
         return self.wrapped(prompt, add_special_tokens=add_special_tokens)
 
 
-def test_a_backend_that_disagrees_is_not_used(tokenizer: Any) -> None:
-    wrapper = _DisagreeingWrapper(tokenizer)
-    encode = _encoder(wrapper)
-    assert encode("Hello there") == _encode(tokenizer, "Hello there")
-    # negative control: the backend alone gives other ids
-    assert wrapper.backend_tokenizer.encode("Hello there").ids != _encode(tokenizer, "Hello there")
-
-
-def test_short_prompts_on_the_loop_long_ones_in_a_thread(model_path: str, tokenizer: Any,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def encode_threads(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The name of the thread of every encode a ``TokenizerCache`` made from here on."""
     threads: list[str] = []
     chosen = _encoder(tokenizer)
 
@@ -80,6 +73,20 @@ def test_short_prompts_on_the_loop_long_ones_in_a_thread(model_path: str, tokeni
         return encode
 
     monkeypatch.setattr(tokenization, "_encoder", recording)
+    return threads
+
+
+def test_a_backend_that_disagrees_is_not_used(tokenizer: Any) -> None:
+    wrapper = _DisagreeingWrapper(tokenizer)
+    encode = _encoder(wrapper)
+    assert encode("Hello there") == _encode(tokenizer, "Hello there")
+    # negative control: the backend alone gives other ids
+    assert wrapper.backend_tokenizer.encode("Hello there").ids != _encode(tokenizer, "Hello there")
+
+
+def test_short_prompts_on_the_loop_long_ones_in_a_thread(model_path: str, tokenizer: Any,
+                                                         encode_threads: list[str]) -> None:
+    threads = encode_threads
     short, long = "a short prompt", "word " * (INLINE_CHARS // 5 + 1)
 
     async def count() -> tuple[list[int] | None, list[int] | None]:
@@ -122,19 +129,10 @@ def test_short_chats_on_the_loop_long_ones_in_a_thread(model_path: str, tokenize
 
 
 def test_a_batch_is_judged_by_its_total_length(model_path: str, tokenizer: Any,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+                                               encode_threads: list[str]) -> None:
     """Prompts that are short one by one but long together go to a thread, in one call;
     prompts given as ids come back as they are, in their places."""
-    threads: list[str] = []
-    chosen = _encoder(tokenizer)
-
-    def recording(tok: Any) -> Any:
-        def encode(prompt: str) -> list[int]:
-            threads.append(threading.current_thread().name)
-            return chosen(prompt)
-        return encode
-
-    monkeypatch.setattr(tokenization, "_encoder", recording)
+    threads = encode_threads
     piece = "w " * (INLINE_CHARS // 6 + 1)  # three of them pass INLINE_CHARS, two do not
     small: list[str | list[int]] = [piece, [7, 8, 9], piece]
     big: list[str | list[int]] = [piece, [7, 8, 9], piece, piece]
