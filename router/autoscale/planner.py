@@ -23,8 +23,9 @@ Decode: the mean TPOT fits the step-time scale. Each fit is an EWMA. Then:
 - scale up at once (at most ``max_scale_up_factor`` x current per interval);
 - scale down ``max_scale_down_step`` instances at a time, only after ``scale_down_cooldown_s``
   since the pool last changed, to no fewer than the most any decision within that cooldown
-  asked for, never while one of its instances is still starting, and only if the remaining
-  instances stay below ``safety_utilisation``;
+  asked for, never while one of its instances is still starting or requests wait in its engines'
+  queues (a queue says the pool is full, whatever the arrival rate says: long answers arrive
+  seldom), and only if the remaining instances stay below ``safety_utilisation``;
 - panic: when the observed p90 latency breaks its SLO by ``panic_factor`` while the model says
   the pool is big enough, add one instance per interval (none while one is still starting)
   and hold scale-down for ``panic_hold_s``.
@@ -166,6 +167,10 @@ class Observation:
     decode (None: take ``mean_isl``)."""
     prefilled: int | None = None
     """Requests whose prefill finished in the interval (None: unknown, no backlog term)."""
+    prefill_queued: float | None = None
+    """Requests waiting in the prefill engines' queues at the interval's end (None: unknown)."""
+    decode_queued: float | None = None
+    """Requests waiting in the decode engines' queues at the interval's end (None: unknown)."""
 
 
 @dataclass(frozen=True)
@@ -176,7 +181,7 @@ class Decision:
     current: int
     desired: int
     reason: str
-    """One of: steady, scale_up, scale_down, cooldown, panic, bounds."""
+    """One of: steady, scale_up, scale_down, cooldown, queued, panic, bounds."""
     load: float
     """Load sized for: forecast x headroom + backlog (prefill: uncached tokens/s; decode:
     output tokens/s)."""
@@ -376,9 +381,11 @@ class Planner:
         cap_d = decode_now.tokens_per_s(cfg.tpot_slo_s)
         idle = rate <= 0 and rate_hat <= 0
         p = self._decide("prefill", obs.prefill_replicas, load_p, cap_p, obs.ttft_p90_s,
-                         cfg.ttft_slo_s, obs.now_s, obs.prefill_starting, idle)
+                         cfg.ttft_slo_s, obs.now_s, obs.prefill_starting, idle,
+                         obs.prefill_queued)
         d = self._decide("decode", obs.decode_replicas, load_d, cap_d, obs.tpot_p90_s,
-                         cfg.tpot_slo_s, obs.now_s, obs.decode_starting, idle)
+                         cfg.tpot_slo_s, obs.now_s, obs.decode_starting, idle,
+                         obs.decode_queued)
         return (replace(p, predicted_load=rate_hat * isl_hat, observed_load=rate * isl_now,
                         headroom=headroom),
                 replace(d, predicted_load=rate_hat * osl_hat, observed_load=rate * osl_now,
@@ -386,9 +393,10 @@ class Planner:
 
     def _decide(self, pool: Pool, current: int, load: float, capacity: float,
                 observed_p90: float | None, slo: float, now: float, starting: int,
-                idle: bool = False) -> Decision:
+                idle: bool = False, queued: float | None = None) -> Decision:
         """``capacity``: load one instance takes within the SLO. ``idle``: no arrival in the
-        interval and none forecast (with no capacity to size by, only that lets a pool shrink)."""
+        interval and none forecast (with no capacity to size by, only that lets a pool shrink).
+        ``queued``: requests waiting in the pool's engines (any holds a scale-down)."""
         cfg, state = self.config, self._pools[pool]
         ceiling = (cfg.max_prefill_replicas if pool == "prefill" else cfg.max_decode_replicas) \
             or cfg.max_replicas
@@ -432,6 +440,8 @@ class Planner:
             if (starting > 0 or now < state.panic_until_s or stable >= current
                     or now - state.last_change_s < cfg.scale_down_cooldown_s):
                 reason = "cooldown"
+            elif queued:
+                reason = "queued"
             elif remaining_util <= safety:
                 desired = max(stable, current - cfg.max_scale_down_step)
                 reason = "scale_down"

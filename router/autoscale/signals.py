@@ -16,6 +16,8 @@ from router.samples import Samples, total
 
 ARRIVALS = "pdserve_router_requests_received_total"
 """The router's counter of requests as they arrive."""
+WAITING = "vllm:num_requests_waiting"
+"""vLLM's gauge of requests queued in the engine (not yet scheduled)."""
 
 
 def histogram_delta(before: Samples, after: Samples, name: str
@@ -91,7 +93,8 @@ def observe(before: Snapshot, after: Snapshot) -> Observation:
     share of prompt tokens (vLLM's histogram counts whole prompts). Arrivals are counted when
     they reach the router, not when they are answered: answers to long streams come in lumps
     (three streams started together end together), and an interval between two lumps would read
-    as no load at all."""
+    as no load at all. A pool's queue is the gauge at the interval's end, over every worker
+    scraped then."""
     interval = max(1e-9, after.time_s - before.time_s)
     arrivals = max(0.0, total(after.router, ARRIVALS) - total(before.router, ARRIVALS))
     isl_tokens = _worker_delta(before.prefill, after.prefill,
@@ -116,4 +119,6 @@ def observe(before: Snapshot, after: Snapshot) -> Observation:
         p90_isl=None if p90_prompt is None else p90_prompt * uncached_share,
         prefill_replicas=len(after.prefill), decode_replicas=len(after.decode),
         ttft_p90_s=quantile(ttft_b, 0.9), ttft_mean_s=ttft_sum / ttft_n if ttft_n else None,
-        tpot_p90_s=quantile(tpot_b, 0.9), tpot_mean_s=tpot_sum / tpot_n if tpot_n else None)
+        tpot_p90_s=quantile(tpot_b, 0.9), tpot_mean_s=tpot_sum / tpot_n if tpot_n else None,
+        prefill_queued=sum(total(s, WAITING) for s in after.prefill.values()),
+        decode_queued=sum(total(s, WAITING) for s in after.decode.values()))

@@ -147,6 +147,19 @@ def test_no_scale_down_while_an_instance_is_starting() -> None:
     assert (dp.desired, dp.reason) == (2, "scale_down")
 
 
+def test_no_scale_down_while_requests_wait_in_the_pool() -> None:
+    """Long answers arrive seldom: intervals with no arrival read as no load while every
+    engine still has a queue. A queue holds the pool; with it empty the same state shrinks."""
+    p = Planner(PlannerConfig(predictor="last", scale_down_cooldown_s=0.0), PREFILL, DECODE)
+    dp, dd = p.plan(obs(0.0, 1.0, prefill=3, decode=3, prefill_queued=0.0, decode_queued=2.0))
+    assert (dd.desired, dd.reason) == (3, "queued")
+    assert (dp.desired, dp.reason) == (2, "scale_down")  # the other pool's queue is empty
+    _, dd = p.plan(obs(10.0, 1.0, prefill=2, decode=3, decode_queued=0.0))
+    assert (dd.desired, dd.reason) == (2, "scale_down")
+    _, dd = p.plan(obs(20.0, 1.0, prefill=2, decode=2))  # unknown queue: no hold
+    assert (dd.desired, dd.reason) == (1, "scale_down")
+
+
 def test_forecast_looks_a_worker_start_ahead() -> None:
     # a ramp of +5 req/s per 10 s interval: with a 30 s horizon the planner sizes for the rate
     # three intervals on, without it (horizon 0) for the next one

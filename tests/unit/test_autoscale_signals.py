@@ -30,9 +30,10 @@ def _router(ok: float, ttft_le: dict[float, float]) -> dict:
     return out
 
 
-def _decode(gen: float, finished: float) -> dict:
+def _decode(gen: float, finished: float, waiting: float = 0.0) -> dict:
     return dict([_sample("vllm:request_generation_tokens_sum", gen),
-                 _sample("vllm:request_generation_tokens_count", finished)])
+                 _sample("vllm:request_generation_tokens_count", finished),
+                 _sample("vllm:num_requests_waiting", waiting, engine="0")])
 
 
 def test_observation_from_two_snapshots() -> None:
@@ -45,14 +46,16 @@ def test_observation_from_two_snapshots() -> None:
     after = Snapshot(110.0, _router(30, {0.5: 28, 1.0: 30, INF: 30}),
                      {"p0": _prefill(7000, 2000, {1000: 28, 4000: 30, INF: 30}),
                       "p1": _prefill(99, 99, {})},  # joined in between: ignored
-                     {"d0": _decode(2500, 25)})
+                     {"d0": _decode(2500, 25, waiting=3), "d1": _decode(0, 0, waiting=1)})
     obs = observe(before, after)
     assert (obs.interval_s, obs.arrivals) == (10.0, 20)
     assert (obs.mean_isl, obs.mean_osl) == (300.0, 100.0)
     # p90 rank 18 of 20 falls at the 1000-token bucket's top; 6000 of 8000 tokens uncached
     assert obs.p90_isl == pytest.approx(1000 * 0.75)
     assert obs.ttft_p90_s == pytest.approx(0.5)
-    assert (obs.prefill_replicas, obs.decode_replicas) == (2, 1)
+    assert (obs.prefill_replicas, obs.decode_replicas) == (2, 2)
+    # queues: the gauge at the end, every worker scraped then (the prefill ones export none)
+    assert (obs.prefill_queued, obs.decode_queued) == (0.0, 4.0)
 
 
 def test_quantile_interpolates_within_a_bucket() -> None:
