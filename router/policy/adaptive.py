@@ -5,12 +5,14 @@ serve whole, prefill or decode; prefill, decode and aggregated workers what thei
 and it plans (:mod:`router.policy.path_cost`):
 
 1. whole on an engine where it meets both SLOs without pushing the requests already decoding
-   there past the TPOT SLO: the one with the most of the prompt cached, then the least loaded by
+   there past the TPOT SLO: the one with the most of the prompt cached, then the fewest expected
+   misses (``PlanEstimate.expected_misses``: its stall risk priced), then the least loaded by
    its worst SLO ratio (``whole_meets_slo``; a whole request costs one engine, P/D two);
 2. else P/D between the best two prefill and best two decode engines, if one pair meets them;
    the reason is why the best whole plan did not (``whole_misses_ttft``, ``whole_misses_tpot``,
    ``whole_harms_admitted``);
-3. else the plan with the lowest worst-SLO ratio (``best_effort``).
+3. else the plan with the fewest expected misses, then the lowest worst-SLO ratio
+   (``best_effort``). "Best" is this order wherever plans are compared.
 
 Costs start from :class:`~router.policy.path_cost.PathCosts` (defaults or a ``pdserve bench
 profile``) and are calibrated online: ``learn`` moves a prefill scale and a decode scale toward
@@ -261,8 +263,10 @@ class AdaptivePaths:
         by_id = {e.worker_id: e for e in engines}
 
         def best(plans: list[PlanEstimate]) -> PlanEstimate | None:
-            return min(plans, key=lambda p: (p.badness(*slo), p.worker,
-                                             p.prefill_worker or ""), default=None)
+            # the fewest requests expected past an SLO (its own stall risk priced, not
+            # rounded away by the quantile), then the lowest worst-SLO ratio
+            return min(plans, key=lambda p: (round(p.expected_misses(*slo), 2), p.badness(*slo),
+                                             p.worker, p.prefill_worker or ""), default=None)
 
         best_whole, best_pd = best(whole), best(pd)
         if force in FORCED_PATHS:
@@ -290,7 +294,8 @@ class AdaptivePaths:
         # a whole plan that meets the SLOs: the least prefill work (a cached prefix), then the
         # least loaded; cache affinity is kept only while the SLOs hold
         meeting = min((p for p in whole if p.meets(*slo)),
-                      key=lambda p: (p.uncached_tokens, p.badness(*slo), p.worker), default=None)
+                      key=lambda p: (p.uncached_tokens, round(p.expected_misses(*slo), 2),
+                                     p.badness(*slo), p.worker), default=None)
         if meeting is not None:
             return PathDecision(meeting, "whole_meets_slo", best_pd)
         meeting = best([p for p in pd if p.meets(*slo)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from router.policy.path_cost import (
     estimate_pd,
     estimate_whole,
     poisson_quantile,
+    poisson_tail,
 )
 
 COSTS = PathCosts(prefill_s_per_token=1e-4, prefill_fixed_s=0.0, decode_step_s=0.01,
@@ -98,6 +100,55 @@ def test_nothing_meets_the_slos_takes_the_least_bad_plan() -> None:
     assert decision is not None and decision.reason == "best_effort"
     assert (decision.plan.path, decision.plan.worker) == ("whole", "a")  # the shorter queue
     assert decision.plan.badness(1.0, 0.05) <= decision.other.badness(1.0, 0.05)  # type: ignore
+
+
+def test_a_stall_the_quantile_rounds_away_is_priced_as_a_risk() -> None:
+    # A 4-token answer on an engine given 2.5 prefills/s of 0.3 s: its 4 steps of 10 ms expect
+    # 0.1 landings, so the 0.9-quantile is none (a bare step), yet one answer in ten catches a
+    # landing, 75 ms more per token: past a 40 ms target.
+    plan = estimate_whole(COSTS, 100, 4, EngineLoad("a", prefill_rate=2.5, mean_prefill_s=0.3))
+    assert plan.landings_mean == pytest.approx(0.1)
+    assert poisson_quantile(plan.landings_mean, 0.9) == 0
+    assert plan.tpot_miss_probability(0.04) == pytest.approx(1 - math.exp(-0.1))
+    assert plan.expected_misses(1.0, 0.04) == pytest.approx(1 - math.exp(-0.1))
+    assert not plan.meets(1.0, 0.04)  # 9.5 % risk: over the 5 % a plan may take
+    # control: the same answer where no prefill lands has no risk and meets
+    calm = estimate_whole(COSTS, 100, 4, EngineLoad("b"))
+    assert calm.tpot_miss_probability(0.04) == 0.0 and calm.meets(1.0, 0.04)
+    # a plan past the target with no landing misses for certain; two landings needed: tail >= 2
+    assert estimate_whole(COSTS, 100, 4, EngineLoad("c", running=40)).tpot_miss_probability(
+        0.04) == 1.0
+    assert poisson_tail(0.4, 2) == pytest.approx(1 - math.exp(-0.4) * 1.4)
+    assert poisson_tail(0.4, 0) == 1.0 and poisson_tail(0.0, 1) == 0.0
+
+
+def test_of_two_engines_that_meet_the_slos_the_lower_stall_risk_serves_whole() -> None:
+    # a 4-token answer: 5 % risk of a landing on a (1.25 prefills/s), 1 % on b (0.25/s); both
+    # within the quantile, so their predicted TPOTs tie (a bare step)
+    risky, safe = {"prefill_rate": 1.25, "mean_prefill_s": 0.3}, \
+        {"prefill_rate": 0.25, "mean_prefill_s": 0.3}
+    engines = [EngineLoad("a", **risky), EngineLoad("b", **safe)]  # type: ignore[arg-type]
+    decision = _paths().decide(_request(100), 4, engines)
+    assert decision is not None and decision.reason == "whole_meets_slo"
+    assert decision.plan.worker == "b"
+    # control: the loads swapped, the choice follows the risk, not the name
+    swapped = [EngineLoad("a", **safe), EngineLoad("b", **risky)]  # type: ignore[arg-type]
+    assert _paths().decide(_request(100), 4, swapped).plan.worker == "a"  # type: ignore
+
+
+def test_when_every_plan_misses_the_one_with_fewest_expected_misses_is_taken() -> None:
+    # whole-only engines: a's queue misses the TTFT for certain (1.6 s, 1.6x the SLO); b's
+    # prefill landings put a 4-token answer's tail TPOT at 4x the target but miss only 33 % of
+    # the time
+    engines = [EngineLoad("a", whole=True, prefill=False, decode=False, queued_s=1.5),
+               EngineLoad("b", whole=True, prefill=False, decode=False, prefill_rate=10.0,
+                          mean_prefill_s=0.3)]
+    decision = _paths().decide(_request(), 4, engines)
+    assert decision is not None and decision.plan.worker == "b"
+    assert decision.plan.expected_misses(1.0, 0.04) == pytest.approx(1 - math.exp(-0.4))
+    # control: by the worst SLO ratio alone a would have been the pick
+    plans = [estimate_whole(COSTS, 1000, 4, e) for e in engines]
+    assert min(plans, key=lambda p: p.badness(1.0, 0.04)).worker == "a"
 
 
 def test_forcing_a_path_and_a_fleet_with_no_pair() -> None:
