@@ -213,8 +213,9 @@ class AdaptivePaths:
 
     def _resize_split(self, engines: list[tuple[str, Candidate]], now_s: float) -> None:
         """Keep :meth:`quiet_decoders_needed` engines reserved (at most all but one of the
-        engines that can prefill or serve whole): the ones already reserved first, then the
-        quietest. This is the control rule by which the split follows the load."""
+        engines that can prefill or serve whole; more only while the others stay under 70 %
+        prefill load): the ones already reserved first, then the quietest. This is the control
+        rule by which the split follows the load."""
         can_decode = [c.worker_id for role, c in engines
                       if CAPABILITIES[role][2] and CAPABILITIES[role][0]]
         others = sum(1 for role, _ in engines if CAPABILITIES[role][0] or CAPABILITIES[role][1])
@@ -222,7 +223,12 @@ class AdaptivePaths:
         prefill_load = sum(self._prefill_seconds(c.worker_id, now_s)
                            for _, c in engines) / self.share_window_s
         room = others - math.ceil(prefill_load / 0.7)
-        want = max(min(self.quiet_decoders_needed(now_s), len(can_decode), others - 1, room), 0)
+        # the cap binds growth only: a reserved decoder stays reserved while the demand lasts
+        # (dropping it in a burst of prefills turned it into a prefiller under the stall-sensitive
+        # decodes it still ran: on the 2-engine box 32 of 81 whole plans landed there, 14 missed)
+        need = min(self.quiet_decoders_needed(now_s), len(can_decode), others - 1)
+        kept = sum(1 for w in self.reserved if w in can_decode)
+        want = max(min(need, max(room, kept)), 0)
 
         def quietness(worker_id: str) -> tuple[bool, float, str]:
             return (worker_id not in self.reserved, self._prefill_seconds(worker_id, now_s),
@@ -280,17 +286,26 @@ class AdaptivePaths:
             return PathDecision(best_whole, "no_pd_pair")
         if best_whole is None:
             return PathDecision(best_pd, "no_pd_pair")
+        # a prompt short enough to prefill on a quiet decoder within one token's TPOT slack of
+        # what it decodes is served whole there: no hop, no wait behind the long prompts
+        quiet_whole = best([p for p in (estimate_whole(self.costs, request.prompt_len,
+                                                       output_tokens, e)
+                                        for e in engines
+                                        if e.reserved and e.whole and not e.recently_failed)
+                            if p.meets(*slo) and self.costs.prefill_s(p.uncached_tokens)
+                            <= self.tpot_slo_s - self.costs.step_s(by_id[p.worker].running + 1)])
         if self.stall_sensitive(request, output_tokens, engines):
             quiet = [p for p in pd if by_id[p.worker].reserved] or pd
-            return PathDecision(best(quiet), "stall_sensitive", best_whole,  # type: ignore[arg-type]
-                                sensitive=True)
+            return PathDecision(quiet_whole or best(quiet), "stall_sensitive",  # type: ignore[arg-type]
+                                best_whole, sensitive=True)
         # while the split keeps quiet decoders, the fleet runs as P/D pools: every request
-        # takes a P/D plan onto a quiet decoder. A whole plan would decode on an engine that
-        # takes every prefill (stalled, and adding to its queue) while the quiet decoder has
-        # room.
+        # takes a P/D plan onto a quiet decoder (or, short, is served whole there). A whole
+        # plan elsewhere would decode on an engine that takes every prefill (stalled, and
+        # adding to its queue) while the quiet decoder has room.
         split = [p for p in pd if by_id[p.worker].reserved]
         if split:
-            return PathDecision(best(split), "split", best_whole)  # type: ignore[arg-type]
+            return PathDecision(quiet_whole or best(split), "split",  # type: ignore[arg-type]
+                                best_whole)
         # a whole plan that meets the SLOs: the least prefill work (a cached prefix), then the
         # least loaded; cache affinity is kept only while the SLOs hold
         meeting = min((p for p in whole if p.meets(*slo)),

@@ -332,3 +332,54 @@ def test_a_few_short_stall_sensitive_answers_keep_one_decoder_quiet() -> None:
     assert paths.reserved == ()
     later = paths.decide(_request(150, "long answer"), 160, loads)
     assert later is not None and later.plan.path == "whole" and later.reason != "split"
+
+
+def _split_of_two(paths: AdaptivePaths, sensitive_at: list[float]) -> None:
+    """Stall-sensitive 12-token answers behind 1,500-token prompts, prefilled on b."""
+    one = estimate_whole(COSTS, 1500, 12, EngineLoad("b"))
+    for i, t in enumerate(sensitive_at):
+        paths.dispatched(_request(1500, f"s{i}"), one, 12, now_s=t, sensitive=True)
+
+
+def test_a_quiet_decoder_stays_quiet_through_a_burst_of_prefills() -> None:
+    """The prefill-load cap binds when a decoder would be reserved, not after: a burst of long
+    prompts must not turn the quiet decoder into a prefiller under the short answers it
+    still decodes."""
+    cands = [("flex", Candidate(w)) for w in ("a", "b")]
+    request = _request(1500, "next")
+    burst = estimate_whole(COSTS, 1500, 64, EngineLoad("b"))
+
+    paths = _paths(tpot=0.025)
+    _split_of_two(paths, [0.0, 1.0, 2.0, 3.0])
+    paths.loads(request, cands, 3.0)
+    assert paths.reserved == ("a",)
+    for i in range(100):  # 15 s of prefill on b within 3 s: over 0.7 of an engine
+        paths.dispatched(_request(1500, f"burst{i}"), burst, 64, now_s=3.0 + i * 0.03)
+    paths.loads(request, cands, 6.0)
+    assert paths.reserved == ("a",)
+    # control: the same demand and burst with no decoder reserved yet reserves none
+    fresh = _paths(tpot=0.025)
+    for i in range(100):
+        fresh.dispatched(_request(1500, f"burst{i}"), burst, 64, now_s=3.0 + i * 0.03)
+    _split_of_two(fresh, [3.0, 4.0, 5.0, 6.0])
+    fresh.loads(request, cands, 6.0)
+    assert fresh.quiet_decoders_needed(6.0) == 1 and fresh.reserved == ()
+
+
+def test_a_short_prompt_is_served_whole_on_the_quiet_decoder() -> None:
+    """Its prefill (5 ms) costs what the quiet decoder runs less than one token's slack (a
+    20 ms target, 10 ms steps): no hop and no wait behind the long prompts on b."""
+    paths = _paths(tpot=0.025)
+    cands = [("flex", Candidate(w)) for w in ("a", "b")]
+    _split_of_two(paths, [0.0, 1.0, 2.0, 3.0])
+    loads = paths.loads(_request(50, "short"), cands, 3.0)
+    assert paths.reserved == ("a",)
+    decision = paths.decide(_request(50, "short"), 12, loads)
+    assert decision is not None and decision.reason in ("split", "stall_sensitive")
+    assert (decision.plan.path, decision.plan.worker) == ("whole", "a")
+    # control: a long prompt (150 ms of prefill) still goes P/D, prefilled on b
+    loads = paths.loads(_request(1500, "long"), cands, 3.0)
+    decision = paths.decide(_request(1500, "long"), 12, loads)
+    assert decision is not None
+    assert (decision.plan.path, decision.plan.prefill_worker, decision.plan.worker) == \
+        ("pd", "b", "a")
