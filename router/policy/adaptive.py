@@ -74,7 +74,7 @@ SCALE_LIMITS = (0.1, 10.0)
 """The learned scales stay within these factors of the starting costs."""
 
 REASONS = ("whole_meets_slo", "whole_misses_ttft", "whole_misses_tpot", "whole_harms_admitted",
-           "best_effort", "forced", "no_pd_pair", "stall_sensitive", "split")
+           "best_effort", "forced", "no_pd_pair", "stall_sensitive", "split", "split_relief")
 """Every ``reason`` a decision may carry (bounded metric labels)."""
 
 FORCED_PATHS = ("whole", "pd")
@@ -260,6 +260,20 @@ class AdaptivePaths:
               if p.worker_id != d.worker_id]
         return whole, pd
 
+    def quiet_plans(self, request: RouteRequest, output_tokens: int,
+                    engines: Sequence[EngineLoad]) -> list[PlanEstimate]:
+        """The plans :meth:`plans` leaves out: those that prefill on a reserved (quiet)
+        decoder, whole there or P/D onto the best other decoders."""
+        n, out = request.prompt_len, output_tokens
+        quiet = [e for e in engines if e.reserved and not e.recently_failed]
+        decoders = sorted((e for e in engines if e.decode and not e.recently_failed),
+                          key=lambda e: (decode_tpot(self.costs, e, out), e.worker_id))
+        plans = [estimate_whole(self.costs, n, out, e) for e in quiet if e.whole]
+        for p in (e for e in quiet if e.prefill):
+            plans += [estimate_pd(self.costs, n, out, p, d)
+                      for d in [d for d in decoders if d.worker_id != p.worker_id][:self.top_k]]
+        return plans
+
     def decide(self, request: RouteRequest, output_tokens: int, engines: Sequence[EngineLoad],
                force: str | None = None) -> PathDecision | None:
         """The plan for ``request`` (``output_tokens`` expected) among ``engines``; ``force``
@@ -286,26 +300,35 @@ class AdaptivePaths:
             return PathDecision(best_whole, "no_pd_pair")
         if best_whole is None:
             return PathDecision(best_pd, "no_pd_pair")
+        quiet_plans = self.quiet_plans(request, output_tokens, engines) \
+            if any(e.reserved for e in engines) else []
         # a prompt short enough to prefill on a quiet decoder within one token's TPOT slack of
         # what it decodes is served whole there: no hop, no wait behind the long prompts
-        quiet_whole = best([p for p in (estimate_whole(self.costs, request.prompt_len,
-                                                       output_tokens, e)
-                                        for e in engines
-                                        if e.reserved and e.whole and not e.recently_failed)
-                            if p.meets(*slo) and self.costs.prefill_s(p.uncached_tokens)
+        quiet_whole = best([p for p in quiet_plans if p.path == "whole" and p.meets(*slo)
+                            and self.costs.prefill_s(p.uncached_tokens)
                             <= self.tpot_slo_s - self.costs.step_s(by_id[p.worker].running + 1)])
+
+        def relieved(plan: PlanEstimate, reason: str, sensitive: bool = False) -> PathDecision:
+            # the split's plan misses its TTFT (the prefillers' queues): a plan that prefills
+            # on a quiet decoder instead, when it is expected to put fewer requests past an SLO
+            if plan.ttft_s > self.ttft_slo_s:
+                relief = best(quiet_plans)
+                if relief is not None and \
+                        relief.expected_misses(*slo) < plan.expected_misses(*slo):
+                    return PathDecision(relief, "split_relief", plan, sensitive=sensitive)
+            return PathDecision(plan, reason, best_whole, sensitive=sensitive)
+
         if self.stall_sensitive(request, output_tokens, engines):
             quiet = [p for p in pd if by_id[p.worker].reserved] or pd
-            return PathDecision(quiet_whole or best(quiet), "stall_sensitive",  # type: ignore[arg-type]
-                                best_whole, sensitive=True)
+            return relieved(quiet_whole or best(quiet), "stall_sensitive",  # type: ignore[arg-type]
+                            sensitive=True)
         # while the split keeps quiet decoders, the fleet runs as P/D pools: every request
         # takes a P/D plan onto a quiet decoder (or, short, is served whole there). A whole
         # plan elsewhere would decode on an engine that takes every prefill (stalled, and
         # adding to its queue) while the quiet decoder has room.
         split = [p for p in pd if by_id[p.worker].reserved]
         if split:
-            return PathDecision(quiet_whole or best(split), "split",  # type: ignore[arg-type]
-                                best_whole)
+            return relieved(quiet_whole or best(split), "split")  # type: ignore[arg-type]
         # a whole plan that meets the SLOs: the least prefill work (a cached prefix), then the
         # least loaded; cache affinity is kept only while the SLOs hold
         meeting = min((p for p in whole if p.meets(*slo)),
