@@ -383,3 +383,20 @@ def test_a_short_prompt_is_served_whole_on_the_quiet_decoder() -> None:
     assert decision is not None
     assert (decision.plan.path, decision.plan.prefill_worker, decision.plan.worker) == \
         ("pd", "b", "a")
+
+
+def test_the_split_lends_its_quiet_decoder_when_the_prefiller_would_miss_the_ttft() -> None:
+    # a is the quiet decoder; b prefills and has 3 s queued: the split's P/D b -> a misses a
+    # 1 s TTFT for certain, while prefilling on a meets it
+    engines = [EngineLoad("a", reserved=True), EngineLoad("b", queued_s=3.0)]
+    decision = _paths().decide(_request(1500), 64, engines)
+    assert decision is not None and decision.reason == "split_relief"
+    assert (decision.plan.prefill_worker or decision.plan.worker) == "a"
+    assert decision.plan.ttft_s < 1.0
+    assert decision.other is not None and decision.other.ttft_s > 1.0  # the split's plan
+    # control: with b's queue short the split's own plan stands
+    calm = [EngineLoad("a", reserved=True), EngineLoad("b", queued_s=0.2)]
+    decision = _paths().decide(_request(1500), 64, calm)
+    assert decision is not None and decision.reason == "split"
+    assert (decision.plan.path, decision.plan.prefill_worker, decision.plan.worker) == \
+        ("pd", "b", "a")
