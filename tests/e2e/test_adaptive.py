@@ -227,12 +227,16 @@ def test_a_switching_load_moves_the_path_mix(adaptive: Cluster, tiny_model_dir: 
                         tag="switch-long")
     short = make_prompts(tiny_model_dir, [60 + 3 * i for i in range(6)], seed=23,
                          tag="switch-short")
-    # 12 ms TPOT: a long prefill on an engine stalls its 4-token answers past it
-    with _router(adaptive, tpot_slo_s=0.012, ttft_slo_s=2.0) as url:
+    # 15 ms TPOT: a long prefill landing on an engine stalls its 16-token answers past it,
+    # while the P/D hop (50 ms over 16 tokens) does not (a 4-token answer would miss by the
+    # hop alone: P/D cannot save it)
+    with _router(adaptive, tpot_slo_s=0.015, ttft_slo_s=2.0) as url:
         before = _paths(url)
-        codes = asyncio.run(_burst(url, long, max_tokens=4, concurrency=6))
+        codes = asyncio.run(_burst(url, long, max_tokens=16, concurrency=6))
         burst = _grew(before, _paths(url))
-        time.sleep(15)  # the engines' prefill shares decay (10 s window)
+        # the engines' prefill shares and the stall-sensitive demand decay (10 s window):
+        # 16 sensitive requests fall under the split's 2 after 10 x ln 8 = 21 s
+        time.sleep(25)
         middle = _paths(url)
         codes += asyncio.run(_burst(url, short, max_tokens=48, concurrency=1))
         calm = _grew(middle, _paths(url))
