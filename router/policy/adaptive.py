@@ -48,6 +48,7 @@ from router.policy.path_cost import (
     decode_tpot,
     estimate_pd,
     estimate_whole,
+    token_intervals,
 )
 
 CAPABILITIES: dict[str, tuple[bool, bool, bool]] = {
@@ -363,7 +364,7 @@ class AdaptivePaths:
             return False
         least = min((e.running for e in decoders), default=0)
         hop = self.costs.hop_s + request.prompt_len * self.costs.pull_s_per_token
-        return self.costs.step_s(least + 1) + hop / out <= self.tpot_slo_s
+        return self.costs.step_s(least + 1) + hop / token_intervals(out) <= self.tpot_slo_s
 
     def _why_not_whole(self, plan: PlanEstimate) -> str:
         if plan.ttft_s > self.ttft_slo_s:
@@ -394,7 +395,7 @@ class AdaptivePaths:
         engine.square_s = engine.square_s * decay + seconds * seconds
         engine.share_at_s = now_s
         for admitted in engine.decoding.values():  # the prefill stalls what it decodes
-            admitted[1] += seconds / max(admitted[0], 1.0)
+            admitted[1] += seconds / token_intervals(admitted[0])
         decoder = self._engines.setdefault(plan.worker, _Engine())
         decoder.decoding[request.request_id] = [float(output_tokens), 0.0]
         self._requests[request.request_id] = (plan.worker,)

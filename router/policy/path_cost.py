@@ -15,16 +15,17 @@ Per engine e (:class:`EngineLoad`): ``queued_s`` seconds of prefill already disp
 done, ``running`` decoding sequences, the rate lambda_e and mean length P_e of the prefills it was
 given lately, ``cached_tokens`` of this prompt it holds, and of what it decodes: the shortest
 expected output L_a and the largest stall per token already added to one (S_a). With u = prompt -
-cached and L the request's expected output tokens:
+cached, L the request's expected output tokens and G = max(L - 1, 1) the token gaps its TPOT
+averages over ((last token - first) / (L - 1), as the benchmarks and vLLM measure it):
 
-    TPOT on e    = step_s(running_e + 1) + k x P_e / L,   k = the q-quantile (q = 0.95, half
-                   the attainment target's misses) of Poisson(lambda_e x L x step_s): how many
+    TPOT on e    = step_s(running_e + 1) + k x P_e / G,   k = the q-quantile (q = 0.95, half
+                   the attainment target's misses) of Poisson(lambda_e x G x step_s): how many
                    neighbours' prefills land on e while this request decodes there, in 19
                    requests of 20
     whole on w:  TTFT = queued_s(w) + prefill_s(u_w);  TPOT = TPOT on w
-                 admitted on w: step_s(running_w + 1) + S_a + prefill_s(u_w) / L_a
+                 admitted on w: step_s(running_w + 1) + S_a + prefill_s(u_w) / G_a
     pd p -> d:   TTFT = queued_s(p) + prefill_s(u_p) + hop_s
-                 TPOT = TPOT on d + (hop_s + prompt x pull_s_per_token) / L
+                 TPOT = TPOT on d + (hop_s + prompt x pull_s_per_token) / G
                  admitted on p: as whole's; on d: step_s(running_d + 1) + S_a
 
 TPOT is judged per request (a request with 8 output tokens that catches one neighbour's 0.25 s
@@ -261,14 +262,19 @@ class Stall:
         return self.base_s + poisson_quantile(self.landings_mean) * self.per_landing_s
 
 
+def token_intervals(output_tokens: float) -> float:
+    """The gaps a TPOT averages over, (last token - first) / (n - 1): at least one."""
+    return max(output_tokens - 1, 1)
+
+
 def decode_stall(costs: PathCosts, engine: EngineLoad, output_tokens: int, extra: int = 1
                  ) -> Stall:
     """The stall exposure of a request with ``output_tokens`` decoding on ``engine`` beside its
-    ``running`` sequences (+ ``extra``): prefills land at the engine's rate over the answer's
-    steps, each adding its mean length spread over the output tokens."""
-    out = max(output_tokens, 1)
+    ``running`` sequences (+ ``extra``): prefills land at the engine's rate over the steps
+    after its first token, each adding its mean length spread over the token gaps."""
+    gaps = token_intervals(output_tokens)
     step = costs.step_s(engine.running + extra)
-    return Stall(step, engine.prefill_rate * out * step, engine.mean_prefill_s / out)
+    return Stall(step, engine.prefill_rate * gaps * step, engine.mean_prefill_s / gaps)
 
 
 def decode_tpot(costs: PathCosts, engine: EngineLoad, output_tokens: int, extra: int = 1
@@ -284,8 +290,8 @@ def _admitted_tpot(costs: PathCosts, engine: EngineLoad, stall_s: float) -> floa
     it decodes none)."""
     if not engine.running:
         return 0.0
-    out = engine.admitted_output_tokens or 1.0
-    return costs.step_s(engine.running + 1) + engine.admitted_stall_s + stall_s / out
+    gaps = token_intervals(engine.admitted_output_tokens or 1.0)
+    return costs.step_s(engine.running + 1) + engine.admitted_stall_s + stall_s / gaps
 
 
 def estimate_whole(costs: PathCosts, prompt_tokens: int, output_tokens: int,
@@ -304,7 +310,7 @@ def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
     """The request prefilled on ``prefill`` and decoded on ``decode``."""
     uncached = max(prompt_tokens - prefill.cached_tokens, 0)
     prefill_s = costs.prefill_s(uncached)
-    hop = (costs.hop_s + prompt_tokens * costs.pull_s_per_token) / max(output_tokens, 1)
+    hop = (costs.hop_s + prompt_tokens * costs.pull_s_per_token) / token_intervals(output_tokens)
     stall = decode_stall(costs, decode, output_tokens)
     harm = max(_admitted_tpot(costs, prefill, prefill_s), _admitted_tpot(costs, decode, 0.0))
     return PlanEstimate("pd", decode.worker_id, prefill.worker_id,

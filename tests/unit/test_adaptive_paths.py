@@ -103,20 +103,21 @@ def test_nothing_meets_the_slos_takes_the_least_bad_plan() -> None:
 
 
 def test_a_stall_the_quantile_rounds_away_is_priced_as_a_risk() -> None:
-    # A 4-token answer on an engine given 2.5 prefills/s of 0.3 s: its 4 steps of 10 ms expect
-    # 0.1 landings, so the 0.9-quantile is none (a bare step), yet one answer in ten catches a
-    # landing, 75 ms more per token: past a 40 ms target.
-    plan = estimate_whole(COSTS, 100, 4, EngineLoad("a", prefill_rate=2.5, mean_prefill_s=0.3))
+    # A 5-token answer on an engine given 2.5 prefills/s of 0.3 s: the 4 steps of 10 ms after
+    # its first token expect 0.1 landings, so the 0.9-quantile is none (a bare step), yet one
+    # answer in ten catches a landing, 75 ms more over each of its 4 token gaps: past a 40 ms
+    # target.
+    plan = estimate_whole(COSTS, 100, 5, EngineLoad("a", prefill_rate=2.5, mean_prefill_s=0.3))
     assert plan.landings_mean == pytest.approx(0.1)
     assert poisson_quantile(plan.landings_mean, 0.9) == 0
     assert plan.tpot_miss_probability(0.04) == pytest.approx(1 - math.exp(-0.1))
     assert plan.expected_misses(1.0, 0.04) == pytest.approx(1 - math.exp(-0.1))
     assert not plan.meets(1.0, 0.04)  # 9.5 % risk: over the 5 % a plan may take
     # control: the same answer where no prefill lands has no risk and meets
-    calm = estimate_whole(COSTS, 100, 4, EngineLoad("b"))
+    calm = estimate_whole(COSTS, 100, 5, EngineLoad("b"))
     assert calm.tpot_miss_probability(0.04) == 0.0 and calm.meets(1.0, 0.04)
     # a plan past the target with no landing misses for certain; two landings needed: tail >= 2
-    assert estimate_whole(COSTS, 100, 4, EngineLoad("c", running=40)).tpot_miss_probability(
+    assert estimate_whole(COSTS, 100, 5, EngineLoad("c", running=40)).tpot_miss_probability(
         0.04) == 1.0
     assert poisson_tail(0.4, 2) == pytest.approx(1 - math.exp(-0.4) * 1.4)
     assert poisson_tail(0.4, 0) == 1.0 and poisson_tail(0.0, 1) == 0.0
@@ -138,16 +139,16 @@ def test_of_two_engines_that_meet_the_slos_the_lower_stall_risk_serves_whole() -
 
 def test_when_every_plan_misses_the_one_with_fewest_expected_misses_is_taken() -> None:
     # whole-only engines: a's queue misses the TTFT for certain (1.6 s, 1.6x the SLO); b's
-    # prefill landings put a 4-token answer's tail TPOT at 4x the target but miss only 33 % of
+    # prefill landings put a 5-token answer's tail TPOT at 4x the target but miss only 33 % of
     # the time
     engines = [EngineLoad("a", whole=True, prefill=False, decode=False, queued_s=1.5),
                EngineLoad("b", whole=True, prefill=False, decode=False, prefill_rate=10.0,
                           mean_prefill_s=0.3)]
-    decision = _paths().decide(_request(), 4, engines)
+    decision = _paths().decide(_request(), 5, engines)
     assert decision is not None and decision.plan.worker == "b"
     assert decision.plan.expected_misses(1.0, 0.04) == pytest.approx(1 - math.exp(-0.4))
     # control: by the worst SLO ratio alone a would have been the pick
-    plans = [estimate_whole(COSTS, 1000, 4, e) for e in engines]
+    plans = [estimate_whole(COSTS, 1000, 5, e) for e in engines]
     assert min(plans, key=lambda p: p.badness(1.0, 0.04)).worker == "a"
 
 
@@ -191,12 +192,12 @@ def test_dispatches_build_queues_shares_and_caches_and_finishes_release_them() -
     # the same prompt again goes where it is cached
     again = paths.decide(request, 64, list(loads.values()))
     assert again is not None and again.plan.worker == first.plan.worker
-    # a second prompt prefilled there stalls r1 (64 tokens) by its 0.1 s: 1.6 ms per token
+    # a second prompt prefilled there stalls r1 (64 tokens, 63 gaps) by its 0.1 s
     second = _request(1000, "r2")
     paths.dispatched(second, estimate_whole(COSTS, 1000, 8, EngineLoad(chosen.worker_id)), 8,
                      now_s=0.06)
     after = {e.worker_id: e for e in paths.loads(request, cands, 0.07)}[first.plan.worker]
-    assert after.admitted_stall_s == pytest.approx(0.1 / 64)
+    assert after.admitted_stall_s == pytest.approx(0.1 / 63)
     assert after.admitted_output_tokens == 8 and after.running == 2
     paths.finished("r2")
     paths.finished("r1")
@@ -227,15 +228,15 @@ def test_estimates_follow_the_formulas() -> None:
     whole = estimate_whole(COSTS, 1000, 50, engine)
     assert whole.ttft_s == pytest.approx(0.3 + 800 * 1e-4)
     step = 0.01 + 3 * 0.001
-    # Poisson(2/s x 50 tokens x 13 ms = 1.3): 90th percentile 3 prefills of 0.1 s over 50 tokens
-    assert poisson_quantile(2.0 * 50 * step) == 3
-    assert whole.tpot_s == pytest.approx(step + 3 * 0.1 / 50)
-    assert whole.harm_tpot_s == pytest.approx(step + 0.002 + 0.08 / 40)
+    # Poisson(2/s x 49 gaps x 13 ms = 1.27): 95th percentile 3 prefills of 0.1 s over 49 gaps
+    assert poisson_quantile(2.0 * 49 * step) == 3
+    assert whole.tpot_s == pytest.approx(step + 3 * 0.1 / 49)
+    assert whole.harm_tpot_s == pytest.approx(step + 0.002 + 0.08 / 39)
     assert poisson_quantile(0.0) == 0 and poisson_quantile(0.05) == 0
     assert poisson_quantile(0.2) == 1
     pd = estimate_pd(COSTS, 1000, 50, EngineLoad("p"), EngineLoad("d"))
     assert pd.ttft_s == pytest.approx(0.1 + 0.02)
-    assert pd.tpot_s == pytest.approx(0.01 + 0.02 / 50)
+    assert pd.tpot_s == pytest.approx(0.01 + 0.02 / 49)
     assert pd.harm_tpot_s == 0.0  # nothing decodes on either engine
 
 
