@@ -24,8 +24,10 @@ averages over ((last token - first) / (L - 1), as the benchmarks and vLLM measur
                    requests of 20
     whole on w:  TTFT = queued_s(w) + prefill_s(u_w);  TPOT = TPOT on w
                  admitted on w: step_s(running_w + 1) + S_a + prefill_s(u_w) / G_a
-    pd p -> d:   TTFT = queued_s(p) + prefill_s(u_p) + hop_s
-                 TPOT = TPOT on d + (hop_s + prompt x pull_s_per_token) / G
+    pd p -> d:   TTFT = queued_s(p) + prefill_s(u_p) + hop_s + W,
+                 W = max(queued_s(d) - queued_s(p) - prefill_s(u_p), 0): d's own prefill
+                 still queued when p's ends (one forward at a time)
+                 TPOT = TPOT on d + (hop_s + W + prompt x pull_s_per_token) / G
                  admitted on p: as whole's; on d: step_s(running_d + 1) + S_a
 
 TPOT is judged per request (a request with 8 output tokens that catches one neighbour's 0.25 s
@@ -307,12 +309,17 @@ def estimate_whole(costs: PathCosts, prompt_tokens: int, output_tokens: int,
 
 def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
                 prefill: EngineLoad, decode: EngineLoad) -> PlanEstimate:
-    """The request prefilled on ``prefill`` and decoded on ``decode``."""
+    """The request prefilled on ``prefill`` and decoded on ``decode``. The hop also waits for
+    the prefill ``decode`` still has queued when this prefill ends (an engine runs one forward
+    at a time: its pull and first step come after; on the 2-engine box a flex decoder's own
+    prefills put 0.3-1.9 s between the prefill's token and the decode's)."""
     uncached = max(prompt_tokens - prefill.cached_tokens, 0)
     prefill_s = costs.prefill_s(uncached)
-    hop = (costs.hop_s + prompt_tokens * costs.pull_s_per_token) / token_intervals(output_tokens)
+    ready_s = prefill.queued_s + prefill_s
+    wait_s = costs.hop_s + max(decode.queued_s - ready_s, 0.0)
+    hop = (wait_s + prompt_tokens * costs.pull_s_per_token) / token_intervals(output_tokens)
     stall = decode_stall(costs, decode, output_tokens)
     harm = max(_admitted_tpot(costs, prefill, prefill_s), _admitted_tpot(costs, decode, 0.0))
-    return PlanEstimate("pd", decode.worker_id, prefill.worker_id,
-                        prefill.queued_s + prefill_s + costs.hop_s, stall.tpot_s() + hop, harm,
-                        uncached, stall.base_s + hop, stall.landings_mean, stall.per_landing_s)
+    return PlanEstimate("pd", decode.worker_id, prefill.worker_id, ready_s + wait_s,
+                        stall.tpot_s() + hop, harm, uncached, stall.base_s + hop,
+                        stall.landings_mean, stall.per_landing_s)

@@ -45,13 +45,14 @@ def test_whole_on_an_idle_engine_meets_the_slos() -> None:
 
 
 def test_a_long_queue_everywhere_but_one_prefiller_sends_the_prompt_there_for_pd() -> None:
-    # a and b decode and are queued past the TTFT SLO; c is idle but cannot serve whole
-    engines = [EngineLoad("a", queued_s=2.0, running=1), EngineLoad("b", queued_s=2.0),
+    # a and b decode and are queued just past the TTFT SLO for a whole plan; c is idle but
+    # cannot serve whole: prefilled there, the decode starts when a or b's queue ends (0.95 s)
+    engines = [EngineLoad("a", queued_s=0.95, running=1), EngineLoad("b", queued_s=0.95),
                EngineLoad("c", whole=False, decode=False)]
     decision = _paths().decide(_request(), 64, engines)
     assert decision is not None
     assert (decision.plan.path, decision.plan.prefill_worker) == ("pd", "c")
-    assert decision.plan.worker == "b"  # the decoder with no running sequence
+    assert decision.plan.ttft_s == pytest.approx(0.95 + 0.02)  # the decoder's queue, the hop
     assert decision.reason == "whole_misses_ttft"
     # control: without the queues the same fleet serves it whole
     calm = [EngineLoad("a", running=1), EngineLoad("b"), EngineLoad("c", whole=False,
@@ -401,3 +402,17 @@ def test_the_split_lends_its_quiet_decoder_when_the_prefiller_would_miss_the_ttf
     assert decision is not None and decision.reason == "split"
     assert (decision.plan.path, decision.plan.prefill_worker, decision.plan.worker) == \
         ("pd", "b", "a")
+
+
+def test_the_hop_waits_for_the_prefill_the_decoder_has_queued() -> None:
+    # d has 0.5 s of its own prefill queued; p's 0.1 s prefill ends first, so the pull and the
+    # decode's first step wait the other 0.4 s: in the TTFT and over the 63 token gaps
+    busy = estimate_pd(COSTS, 1000, 64, EngineLoad("p"), EngineLoad("d", queued_s=0.5))
+    idle = estimate_pd(COSTS, 1000, 64, EngineLoad("p"), EngineLoad("d"))
+    assert busy.ttft_s == pytest.approx(idle.ttft_s + 0.4)
+    assert busy.tpot_s == pytest.approx(idle.tpot_s + 0.4 / 63)
+    # control: a decoder queue that ends before p's prefill does costs nothing
+    queued_p = estimate_pd(COSTS, 1000, 64, EngineLoad("p", queued_s=1.0),
+                           EngineLoad("d", queued_s=0.5))
+    assert queued_p.ttft_s == pytest.approx(1.0 + idle.ttft_s)
+    assert queued_p.tpot_s == pytest.approx(idle.tpot_s)
