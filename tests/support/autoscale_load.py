@@ -38,7 +38,12 @@ PROFILE = {"prefill": {"s_per_token": 1e-6, "overhead_s": 0.001},
 LOAD_STREAMS = 3
 QUEUED_LOAD_STREAMS = 4
 """The load of the tests that run one sequence per engine (re-dispatch's)."""
-COOLDOWN_S = 10
+COOLDOWN_S = 20
+"""Longer than the load's tail: when the load stops, its last answers (96 tokens at one
+sequence per engine, up to ~15 s on this 2-core box) run with no new arrival. A 10 s cooldown
+let the pool shrink 2 s before the last answer ended (CI, 2026-11-29: no arrival from 02:35:52,
+scale-down at 02:36:03, that answer drained over with 74 tokens sent); the trickle's first
+interval then read its 96 tokens and grew the pool back during the hold."""
 AUTOSCALER_ARGS = ["--interval-s=2", f"--cooldown-s={COOLDOWN_S}", "--tpot-slo-s=1.0",
                    "--ttft-slo-s=30", "--correction-alpha=0", "--burst-quantile=0",
                    "--predictor=last"]
