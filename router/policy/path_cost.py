@@ -192,7 +192,7 @@ class PlanEstimate:
     landings_mean: float = 0.0
     """Expected neighbours' prefills landing on the decoding engine during its answer."""
     landing_tpot_s: float = 0.0
-    """TPOT each landing prefill adds (its mean length over the output tokens)."""
+    """TPOT each landing prefill adds (its mean length over the token gaps)."""
 
     def tpot_miss_probability(self, tpot_slo_s: float) -> float:
         """Probability that its own TPOT exceeds ``tpot_slo_s``: 1 when it does with no landing
@@ -311,8 +311,9 @@ def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
                 prefill: EngineLoad, decode: EngineLoad) -> PlanEstimate:
     """The request prefilled on ``prefill`` and decoded on ``decode``. The hop also waits for
     the prefill ``decode`` still has queued when this prefill ends (an engine runs one forward
-    at a time: its pull and first step come after; on the 2-engine box a flex decoder's own
-    prefills put 0.3-1.9 s between the prefill's token and the decode's)."""
+    at a time: its pull and first step come after). On the 2-engine box flex-to-flex handoffs
+    took 0.3-1.9 s against a 50 ms hop; this queue, the part the router sees, did not explain
+    most of it (README, "Five changes to the decision")."""
     uncached = max(prompt_tokens - prefill.cached_tokens, 0)
     prefill_s = costs.prefill_s(uncached)
     ready_s = prefill.queued_s + prefill_s
