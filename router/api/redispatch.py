@@ -15,8 +15,8 @@ The rule (pure, :func:`router.policy.rebalance.plan_redispatch`, as the simulato
 each queued request's predicted TTFT is the work ahead of it on its worker plus its own; a move
 to a target's tail is made only when it lowers the total predicted TTFT over every queued
 request, greedily, each request at most once in its life. Targets are the pool's workers that
-joined (even if new arrivals already reached them: until the first plan they are offered to,
-at most ``JOIN_WINDOW_S`` after the join; no load report needed) or are idle (nothing running
+joined (even if new arrivals already reached them: until a move to them is made, at most
+``JOIN_WINDOW_S`` after the join; no load report needed) or are idle (nothing running
 or queued, by their report and the router's ledger), that queue nothing by their last report,
 are not leaving and did not just fail. A step runs every ``interval_s`` and at once when a
 worker joins, inside the membership update that adds it (``ClusterSource.on_join``): the queue
@@ -69,7 +69,7 @@ PREFILL_ROLES = ("prefill", "aggregated")
 """Pools whose queued work is counted in uncached prompt tokens (decode: in sequences); flex
 workers are left to the path policy (module doc)."""
 JOIN_WINDOW_S = 10.0
-"""How long a worker counts as joined while no queue was there to move to it."""
+"""How long a worker counts as joined while no move to it was made."""
 SEQUENCE = LoadModel(per_token_s=1.0)
 """The decode pool's unit: one sequence (only the sign of a move's gain matters)."""
 
@@ -149,7 +149,7 @@ class Redispatcher:
         self._members: dict[tuple[str, str], set[str]] = {}
         """Each pool's members at the last step (who joined since)."""
         self._joined: dict[tuple[str, str], dict[str, float]] = {}
-        """Workers that joined, and when, not yet offered to a plan (``JOIN_WINDOW_S``)."""
+        """Workers that joined, and when, no move to them made yet (``JOIN_WINDOW_S``)."""
 
     def step(self) -> int:
         """Plan and ask for this moment's moves; returns how many requests agreed to move (a
@@ -179,8 +179,8 @@ class Redispatcher:
         return {r.worker_id for r in self.proxy.cluster.workers("flex")}
 
     def _new_members(self) -> dict[tuple[str, str], dict[str, float]]:
-        """Each pool's workers that joined since an earlier step (none at the first), not yet
-        offered to a plan, within ``JOIN_WINDOW_S`` of the join."""
+        """Each pool's workers that joined since an earlier step (none at the first), no move
+        to them made yet, within ``JOIN_WINDOW_S`` of the join."""
         proxy, now = self.proxy, self._clock()
         for model in proxy.cluster.models():
             for role in (*PREFILL_ROLES, "decode"):
@@ -206,8 +206,6 @@ class Redispatcher:
         free = [wid for wid, c in snapshots.items()
                 if not c.recently_failed and _takes(loads.get(wid), wid in joined,
                                                     proxy.tracker.in_flight(wid))]
-        for wid in free:  # offered: a joined worker's one chance
-            joined.pop(wid, None)
         if not free:
             return 0
         entries = {e.route.request_id: e for _, es in sources for e in es}
@@ -227,7 +225,10 @@ class Redispatcher:
                  for wid, es in sources],
                 {wid: snapshots[wid].running for wid in free}, SEQUENCE,
                 max_moves=self.max_moves)
-        return sum(self._ask(entries[m.request_id], live[m.target], m) for m in moves)
+        asked = [m for m in moves if self._ask(entries[m.request_id], live[m.target], m)]
+        for m in asked:  # a joined worker is a target until a move to it is made
+            joined.pop(m.target, None)
+        return len(asked)
 
     def _ask(self, entry: Waiting, target: WorkerRecord, move: Move) -> bool:
         if not entry.move_to(target):
@@ -251,7 +252,9 @@ class Redispatcher:
         balance the old queue with requests that came later, a wait the queued ones keep)."""
         logger.debug("re-dispatch step on the join of %s",
                      ", ".join(r.worker_id for r in records))
-        self.step()
+        moved = self.step()
+        logger.info("re-dispatch on the join of %s: %d queued request(s) asked to move",
+                    ", ".join(r.worker_id for r in records), moved)
 
     def start(self) -> None:
         """Run :meth:`step` every ``interval_s`` and whenever a worker joins (0: never)."""

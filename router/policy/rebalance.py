@@ -22,12 +22,14 @@ So a plan never increases the total predicted TTFT.
 Re-dispatch (:func:`plan_redispatch`, same model and the same ``delta``): every source instance
 (``ahead_tokens`` of running work, then its waiting queue FIFO) may give queued requests to any
 target it names a cost for (``QueuedRequest.target_tokens``: a newly ready instance, an idle
-one). Greedy over all sources and targets, most negative ``delta`` first, each request at most
-once per call, a move only when ``delta < -min_gain_s`` (parameter, default 0.0), at most
-``max_moves`` (64). Running work is never in a queue, so it never moves. Sources named in
-``evacuate`` (instances being removed) give up every queued request: each goes to the target
-where its predicted TTFT is lowest, even when that is later than staying (the instance stops
-once its running batch is done, instead of when its queue would have drained).
+one). Greedy over all sources and targets, most negative ``delta`` first (of equal ones the
+request furthest back in its queue: it is the last to start where it is, so the move cannot lose
+a race with its own admission there), each request at most once per call, a move only when
+``delta < -min_gain_s`` (parameter, default 0.0), at most ``max_moves`` (64). Running work is
+never in a queue, so it never moves. Sources named in ``evacuate`` (instances being removed) give
+up every queued request: each goes to the target where its predicted TTFT is lowest, even when
+that is later than staying (the instance stops once its running batch is done, instead of when
+its queue would have drained).
 """
 
 from __future__ import annotations
@@ -165,9 +167,11 @@ def plan_redispatch(
                     d = move_delta_s(ahead, q.tokens, behind, tails[t], tt, load)
                     if not forced and d >= -min_gain_s:
                         continue
-                    # evacuations first (each to its best target), then the largest gain
+                    # evacuations first (each to its best target), then the largest gain;
+                    # of equal gains the request furthest back in its queue
                     key = (not forced, d, si, qi, t)
-                    if best is None or key[:2] < best[:2]:
+                    if best is None or key[:2] < best[:2] or (key[:2] == best[:2]
+                                                              and qi > best[3]):
                         best = key
                 ahead += q.tokens
         if best is None:
