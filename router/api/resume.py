@@ -33,6 +33,7 @@ Only a stream that cannot move ends with one error event and ``[DONE]``, as befo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -64,6 +65,8 @@ PROBE_CHECK_S = 0.25
 READ_AHEAD = 64
 """Chunks read from a worker ahead of the client (the client's pace then holds the worker)."""
 _END = object()
+_MOVE = object()
+"""Put in the reader's queue by ``move_to``: the waiting loop wakes at once to move."""
 
 
 @dataclass
@@ -128,6 +131,8 @@ class ResumableStream:
         self._redirect: WorkerRecord | None = None
         """Where re-dispatch asked the waiting request to go (``move_to``)."""
         self._redispatched = False
+        self._chunk_queue: asyncio.Queue[object] | None = None
+        """The current source's read-ahead queue while it is read (``move_to`` wakes it)."""
 
     def adopt(self, source: Source) -> None:
         """Start from an answer already open (the client's own request, its status read)."""
@@ -136,10 +141,14 @@ class ResumableStream:
 
     def move_to(self, worker: WorkerRecord) -> bool:
         """Re-dispatch: while its source has sent nothing, the request moves to ``worker``
-        (within ``PROBE_CHECK_S``); once in its life. False when it no longer can."""
+        (at once: the wait for its first chunk wakes); once in its life. False when it no longer
+        can. A chunk already read ahead wins: the request stays."""
         if self._source_output or self._redispatched or self._done or self.source is None:
             return False
         self._redirect, self._redispatched = worker, True
+        if self._chunk_queue is not None:
+            with contextlib.suppress(asyncio.QueueFull):  # full: the timeout path notices
+                self._chunk_queue.put_nowait(_MOVE)
         return True
 
     def response(self) -> RelayResponse:
@@ -294,6 +303,7 @@ class ResumableStream:
         ``_Stalled``; before it, so does the worker no longer answering its probes."""
         queue: asyncio.Queue[object] = asyncio.Queue(READ_AHEAD)
         reader = self._reader = asyncio.create_task(self._read(source, queue))
+        self._chunk_queue = queue
         floor = self.proxy.settings.stall_timeout_s
         waiting = Waiting(self.route, source.role, source.worker.worker_id, time.monotonic(),
                           self.move_to)
@@ -323,6 +333,10 @@ class ResumableStream:
                         if self.proxy.cluster.leaving(worker_id) and self._may_move():
                             raise _Leaving() from None  # sent again, or continued, elsewhere
                         continue
+                if item is _MOVE:
+                    if self._redirect is not None:
+                        raise _Redispatched()
+                    continue  # answered before the move: it stays
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
@@ -335,6 +349,7 @@ class ResumableStream:
                         and self.journal.resumable and not self.journal.finished:
                     raise _Leaving()
         finally:
+            self._chunk_queue = None
             self.proxy.waiting.discard(waiting)
             reader.cancel()
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import pytest
 
+from router.api import resume
 from router.api.redispatch import Redispatcher, Waiting, WaitingRequests, queued_now
 from router.api.schemas import COMPLETIONS
 from router.api.timeline import PhaseClock
@@ -79,6 +80,20 @@ async def test_a_queued_decode_moves_to_a_worker_that_joined(rig_of: Callable[..
     assert redispatches(rig, "decode") == 1 and rig.retries("decode") == 0
     assert rig.cluster.evicted == [] and not rig.tracker.recently_failed("d1")
     assert rig.in_flight() == {} and rig.proxy.waiting.workers() == []
+
+
+async def test_a_move_wakes_the_waiting_stream_at_once(rig_of: Callable[..., Rig],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream waiting for its first chunk looks at a move when asked, not at its next
+    probe check (an hour away here): the longer a move waits, the likelier the request starts
+    on its old worker first and stays."""
+    monkeypatch.setattr(resume, "PROBE_CHECK_S", 3600.0)
+    rig = rig_of(p1=[], d1=[HUNG], d2=[Script(EVENTS)])
+    client = await start_stream(rig)
+    rig.proxy.reported_loads = lambda: {"d1": load(2, 1), "d2": load(0, 0)}
+    assert Redispatcher(rig.proxy, 1.0, 1e-4).step() == 1
+    assert '"text":"c"' in (await asyncio.wait_for(client, 5)).decode()
+    assert rig.workers.calls == ["d1", "d2"] and redispatches(rig, "decode") == 1
 
 
 async def test_an_adaptive_fleets_decodes_stay_where_the_path_policy_put_them(
