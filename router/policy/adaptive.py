@@ -190,7 +190,6 @@ class AdaptivePaths:
                 cached_tokens=self.cached_tokens(request, c.worker_id),
                 admitted_output_tokens=min((a[0] for a in admitted), default=0.0),
                 admitted_stall_s=max((a[1] for a in admitted), default=0.0),
-                admitted=tuple((a[0], a[1]) for a in admitted),
                 recently_failed=c.recently_failed, reserved=c.worker_id in self.reserved))
         return out
 

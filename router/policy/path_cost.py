@@ -164,10 +164,6 @@ class EngineLoad:
     """Shortest expected output of the sequences it decodes (0: none or unknown)."""
     admitted_stall_s: float = 0.0
     """Largest prefill stall per token already added to one of the sequences it decodes."""
-    admitted: tuple[tuple[float, float], ...] = ()
-    """(expected output tokens, prefill stall per token already added) of each sequence the
-    router sent it to decode, pulls still on their way included; each one a plan would push
-    past the TPOT is an expected miss of that plan."""
     recently_failed: bool = False
     """In the router's failure cool-down: planned only when nothing else can serve."""
     reserved: bool = False
@@ -197,9 +193,6 @@ class PlanEstimate:
     """Expected neighbours' prefills landing on the decoding engine during its answer."""
     landing_tpot_s: float = 0.0
     """TPOT each landing prefill adds (its mean length over the token gaps)."""
-    harmed_tpots_s: tuple[float, ...] = ()
-    """Predicted TPOT of each admitted sequence (``EngineLoad.admitted``) on the engines it
-    touches, after it."""
 
     def tpot_miss_probability(self, tpot_slo_s: float) -> float:
         """Probability that its own TPOT exceeds ``tpot_slo_s``: 1 when it does with no landing
@@ -213,15 +206,10 @@ class PlanEstimate:
 
     def expected_misses(self, ttft_slo_s: float, tpot_slo_s: float) -> float:
         """Requests this plan is expected to put past an SLO: itself (certainly, when its TTFT
-        misses; else with its TPOT's miss probability) and each admitted one it would push past
-        the TPOT (at least one when the worst case, ``harm_tpot_s``, is past it). Counting them
-        as one let a prefill on a quiet decoder (``split_relief``) save its own TTFT at the cost
-        of every pull on its way there: on the 2-engine box each relief overlapped a median of
-        4.5 P/D handoffs, which then took 0.98 s (p50) against 0.05 s on a decoder that
-        prefilled nothing."""
+        misses; else with its TPOT's miss probability) and the admitted ones it would push past
+        the TPOT (counted as one)."""
         own = 1.0 if self.ttft_s > ttft_slo_s else self.tpot_miss_probability(tpot_slo_s)
-        harmed = sum(1 for t in self.harmed_tpots_s if t > tpot_slo_s)
-        return own + max(harmed, 1 if self.harm_tpot_s > tpot_slo_s else 0)
+        return own + (1.0 if self.harm_tpot_s > tpot_slo_s else 0.0)
 
     def meets(self, ttft_slo_s: float, tpot_slo_s: float) -> bool:
         """Within both SLOs without pushing admitted requests past the TPOT SLO."""
@@ -308,16 +296,6 @@ def _admitted_tpot(costs: PathCosts, engine: EngineLoad, stall_s: float) -> floa
     return costs.step_s(engine.running + 1) + engine.admitted_stall_s + stall_s / gaps
 
 
-def _admitted_tpots(costs: PathCosts, engine: EngineLoad, stall_s: float
-                    ) -> tuple[float, ...]:
-    """TPOT of each sequence in ``engine.admitted`` after ``stall_s`` more prefill."""
-    if not engine.running:
-        return ()
-    step = costs.step_s(engine.running + 1)
-    return tuple(step + stalled + stall_s / token_intervals(tokens or 1.0)
-                 for tokens, stalled in engine.admitted)
-
-
 def estimate_whole(costs: PathCosts, prompt_tokens: int, output_tokens: int,
                    engine: EngineLoad) -> PlanEstimate:
     """The request served whole on ``engine``."""
@@ -326,8 +304,7 @@ def estimate_whole(costs: PathCosts, prompt_tokens: int, output_tokens: int,
     stall = decode_stall(costs, engine, output_tokens)
     return PlanEstimate("whole", engine.worker_id, None, engine.queued_s + prefill,
                         stall.tpot_s(), _admitted_tpot(costs, engine, prefill), uncached,
-                        stall.base_s, stall.landings_mean, stall.per_landing_s,
-                        _admitted_tpots(costs, engine, prefill))
+                        stall.base_s, stall.landings_mean, stall.per_landing_s)
 
 
 def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
@@ -346,6 +323,4 @@ def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
     harm = max(_admitted_tpot(costs, prefill, prefill_s), _admitted_tpot(costs, decode, 0.0))
     return PlanEstimate("pd", decode.worker_id, prefill.worker_id, ready_s + wait_s,
                         stall.tpot_s() + hop, harm, uncached, stall.base_s + hop,
-                        stall.landings_mean, stall.per_landing_s,
-                        _admitted_tpots(costs, prefill, prefill_s)
-                        + _admitted_tpots(costs, decode, 0.0))
+                        stall.landings_mean, stall.per_landing_s)

@@ -416,31 +416,3 @@ def test_the_hop_waits_for_the_prefill_the_decoder_has_queued() -> None:
                            EngineLoad("d", queued_s=0.5))
     assert queued_p.ttft_s == pytest.approx(1.0 + idle.ttft_s)
     assert queued_p.tpot_s == pytest.approx(idle.tpot_s)
-
-
-def test_the_quiet_decoder_is_not_lent_when_its_prefill_would_stall_every_pull_on_its_way(
-        ) -> None:
-    # b prefills with 3 s queued (the split's P/D plan misses the TTFT, and its prefill pushes
-    # b's one short answer past the TPOT: 2 expected misses). Prefilling on the quiet decoder a
-    # instead meets the TTFT but stalls the five 4-token answers a decodes (pulls on their
-    # way included): 5 expected misses, so the split's plan stands
-    def engines(output_tokens: int) -> list[EngineLoad]:
-        return [EngineLoad("a", reserved=True, running=5, admitted_output_tokens=output_tokens,
-                           admitted=((output_tokens, 0.0),) * 5),
-                EngineLoad("b", queued_s=3.0, running=1, admitted_output_tokens=4,
-                           admitted=((4, 0.0),))]
-
-    paths = _paths()
-    slo = (paths.ttft_slo_s, paths.tpot_slo_s)
-    relief = estimate_whole(COSTS, 1500, 12, engines(4)[0])
-    assert relief.ttft_s < 1.0 and relief.expected_misses(*slo) == 5
-    decision = paths.decide(_request(1500), 12, engines(4))
-    assert decision is not None and decision.reason == "split"
-    assert (decision.plan.path, decision.plan.prefill_worker, decision.plan.worker) == \
-        ("pd", "b", "a")
-    assert decision.plan.expected_misses(*slo) == 2
-    # control: a's answers are long (64 tokens), the stall spread over their gaps harms none:
-    # the quiet decoder is lent
-    decision = paths.decide(_request(1500), 12, engines(64))
-    assert decision is not None and decision.reason == "split_relief"
-    assert (decision.plan.path, decision.plan.worker) == ("whole", "a")
