@@ -250,8 +250,6 @@ class Redispatcher:
     def _joined_now(self, records: Sequence[WorkerRecord]) -> None:
         """A worker joined: plan at once, before new arrivals reach it (they would otherwise
         balance the old queue with requests that came later, a wait the queued ones keep)."""
-        logger.debug("re-dispatch step on the join of %s",
-                     ", ".join(r.worker_id for r in records))
         moved = self.step()
         logger.info("re-dispatch on the join of %s: %d queued request(s) asked to move",
                     ", ".join(r.worker_id for r in records), moved)

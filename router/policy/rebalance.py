@@ -152,7 +152,7 @@ def plan_redispatch(
     # moving a request lowers ``ahead`` of those behind it and ``behind`` of those ahead of
     # it, so the deltas are recomputed after every move (O(moves x queued x targets))
     while tails and len(moves) < max_moves:
-        best: tuple[bool, float, int, int, str] | None = None
+        best: tuple[tuple[bool, float, int], int, int, str] | None = None
         for si, (src, items) in enumerate(queues):
             forced = src.worker_id in evacuate
             ahead = src.ahead_tokens
@@ -169,14 +169,13 @@ def plan_redispatch(
                         continue
                     # evacuations first (each to its best target), then the largest gain;
                     # of equal gains the request furthest back in its queue
-                    key = (not forced, d, si, qi, t)
-                    if best is None or key[:2] < best[:2] or (key[:2] == best[:2]
-                                                              and qi > best[3]):
-                        best = key
+                    rank = (not forced, d, -qi)
+                    if best is None or rank < best[0]:
+                        best = (rank, si, qi, t)
                 ahead += q.tokens
         if best is None:
             break
-        _, d, si, qi, t = best
+        (_, d, _), si, qi, t = best
         src, items = queues[si]
         q = items[qi]
         moved.add((si, qi))
