@@ -50,16 +50,16 @@ def test_a_move_that_does_not_lower_the_predicted_ttft_is_not_made() -> None:
     assert [(m.request_id, m.delta_s) for m in moves] == [("a", pytest.approx(-1.0))]
 
 
-def test_of_equal_gains_the_request_furthest_back_moves() -> None:
+def test_of_equal_gains_the_request_that_waited_longest_moves() -> None:
     # s runs 1,000 tokens, then a and b (1,000 each); n has 1,000 ahead: moving either saves
-    # 1.0 s in total. b moves: a starts on s next, and a move of it could lose that race.
+    # 1.0 s in total. a moves: it arrived first, so it is the nearest to its TTFT SLO.
     src = InstanceQueue("s", 1000, [q("a", 1000, n=1000), q("b", 1000, n=1000)])
     moves = plan_redispatch([src], {"n": 1000}, LOAD)
-    assert [(m.request_id, m.delta_s) for m in moves] == [("b", pytest.approx(-1.0))]
-    # control: a gain still rules: b costs more on n (-0.8 s), a moves (-1.0 s)
-    src = InstanceQueue("s", 1000, [q("a", 1000, n=1000), q("b", 1000, n=1200)])
-    moves = plan_redispatch([src], {"n": 1000}, LOAD)
     assert [(m.request_id, m.delta_s) for m in moves] == [("a", pytest.approx(-1.0))]
+    # control: a gain still rules: a costs more on n (-0.8 s), b moves (-1.0 s)
+    src = InstanceQueue("s", 1000, [q("a", 1000, n=1200), q("b", 1000, n=1000)])
+    moves = plan_redispatch([src], {"n": 1000}, LOAD)
+    assert [(m.request_id, m.delta_s) for m in moves] == [("b", pytest.approx(-1.0))]
 
 
 def test_running_work_never_moves() -> None:

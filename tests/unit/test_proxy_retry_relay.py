@@ -234,9 +234,9 @@ async def rig_of() -> AsyncIterator[Callable[..., Rig]]:
         await client.aclose()
 
 
-def route() -> tuple[RouteRequest, PhaseClock]:
-    return RouteRequest(request_id="req-1", model=MODEL, prompt_token_ids=(1, 2, 3)), \
-        PhaseClock.start("req-1")
+def route(request_id: str = "req-1") -> tuple[RouteRequest, PhaseClock]:
+    return RouteRequest(request_id=request_id, model=MODEL, prompt_token_ids=(1, 2, 3)), \
+        PhaseClock.start(request_id)
 
 
 async def prefill(rig: Rig) -> Any:
@@ -244,8 +244,8 @@ async def prefill(rig: Rig) -> Any:
     return await rig.proxy.prefill(COMPLETIONS, BODY, request, {}, clock)
 
 
-async def decode(rig: Rig, *, stream: bool) -> Response:
-    request, clock = route()
+async def decode(rig: Rig, *, stream: bool, request_id: str = "req-1") -> Response:
+    request, clock = route(request_id)
     return await rig.proxy.decode(COMPLETIONS, BODY, KV, request, {}, stream=stream,
                                   clock=clock)
 

@@ -175,30 +175,29 @@ async def test_a_worker_that_joined_is_a_target_until_a_move_to_it_is_made(
 
 async def test_a_joined_worker_is_no_target_once_a_move_to_it_was_made(
         rig_of: Callable[..., Rig]) -> None:
-    """Two decodes queue on d1 when d2 joins with one sequence running: the one further back
-    moves (the head would start on d1 first, and could start before it noticed the move). At
-    the next step d2 is busy and took its move: the head stays, though it would gain (the
-    step before shows the rule would move to d2 while it counts as joined)."""
+    """Two decodes queue on d1 when d2 joins with one sequence running: the head (it waited
+    longest) moves. At the next step d2 is busy and took its move: the other stays, though it
+    would gain (the step before shows the rule would move to d2 while it counts as joined)."""
     rig = rig_of(p1=[], d1=[HUNG, HUNG], d2=[Script(EVENTS)])
     d2 = next(r for r in rig.cluster.records if r.worker_id == "d2")
     rig.cluster.records.remove(d2)
     redispatch = Redispatcher(rig.proxy, 1.0, 1e-4)
     rig.proxy.reported_loads = lambda: {}
     assert redispatch.step() == 0  # the members before the join
-    head = asyncio.create_task(play(await decode(rig, stream=True)))
+    head = asyncio.create_task(play(await decode(rig, stream=True, request_id="head")))
     await waiting_on(rig, "d1")
-    tail = asyncio.create_task(play(await decode(rig, stream=True)))
+    tail = asyncio.create_task(play(await decode(rig, stream=True, request_id="tail")))
     await waiting_on(rig, "d1", 2)
     rig.cluster.records.append(d2)
     rig.proxy.reported_loads = lambda: {"d1": load(2, 2), "d2": load(1, 0)}
     assert redispatch.step() == 1
-    assert '"text":"c"' in (await asyncio.wait_for(tail, 5)).decode()
-    assert not head.done() and rig.workers.calls == ["d1", "d1", "d2"]
+    assert '"text":"c"' in (await asyncio.wait_for(head, 5)).decode()
+    assert not tail.done() and rig.workers.calls == ["d1", "d1", "d2"]
     rig.proxy.reported_loads = lambda: {"d1": load(2, 1), "d2": load(1, 0)}
     assert redispatch.step() == 0
     await asyncio.sleep(0.6)  # past two of the stream's looks at a move
     assert rig.workers.calls == ["d1", "d1", "d2"] and redispatches(rig, "decode") == 1
-    head.cancel()
+    tail.cancel()
 
 
 @pytest.mark.parametrize("listening", [True, False])
