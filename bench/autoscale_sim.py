@@ -20,7 +20,9 @@ instance-seconds of:
 - ``static-max``: the fixed pool at the autoscalers' maximum;
 - ``oracle`` (``--oracle``): the clairvoyant reference of :mod:`bench.sim.oracle`, pools from
   a steady-state table sized for the true rate over the next start + interval; what pool-size
-  efficiency alone allows, with nothing left to forecast.
+  efficiency alone allows, with nothing left to forecast. ``--oracle-lookahead-s 0`` makes it
+  the *reactive* reference: it knows the true rate now, exactly, and nothing of what comes
+  (a causal planner knows less); ``--oracle-floor L`` keeps at least level L's pool.
 
 Worker starts take ``--start-delay-s`` (30), the autoscalers decide every 10 s. ``TUNED``
 names the shape/seed pairs the planner's knobs were tuned on; the table marks the others
@@ -196,10 +198,11 @@ def oracle_tables(shape_names: Sequence[str], sc: Scenario, jobs: int = 1
 
 
 def one_row(shape: str, seed: int, sc: Scenario,
-            tables: dict[float, PoolTable] | None = None, margin: float = 1.0
-            ) -> dict[str, Any]:
+            tables: dict[float, PoolTable] | None = None, margin: float = 1.0,
+            lookahead_s: float | None = None, floor: float = 0.0) -> dict[str, Any]:
     """Planner, threshold, static-peak and static-max on one trace, and the clairvoyant
-    oracle (sizing for ``margin`` x the level) when given its steady-state ``tables`` (per
+    oracle (sizing for ``margin`` x the highest level within ``lookahead_s``, default a start
+    plus an interval, and for ``floor`` at least) when given its steady-state ``tables`` (per
     burstiness)."""
     t0 = time.perf_counter()
     reqs = shape_trace(shape, sc.duration_s, sc.peak_rps, seed)
@@ -215,14 +218,16 @@ def one_row(shape: str, seed: int, sc: Scenario,
             res, sc.ttft_slo_s, sc.tpot_slo_s)
     if tables is not None:
         table = tables[shapes.BURSTINESS.get(shape, shapes.DEFAULT_BURSTINESS)]
-        oracle = OracleController(shapes.knots(shape, sc.duration_s, seed), table,
-                                  sc.start_delay_s + sc.interval_s, sc.interval_s,
-                                  margin=margin)
+        ahead = sc.start_delay_s + sc.interval_s if lookahead_s is None else lookahead_s
+        oracle = OracleController(shapes.knots(shape, sc.duration_s, seed), table, ahead,
+                                  sc.interval_s, margin=margin, floor=floor)
         res = run(reqs, sc.policy, AutoscaleSettings("planner", sc.max_prefill, sc.max_decode,
                                                      moves=sc.moves()),
                   sc.ttft_slo_s, sc.tpot_slo_s, profile, oracle)
         row["oracle"] = autoscale_summary(res, sc.ttft_slo_s, sc.tpot_slo_s)
         row["oracle_margin"] = margin
+        row["oracle_lookahead_s"] = ahead
+        row["oracle_floor"] = floor
     p, d, peak = static_peak(reqs, sc)
     row["static-peak"] = peak or row["static-max"]
     row["static_peak_pool"] = f"{p}+{d}" if peak else "none"
@@ -310,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
                          "steady-state table, sized for the true rate a start ahead")
     ap.add_argument("--oracle-margin", type=float, default=1.0,
                     help="the oracle sizes for this x the true level (default 1.0)")
+    ap.add_argument("--oracle-lookahead-s", type=float, default=None,
+                    help="seconds of the true rate the oracle sees ahead (default: a start "
+                         "plus an interval; 0: the reactive reference, the rate now only)")
+    ap.add_argument("--oracle-floor", type=float, default=0.0,
+                    help="the oracle keeps at least this level's pool (fraction of the peak)")
     ap.add_argument("--warm-blocks", type=int, default=0,
                     help="prefix blocks a joining prefill instance is warmed with (default 0)")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
@@ -333,9 +343,12 @@ def main(argv: list[str] | None = None) -> int:
         with ProcessPoolExecutor(args.jobs) as pool:
             rows = list(pool.map(one_row, *zip(*jobs, strict=True),
                                  [sc] * len(jobs), [tables] * len(jobs),
-                                 [args.oracle_margin] * len(jobs)))
+                                 [args.oracle_margin] * len(jobs),
+                                 [args.oracle_lookahead_s] * len(jobs),
+                                 [args.oracle_floor] * len(jobs)))
     else:
-        rows = [one_row(shape, seed, sc, tables, args.oracle_margin) for shape, seed in jobs]
+        rows = [one_row(shape, seed, sc, tables, args.oracle_margin, args.oracle_lookahead_s,
+                        args.oracle_floor) for shape, seed in jobs]
     print_table(rows, sc)
     logger.info("done in %.0f s", time.perf_counter() - t0)
     if args.out:

@@ -126,13 +126,16 @@ class OracleController:
     step_s: float = 1.0
     margin: float = 1.0
     """Size for the level times this (below 1: fewer instances, to trace the frontier)."""
+    floor: float = 0.0
+    """Size for at least this level, whatever the rate (a pool kept for steps no forecast
+    sees coming)."""
     asked: list[tuple[float, tuple[int, int]]] = field(default_factory=list)
     """``(time_s, pools)`` of every decision, for tests and reports."""
 
     def _want(self, now_s: float) -> tuple[int, int]:
-        n = max(1, round(self.lookahead_s / self.step_s))
+        n = max(0, round(self.lookahead_s / self.step_s))
         level = max(level_at(self.knots, now_s + i * self.step_s) for i in range(n + 1))
-        return pool_for(self.table, level * self.margin)
+        return pool_for(self.table, max(level * self.margin, self.floor))
 
     def initial(self) -> tuple[int, int]:
         return self._want(0.0)

@@ -65,3 +65,11 @@ def test_oracle_asks_for_the_step_a_start_ahead_of_it() -> None:
 def test_margin_scales_the_level_it_sizes_for() -> None:
     lean = OracleController(STEP, TABLE, lookahead_s=40.0, margin=0.5)
     assert lean.decide(stats(300.0)) == (4, 2)  # level 1.0 sized as 0.5
+
+
+def test_a_floor_holds_a_pool_below_it_and_not_above() -> None:
+    floored = OracleController(STEP, TABLE, lookahead_s=0.0, floor=0.5)
+    assert floored.initial() == (4, 2)  # the quiet start sized as 0.5, not as its level
+    assert floored.decide(stats(110.0)) == (7, 3)  # above the floor the level rules
+    # control: without the floor the quiet start gets the quiet pool
+    assert OracleController(STEP, TABLE, lookahead_s=0.0).initial() == (2, 1)
