@@ -117,7 +117,8 @@ def pool_for(table: PoolTable, level: float) -> tuple[int, int]:
 class OracleController:
     """A :class:`bench.sim.engine.PoolController` that knows the rate: every ``interval_s``
     it asks for the table's pool at the highest level of ``knots`` within ``lookahead_s``
-    (times ``margin``)."""
+    (times ``margin``; at least ``floor``). ``lookahead_s`` 0: the level now only (the reactive
+    reference: what a planner that knew the present exactly, and nothing ahead, would ask)."""
 
     knots: Knots
     table: PoolTable
