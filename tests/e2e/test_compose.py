@@ -519,8 +519,10 @@ def test_autoscaler_grows_decode_to_two_and_back(cluster: Cluster, tmp_path: Pat
             marks["both served, both scraped"] = time.monotonic() - t0
             # a stream queued on the first replica when the clone joined may move to the clone:
             # recorded, not asserted (CI runs 23, 25 and 26 moved one; run 27 moved none,
-            # likely the race re-dispatch lost to the head of the queue until 2026-11-29, see
-            # the README); tests/e2e/test_autoscale.py asserts the move on `pdserve up`
+            # likely a move that lost the race with the head's start on the old replica, now
+            # covered by waking the stream at once and keeping the joined replica a target
+            # until a move to it is made, see the README); tests/e2e/test_autoscale.py asserts
+            # the move on `pdserve up`
             router_log = cluster.compose("logs", "--no-color", "router", check=False).stdout
             moved = [line for line in router_log.splitlines() if "re-dispatch: decode" in line
                      and f"moved from decode-{first[:12]}-" in line
