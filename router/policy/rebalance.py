@@ -27,11 +27,10 @@ request nearest the front of its queue: it has waited longest, so it is the near
 SLO; in the simulator's 25 autoscaling traces moving the one furthest back instead lowered the
 held-out attainment from 0.943 to 0.938, burstgpt 0.904 -> 0.889), each request at most once
 per call, a move only when ``delta < -min_gain_s`` (parameter, default 0.0), at most
-``max_moves`` (64). Running work is
-never in a queue, so it never moves. Sources named in ``evacuate`` (instances being removed) give
-up every queued request: each goes to the target where its predicted TTFT is lowest, even when
-that is later than staying (the instance stops once its running batch is done, instead of when
-its queue would have drained).
+``max_moves`` (64). Running work is never in a queue, so it never moves. Sources named in
+``evacuate`` (instances being removed) give up every queued request: each goes to the target
+where its predicted TTFT is lowest, even when that is later than staying (the instance stops
+once its running batch is done, instead of when its queue would have drained).
 """
 
 from __future__ import annotations
