@@ -36,6 +36,7 @@ from router.api.rewrite import decode_body, encode, prefill_body
 from router.api.schemas import Endpoint
 from router.api.stream_end import failed_ending
 from router.api.timeline import PhaseClock
+from router.api.transport import UpstreamTransport
 from router.api.unspent import UnspentLeases
 from router.api.upstream import (
     allow_same_worker_retry,
@@ -229,35 +230,50 @@ class PDProxy:
         ``stall`` error raised, so the request goes elsewhere (``stall_timeout_s`` 0: off).
         With ``route`` the wait is registered for re-dispatch (``router.api.redispatch``):
         moved, the call is abandoned the same way and :class:`Redispatch` raised."""
-        task = asyncio.ensure_future(call)
-        moved: list[WorkerRecord] = []
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        cancelling = task.cancelling()
+        why: list[Exception] = []  # what the call was stopped for, raised once our cancel lands
+        finished = False
+
+        def stop(error: Exception) -> bool:
+            if why or finished:
+                return False
+            why.append(error)
+            task.cancel()  # the call runs in ``task`` itself: no task of its own to create
+            return True
+
         entry = None
         if route is not None:
-            def move_to(target: WorkerRecord) -> bool:
-                if moved or task.done():
-                    return False
-                moved.append(target)
-                return True
-
-            entry = Waiting(route, role, worker.worker_id, time.monotonic(), move_to)
+            entry = Waiting(route, role, worker.worker_id, time.monotonic(),
+                            lambda target: stop(Redispatch(target)))
             self.waiting.add(entry)
-        stall = self.settings.stall_timeout_s > 0
+        timer: asyncio.TimerHandle | None = None
+
+        def probe() -> None:
+            nonlocal timer
+            if self.unresponsive(worker.worker_id):
+                stop(UpstreamError(f"{role} worker {worker.worker_id} stopped answering while "
+                                   "the request waited on it", role=role, kind="stall",
+                                   status=504, code="upstream_timeout"))
+            else:
+                timer = loop.call_later(PROBE_CHECK_S, probe)
+
+        if self.settings.stall_timeout_s > 0:
+            timer = loop.call_later(PROBE_CHECK_S, probe)
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=PROBE_CHECK_S)
-                if done:
-                    return task.result()
-                if moved:
-                    raise Redispatch(moved[0])
-                if stall and self.unresponsive(worker.worker_id):
-                    raise UpstreamError(f"{role} worker {worker.worker_id} stopped answering "
-                                        "while the request waited on it", role=role,
-                                        kind="stall", status=504, code="upstream_timeout")
+            return await call
+        except asyncio.CancelledError:
+            if why and task.uncancel() <= cancelling:  # ours alone: the call was abandoned
+                raise why[0] from None
+            raise
         finally:
+            finished = True
+            if timer is not None:
+                timer.cancel()
             if entry is not None:
                 self.waiting.discard(entry)
-            if not task.done():
-                task.cancel()
 
     def redispatched(self, clock: PhaseClock, role: str, route: RouteRequest,
                      source: WorkerRecord, target: WorkerRecord) -> None:
@@ -314,9 +330,13 @@ class PDProxy:
             request = self.client.build_request("POST", url, content=content, headers=headers,
                                                 timeout=timeout)
             return await self.client.send(request, stream=stream)
-        request = httpx.Request("POST", self._url(url), content=content, headers=headers,
-                                extensions={"timeout": timeout.as_dict()})
-        resp = await self.transport.handle_async_request(request)
+        if isinstance(self.transport, UpstreamTransport):
+            resp = await self.transport.post(self._url(url), content, headers,
+                                             timeout.as_dict())
+        else:
+            request = httpx.Request("POST", self._url(url), content=content, headers=headers,
+                                    extensions={"timeout": timeout.as_dict()})
+            resp = await self.transport.handle_async_request(request)
         if not stream:
             try:
                 await resp.aread()
