@@ -27,6 +27,7 @@ import httpx
 from starlette.responses import Response
 
 from kvtransfer.signing import Keyring, KeyringFile, current, strip_signature
+from router.api.chunk_feed import feed_of
 from router.api.first_token import FirstToken, first_events, resumable
 from router.api.journal import StreamJournal
 from router.api.redispatch import Redispatch, Waiting, WaitingRequests, log_move
@@ -538,7 +539,7 @@ class PDProxy:
                             handed_over = True
                             resumed = ResumableStream(self, endpoint, body, route, incoming, clock,
                                                       StreamJournal(endpoint, body), role=pool)
-                            resumed.adopt(Source(worker, pool, resp, resp.aiter_raw()))
+                            resumed.adopt(Source(worker, pool, resp, feed_of(resp)))
                             return resumed.response()
                         chunks = resp.aiter_raw()
                         first = b""

@@ -33,8 +33,6 @@ Only a stream that cannot move ends with one error event and ``[DONE]``, as befo
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import statistics
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from router.api.chunk_feed import ChunkFeed, feed_of
 from router.api.journal import StreamJournal
 from router.api.redispatch import Waiting, log_move
 from router.api.relay import FirstOutput, RelayResponse
@@ -62,11 +61,6 @@ STALL_GAP_FACTOR = 25.0
 """A stall is this many of the stream's recent median gaps (when longer than the floor)."""
 PROBE_CHECK_S = 0.25
 """How often a source waiting for its first output checks its worker's probes."""
-READ_AHEAD = 64
-"""Chunks read from a worker ahead of the client (the client's pace then holds the worker)."""
-_END = object()
-_MOVE = object()
-"""Put in the reader's queue by ``move_to``: the waiting loop wakes at once to move."""
 
 
 @dataclass
@@ -77,7 +71,7 @@ class Source:
     role: str
     """The pool that booked the worker."""
     response: httpx.Response
-    chunks: AsyncIterator[bytes]
+    feed: ChunkFeed
     native: bool = True
     """The client's own request (else a continuation on ``/v1/completions``)."""
 
@@ -127,12 +121,11 @@ class ResumableStream:
         self._source_output = False
         self._relayed = False
         self._moves = 0
-        self._reader: asyncio.Task[None] | None = None
         self._redirect: WorkerRecord | None = None
         """Where re-dispatch asked the waiting request to go (``move_to``)."""
         self._redispatched = False
-        self._chunk_queue: asyncio.Queue[object] | None = None
-        """The current source's read-ahead queue while it is read (``move_to`` wakes it)."""
+        self._feed: ChunkFeed | None = None
+        """The current source's body while it is read (``move_to`` wakes its wait)."""
 
     def adopt(self, source: Source) -> None:
         """Start from an answer already open (the client's own request, its status read)."""
@@ -146,9 +139,8 @@ class ResumableStream:
         if self._source_output or self._redispatched or self._done or self.source is None:
             return False
         self._redirect, self._redispatched = worker, True
-        if self._chunk_queue is not None:
-            with contextlib.suppress(asyncio.QueueFull):  # full: the timeout path notices
-                self._chunk_queue.put_nowait(_MOVE)
+        if self._feed is not None:
+            self._feed.wake()  # the wait for the first chunk ends now
         return True
 
     def response(self) -> RelayResponse:
@@ -298,78 +290,55 @@ class ResumableStream:
                                      "at": time.time(), "sent_tokens": len(journal.committed)})
 
     async def _chunks(self, source: Source) -> AsyncIterator[bytes]:
-        """The source's chunks, read by a task of their own so that waiting can be bounded:
-        past the source's first output, a silence longer than the stall bound raises
-        ``_Stalled``; before it, so does the worker no longer answering its probes."""
-        queue: asyncio.Queue[object] = asyncio.Queue(READ_AHEAD)
-        reader = self._reader = asyncio.create_task(self._read(source, queue))
-        self._chunk_queue = queue
+        """The source's chunks, each wait for them bounded (``router.api.chunk_feed``): past
+        the source's first output, a silence longer than the stall bound raises ``_Stalled``;
+        before it, so does the worker no longer answering its probes."""
+        feed = self._feed = source.feed
         floor = self.proxy.settings.stall_timeout_s
-        waiting = Waiting(self.route, source.role, source.worker.worker_id, time.monotonic(),
-                          self.move_to)
-        self.proxy.waiting.add(waiting)  # until its first chunk (router.api.redispatch)
+        worker_id = source.worker.worker_id
+        entry = Waiting(self.route, source.role, worker_id, time.monotonic(), self.move_to)
+        self.proxy.waiting.add(entry)  # until its first chunk (router.api.redispatch)
+        waiting: Waiting | None = entry
         try:
             while True:
-                try:
-                    item = queue.get_nowait()  # already here: no silence to bound
-                except asyncio.QueueEmpty:
-                    bound = None
-                    if not self._source_output:
-                        bound = PROBE_CHECK_S
-                    elif floor > 0:
-                        recent = self._watch.gaps[-32:]
-                        bound = max(floor, STALL_GAP_FACTOR * statistics.median(recent)) \
-                            if recent else floor
-                    try:
-                        async with asyncio.timeout(bound):
-                            item = await queue.get()
-                    except TimeoutError:
-                        worker_id = source.worker.worker_id
-                        if self._redirect is not None:
-                            raise _Redispatched() from None
-                        if self._source_output or (floor > 0
-                                                   and self.proxy.unresponsive(worker_id)):
-                            raise _Stalled() from None
-                        if self.proxy.cluster.leaving(worker_id) and self._may_move():
-                            raise _Leaving() from None  # sent again, or continued, elsewhere
-                        continue
-                if item is _MOVE:
-                    if self._redirect is not None:
-                        raise _Redispatched()
-                    continue  # answered before the move: it stays
-                if item is _END:
+                data = feed.take()
+                if data:
+                    if waiting is not None:
+                        self.proxy.waiting.discard(waiting)
+                        waiting = None
+                    self._redirect = None  # answered before the move: it stays
+                    yield data
+                    if self.proxy.cluster.leaving(worker_id) and self._may_move() \
+                            and self.journal.resumable and not self.journal.finished:
+                        raise _Leaving()
+                    continue
+                if feed.ended():
                     return
-                if isinstance(item, BaseException):
-                    raise item
-                assert isinstance(item, bytes)
-                self.proxy.waiting.discard(waiting)
-                self._redirect = None  # answered before the move: it stays
-                yield item
-                if self.proxy.cluster.leaving(source.worker.worker_id) and self._may_move() \
-                        and self.journal.resumable and not self.journal.finished:
-                    raise _Leaving()
+                if self._redirect is not None:  # woken by move_to
+                    raise _Redispatched()
+                bound = None
+                if not self._source_output:
+                    bound = PROBE_CHECK_S
+                elif floor > 0:
+                    recent = self._watch.gaps[-32:]
+                    bound = floor  # unless the stream's own pace is slower (the median only
+                    if recent and STALL_GAP_FACTOR * max(recent) > floor:  # then: it can be)
+                        bound = max(floor, STALL_GAP_FACTOR * _median(recent))
+                if await feed.wait(bound):
+                    continue
+                if self._source_output or (floor > 0 and self.proxy.unresponsive(worker_id)):
+                    raise _Stalled()
+                if self.proxy.cluster.leaving(worker_id) and self._may_move():
+                    raise _Leaving()  # sent again, or continued, elsewhere
         finally:
-            self._chunk_queue = None
-            self.proxy.waiting.discard(waiting)
-            reader.cancel()
+            self._feed = None
+            if waiting is not None:
+                self.proxy.waiting.discard(waiting)
+            feed.stop()
 
     def _may_move(self) -> bool:
         """Whether the stream may still move (a leaving worker otherwise finishes it)."""
         return self._moves < self.proxy.settings.migration_limit
-
-    @staticmethod
-    async def _read(source: Source, queue: asyncio.Queue[object]) -> None:
-        try:
-            async for chunk in source.chunks:
-                if chunk:
-                    await queue.put(chunk)
-        except httpx.HTTPError as exc:
-            await queue.put(exc)
-            return
-        except Exception as exc:  # e.g. the connection closed under the read: a failed source
-            await queue.put(httpx.ReadError(f"reading the worker's stream failed: {exc!r}"))
-            return
-        await queue.put(_END)
 
     async def _open(self, tried: set[str], retried: set[str],
                     kv_params: dict[str, Any] | None) -> Source | UpstreamError:
@@ -420,7 +389,7 @@ class ResumableStream:
             proxy._failed(worker, refused)
             return refused
         self._kv_handed = self._kv_handed or signed is not None
-        return Source(worker, role, resp, resp.aiter_raw(), native)
+        return Source(worker, role, resp, feed_of(resp), native)
 
     async def _choose(self, tried: set[str]) -> tuple[WorkerRecord | None, str]:
         """The next worker: the stream's own pool, then any pool whose engines can finish it;
@@ -464,8 +433,6 @@ class ResumableStream:
         if self._done:
             return
         self._done = True
-        if self._reader is not None:  # a client gone mid-stream may leave the body unclosed
-            self._reader.cancel()
         if not self._kv_handed:  # the client left first, or no decode took them
             assert self.kv_params is not None
             self.proxy.release_unspent(self.route, self.kv_params)
@@ -473,6 +440,7 @@ class ResumableStream:
         clock, metrics = self.clock, self.proxy.metrics
         # Bookkeeping first: the await below may be interrupted by cancellation.
         if source is not None:  # the client left mid-stream
+            source.feed.stop()
             self.proxy.end(source.role, self.route, source.worker, ok=True)
         clock.mark("done")
         gaps = self._watch.gaps
@@ -486,3 +454,10 @@ class ResumableStream:
         self.proxy.on_done(clock, self.status)
         if source is not None:
             await source.response.aclose()
+
+
+def _median(values: list[float]) -> float:
+    """The median of ``values`` (not empty), as ``statistics.median`` gives it."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2

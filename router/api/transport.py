@@ -41,6 +41,7 @@ HIGH_WATER = 256 * 1024
 reader takes them)."""
 
 _TIMED_OUT = object()
+_READ_TIMED_OUT = object()
 
 
 class _Connection(asyncio.Protocol):
@@ -183,7 +184,7 @@ def _expire(waiter: asyncio.Future[object]) -> None:
         waiter.set_result(_TIMED_OUT)
 
 
-class _Body(httpx.AsyncByteStream):
+class Body(httpx.AsyncByteStream):
     """An answer's body as it arrives; closing it returns the connection to the pool (or closes
     it when the answer was not read to its end)."""
 
@@ -193,6 +194,12 @@ class _Body(httpx.AsyncByteStream):
         self._conn = conn
         self._read_timeout_s = read_timeout_s
         self._closed = False
+        self._last = time.monotonic()
+        """When the body last gave its reader something (the read timeout counts from it)."""
+        self._due: float | None = None
+        self._read_due: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         conn = self._conn
@@ -209,7 +216,95 @@ class _Body(httpx.AsyncByteStream):
             if not await conn.wait(self._read_timeout_s):
                 raise httpx.ReadTimeout(f"no data for {self._read_timeout_s} s")
 
+    # -- as a ``router.api.chunk_feed.ChunkFeed``: waited on by its reader, no task between --
+
+    def take(self) -> bytes:
+        """Everything of the body received and not taken yet (``b""``: nothing)."""
+        if not self._conn.chunks:
+            return b""
+        self._last = time.monotonic()
+        return self._conn.take()
+
+    def ended(self) -> bool:
+        """Whether the body ended after everything was taken; raises its failure once all
+        that came before it was taken."""
+        conn = self._conn
+        if conn.chunks:
+            return False
+        if conn.complete:
+            return True
+        if conn.error is not None:
+            raise conn.error
+        if conn.closed:
+            raise httpx.ReadError("the connection closed")
+        return False
+
+    async def wait(self, timeout_s: float | None) -> bool:
+        """Until the body has news or :meth:`wake` is called; False when ``timeout_s`` passed
+        first. Past the read timeout with nothing received: ``httpx.ReadTimeout``.
+
+        One timer serves every wait of a stream: it is moved only when a wait needs it earlier,
+        and when it fires after the wait it was set for has ended, it waits for the next one
+        (a stream waits for every token; arming and cancelling a timer each time cost more
+        than relaying the token)."""
+        conn = self._conn
+        if conn.chunks or conn.complete or conn.error is not None or conn.closed:
+            return True
+        now = time.monotonic()
+        read_s = self._read_timeout_s
+        self._read_due = None if read_s is None else self._last + read_s
+        if self._read_due is not None and self._read_due <= now:
+            raise httpx.ReadTimeout(f"no data for {read_s} s")
+        self._due = None if timeout_s is None else now + timeout_s
+        self._arm(now)
+        loop = asyncio.get_running_loop()
+        waiter = conn.waiter = loop.create_future()
+        try:
+            result = await waiter
+        finally:
+            conn.waiter = None
+        if result is _READ_TIMED_OUT:
+            raise httpx.ReadTimeout(f"no data for {read_s} s")
+        return result is not _TIMED_OUT
+
+    def _arm(self, now: float) -> None:
+        """Have the timer fire by the current wait's earliest deadline."""
+        dues = [d for d in (self._due, self._read_due) if d is not None]
+        if not dues:
+            return
+        first = min(dues)
+        if self._timer is not None:
+            if self._timer_at <= first:
+                return  # it fires first and re-arms for what is due then
+            self._timer.cancel()
+        self._timer_at = first
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, first - now), self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        waiter = self._conn.waiter
+        if waiter is None or waiter.done() or self._closed:
+            return  # nobody waits: the next wait arms it again
+        now = time.monotonic()
+        if self._read_due is not None and now >= self._read_due:
+            waiter.set_result(_READ_TIMED_OUT)
+        elif self._due is not None and now >= self._due:
+            waiter.set_result(_TIMED_OUT)
+        else:
+            self._arm(now)
+
+    def wake(self) -> None:
+        """End a pending :meth:`wait` now."""
+        self._conn._wake()
+
+    def stop(self) -> None:
+        """No more waits: the timer goes (closing the answer, :meth:`aclose`, ends the read)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     async def aclose(self) -> None:
+        self.stop()
         if not self._closed:
             self._closed = True
             self._pool.release(self._conn)
@@ -388,7 +483,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             if not await conn.wait(read_s):
                 raise httpx.ReadTimeout(f"no answer within {read_s} s")
         return httpx.Response(conn.status, headers=conn.headers,
-                              stream=_Body(self, conn, read_s),
+                              stream=Body(self, conn, read_s),
                               extensions={"http_version": b"HTTP/1.1",
                                           "reason_phrase": conn.reason.strip()})
 

@@ -132,6 +132,7 @@ class ScriptedStream(httpx.AsyncByteStream):
     async def __aiter__(self) -> AsyncIterator[bytes]:
         for chunk in self.script.chunks:
             yield chunk
+            await asyncio.sleep(0)  # the next event comes later, as from an engine
         if self.script.hang:
             await asyncio.Event().wait()
         if self.script.error is not None:
@@ -367,8 +368,9 @@ async def test_stream_is_relayed_in_order_and_ends_with_done(
     booked: list[dict[str, int]] = []
     body = await play(response, on_chunk=lambda: booked.append(rig.in_flight()))
     assert body == b"".join(EVENTS) and body.endswith(b"data: [DONE]\n\n")
-    # booked while it streamed (not vacuous), released once it ended
-    assert booked == [{"d1": 1, "role:decode": 1}] * len(EVENTS)
+    # booked while it streamed (not vacuous: at least one chunk), released once it ended;
+    # what arrived together may be relayed together
+    assert booked and booked == [{"d1": 1, "role:decode": 1}] * len(booked)
     assert rig.in_flight() == {} and rig.workers.streams[0].closed
 
 
