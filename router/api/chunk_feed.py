@@ -2,10 +2,9 @@
 
 A relayed stream waits for the worker's next chunk with a bound (its stall bound, or the probe
 check before the first output) and must wake at once when the request moves
-(``router.api.resume``). Doing that with a reader task, a queue and ``asyncio.timeout`` per wait
-cost the router more CPU per relayed token than the relay itself (two task steps, a timeout
-object and a queue hand-off for each chunk; ``python -m bench.router_overhead --tokens 64
---chunk-gap-ms 1``). A feed is waited on directly:
+(``router.api.resume``). A reader task, a queue and an ``asyncio.timeout`` per wait did that at
+two task steps, a queue hand-off and a timeout object per chunk (what that cost per relayed
+token: README, "Router overhead"). A feed is waited on directly:
 
 - the router's own transport (``router.api.transport``) is a feed already: its connection buffers
   what arrives and wakes the one waiter;

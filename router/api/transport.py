@@ -243,10 +243,9 @@ class Body(httpx.AsyncByteStream):
         """Until the body has news or :meth:`wake` is called; False when ``timeout_s`` passed
         first. Past the read timeout with nothing received: ``httpx.ReadTimeout``.
 
-        One timer serves every wait of a stream: it is moved only when a wait needs it earlier,
-        and when it fires after the wait it was set for has ended, it waits for the next one
-        (a stream waits for every token; arming and cancelling a timer each time cost more
-        than relaying the token)."""
+        One timer serves every wait of a stream (a stream waits once per token): it is moved
+        only when a wait needs it earlier; firing while nobody waits, it is dropped and the
+        next wait arms it; firing before the current wait's deadline, it re-arms for it."""
         conn = self._conn
         if conn.chunks or conn.complete or conn.error is not None or conn.closed:
             return True

@@ -26,6 +26,7 @@ from starlette.types import Message, Scope
 from kvtransfer.protocol import Handshake
 from router.api.first_token import FirstToken
 from router.api.proxy import PDProxy
+from router.api.redispatch import Redispatch
 from router.api.schemas import COMPLETIONS
 from router.api.timeline import PhaseClock
 from router.config import RouterSettings
@@ -695,3 +696,81 @@ async def test_a_stream_on_a_draining_worker_moves_at_its_next_event(
                  "pdserve_router_migrations_total", reason="drain") == (limit > 0)
     assert rig.tracker.candidates([d1], {})[0].recently_failed is False
     assert rig.in_flight() == {}
+
+
+# ---- (c) a call waited on: moved, stalled, or cancelled from outside -------------------------
+
+class Call:
+    """A worker call that answers only when told; remembers whether it was abandoned."""
+
+    def __init__(self) -> None:
+        self.answer = asyncio.Event()
+        self.cancelled = False
+
+    async def run(self) -> httpx.Response:
+        try:
+            await self.answer.wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        return httpx.Response(200)
+
+
+def worker_of(rig: Rig, worker_id: str) -> WorkerRecord:
+    return next(r for r in rig.cluster.records if r.worker_id == worker_id)
+
+
+async def test_a_move_stops_the_waiting_call_and_raises_redispatch(
+        rig_of: Callable[..., Rig]) -> None:
+    rig = rig_of(d1=[], d2=[])
+    call, (request, _) = Call(), route()
+    waited = asyncio.ensure_future(rig.proxy.watched(worker_of(rig, "d1"), "decode", call.run(),
+                                                     request))
+    await asyncio.sleep(0)
+    [entry] = rig.proxy.waiting.on("d1")
+    assert entry.move_to(worker_of(rig, "d2")) is True
+    with pytest.raises(Redispatch) as moved:
+        await waited
+    assert moved.value.target.worker_id == "d2" and call.cancelled  # abandoned, not awaited
+    assert rig.proxy.waiting.on("d1") == []
+    assert entry.move_to(worker_of(rig, "d2")) is False  # once
+
+
+async def test_an_answered_call_is_returned_and_can_no_longer_move(
+        rig_of: Callable[..., Rig]) -> None:
+    """Control for the test above: the same wait, answered first, returns the answer."""
+    rig = rig_of(d1=[], d2=[])
+    call, (request, _) = Call(), route()
+    waited = asyncio.ensure_future(rig.proxy.watched(worker_of(rig, "d1"), "decode", call.run(),
+                                                     request))
+    await asyncio.sleep(0)
+    [entry] = rig.proxy.waiting.on("d1")
+    call.answer.set()
+    assert (await waited).status_code == 200 and not call.cancelled
+    assert entry.move_to(worker_of(rig, "d2")) is False
+
+
+async def test_a_worker_that_stops_answering_its_probes_fails_the_wait_as_a_stall(
+        rig_of: Callable[..., Rig]) -> None:
+    rig = rig_of({"stall_timeout_s": 5.0}, unresponsive=lambda worker_id: worker_id == "d1",
+                 d1=[])
+    call = Call()
+    with pytest.raises(UpstreamError) as stalled:
+        await rig.proxy.watched(worker_of(rig, "d1"), "decode", call.run())
+    assert stalled.value.kind == "stall" and call.cancelled
+
+
+async def test_a_cancel_from_outside_is_not_taken_for_a_move(rig_of: Callable[..., Rig]) -> None:
+    """The client left (or the request's deadline passed) while the call waited: the wait
+    ends cancelled, even when a move was asked in the same moment."""
+    rig = rig_of(d1=[], d2=[])
+    call, (request, _) = Call(), route()
+    waited = asyncio.ensure_future(rig.proxy.watched(worker_of(rig, "d1"), "decode", call.run(),
+                                                     request))
+    await asyncio.sleep(0)
+    [entry] = rig.proxy.waiting.on("d1")
+    waited.cancel()
+    entry.move_to(worker_of(rig, "d2"))
+    with pytest.raises(asyncio.CancelledError):
+        await waited
+    assert call.cancelled and rig.proxy.waiting.on("d1") == []
