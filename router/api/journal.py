@@ -141,10 +141,16 @@ class StreamJournal:
 
     def feed(self, chunk: bytes) -> bytes:
         """Rewrite every complete event in ``chunk`` (a partial event waits for the rest)."""
-        self._buf += chunk.replace(b"\r\n", b"\n")
-        *events, self._buf = self._buf.split(b"\n\n")
+        if not self._buf and chunk.endswith(b"\n\n") and b"\r" not in chunk:
+            events = chunk.split(b"\n\n")  # whole events, as a worker sends them
+            events.pop()
+        else:
+            self._buf += chunk.replace(b"\r\n", b"\n")
+            *events, self._buf = self._buf.split(b"\n\n")
         self.relayed = []
-        return b"".join(self._rewrite(e) for e in events if e.strip())
+        if len(events) == 1:
+            return self._rewrite(events[0]) if events[0].strip() else b""
+        return b"".join([self._rewrite(e) for e in events if e.strip()])
 
     def flush(self) -> bytes:
         """Whatever is left when the source ends."""

@@ -268,10 +268,10 @@ class Body(httpx.AsyncByteStream):
 
     def _arm(self, now: float) -> None:
         """Have the timer fire by the current wait's earliest deadline."""
-        dues = [d for d in (self._due, self._read_due) if d is not None]
-        if not dues:
+        due, read_due = self._due, self._read_due
+        first = read_due if due is None or (read_due is not None and read_due < due) else due
+        if first is None:
             return
-        first = min(dues)
         if self._timer is not None:
             if self._timer_at <= first:
                 return  # it fires first and re-arms for what is due then
