@@ -51,8 +51,41 @@ MAX_HEAD_BYTES = 64 * 1024
 uvicorn's other parser, allows; an OpenAI client sends well under 2 KiB."""
 
 
+CLIENT_LINK = "pdserve.client"
+"""Scope key of the request's :class:`ClientLink` (set by :class:`SlowClientProtocol`)."""
+
+
 def _ignore(_: Reason) -> None:
     return None
+
+
+class ClientLink:
+    """One client connection's end, told to whoever registered for it: a streaming response
+    learns that its client left without a task of its own waiting on ASGI ``receive`` for the
+    ``http.disconnect`` (``router.api.relay``)."""
+
+    def __init__(self) -> None:
+        self.gone = False
+        """The connection closed."""
+        self._callbacks: dict[int, Callable[[], None]] = {}
+        self._next = 0
+
+    def on_gone(self, callback: Callable[[], None]) -> int:
+        """Call ``callback`` when the connection closes; a handle for :meth:`forget`."""
+        self._next += 1
+        self._callbacks[self._next] = callback
+        return self._next
+
+    def forget(self, handle: int) -> None:
+        """The callback of ``handle`` is no longer wanted."""
+        self._callbacks.pop(handle, None)
+
+    def lost(self) -> None:
+        """The connection closed: every registered callback runs, once."""
+        self.gone = True
+        callbacks, self._callbacks = self._callbacks, {}
+        for callback in callbacks.values():
+            callback()
 
 
 def _head_too_large(limit: int) -> bytes:
@@ -95,6 +128,7 @@ class SlowClientProtocol(HttpToolsProtocol):
     """Bytes received while the current head was pending."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._link = ClientLink()
         super().connection_made(transport)
         self._in_head = True
         self._arm_head()  # from the accept: a client that sends nothing is late too
@@ -114,9 +148,11 @@ class SlowClientProtocol(HttpToolsProtocol):
         self._cancel_head()
         self._cancel_body()
         super().connection_lost(exc)
+        self._link.lost()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope[CLIENT_LINK] = self._link  # type: ignore[literal-required]
         if not self._in_head:  # a kept-alive connection's next request: from its first byte
             self._in_head, self._head_bytes = True, 0
         self._arm_head()

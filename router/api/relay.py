@@ -14,6 +14,7 @@ from starlette.types import Receive, Scope, Send
 from router.api.fastjson import loads
 from router.api.upstream_errors import stable_error_body
 from router.api.usage import has_content, split_events
+from router.http_protocol import CLIENT_LINK, ClientLink
 
 
 def relay_body(resp_content: bytes, status: int, content_type: str | None) -> Response:
@@ -80,9 +81,11 @@ class RelayResponse(StreamingResponse):
     """A streaming response whose cleanup runs even when the body is never iterated
     (client gone before the first byte).
 
-    Under ASGI before 2.4 (uvicorn's) the body is sent from the request's own task while a plain
-    asyncio task waits for the client's disconnect and then cancels the sending (the stream
-    then ends quietly: its upstream call is closed, so the worker aborts the request).
+    Under ASGI before 2.4 (uvicorn's) the body is sent from the request's own task, which is
+    cancelled when the client disconnects (the stream then ends quietly: its upstream call is
+    closed, so the worker aborts the request). The router's own connection protocol says so
+    itself (``router.http_protocol.ClientLink``); under any other server a plain asyncio task
+    waits for the ``http.disconnect``.
     Starlette does the same with an anyio task group, which cost the router about a twentieth
     of its CPU per request. From 2.4 a gone client fails the send, as in Starlette."""
 
@@ -101,12 +104,39 @@ class RelayResponse(StreamingResponse):
                     await self.stream_response(send)
                 except OSError:
                     raise ClientDisconnect() from None
+            elif isinstance(link := scope.get(CLIENT_LINK), ClientLink):
+                await self._send_linked(link, send)
             else:
                 await self._send_watched(receive, send)
             if self.background is not None:
                 await self.background()
         finally:
             await self._cleanup()
+
+    async def _send_linked(self, link: ClientLink, send: Send) -> None:
+        """:meth:`_send_watched` told by the router's own connection protocol that the client
+        left (``router.http_protocol.ClientLink``): no watcher task per stream."""
+        if link.gone:  # it left while the handler waited (on its prefill): no decode call
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._sending = True
+
+        def left() -> None:
+            if self._sending:
+                self._client_left = True
+                task.cancel()
+
+        handle = link.on_gone(left)
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not self._client_left:
+                raise
+            task.uncancel()  # our own cancel: the client left, the stream just ends
+        finally:
+            self._sending = False
+            link.forget(handle)
 
     async def _send_watched(self, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()

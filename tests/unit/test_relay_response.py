@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from router.api.relay import RelayResponse
+from router.http_protocol import CLIENT_LINK, ClientLink
 
 
 class Relay:
@@ -78,6 +79,54 @@ async def test_a_cancel_from_outside_still_propagates_and_cleans_up() -> None:
     call = asyncio.create_task(relay.response()({"type": "http"}, relay.receive, relay.send))
     await asyncio.sleep(0.01)
     call.cancel()  # the server stopping, or the answer deadline
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert relay.body_closed and relay.cleaned == 1
+
+
+# ---- told by the router's own connection protocol (router.http_protocol.ClientLink) ---------
+
+def linked_scope() -> tuple[dict[str, Any], ClientLink]:
+    link = ClientLink()
+    return {"type": "http", CLIENT_LINK: link}, link
+
+
+async def test_a_linked_client_that_leaves_stops_the_stream_quietly() -> None:
+    relay, (scope, link) = Relay(), linked_scope()
+    call = asyncio.create_task(relay.response()(scope, relay.receive, relay.send))
+    await asyncio.sleep(0.01)
+    assert relay.bodies() == [b"data: 1\n\n"]
+    link.lost()  # the connection closed; nobody waits on receive()
+    await asyncio.wait_for(call, 5)
+    assert relay.body_closed and relay.cleaned == 1
+    assert not call.cancelled() and call.cancelling() == 0
+    assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+
+async def test_a_linked_stream_that_ends_leaves_nothing_registered() -> None:
+    """Control: a late close of the connection (after the answer) cancels nothing."""
+    relay, (scope, link) = Relay(), linked_scope()
+    call = asyncio.create_task(relay.response()(scope, relay.receive, relay.send))
+    relay.more.put_nowait(None)
+    await asyncio.wait_for(call, 5)
+    assert relay.bodies() == [b"data: 1\n\n", b""] and relay.cleaned == 1
+    link.lost()
+    assert not call.cancelled()
+
+
+async def test_a_client_gone_before_the_stream_starts_gets_nothing_sent() -> None:
+    """It left while the handler waited (its prefill): the body is never asked for."""
+    relay, (scope, link) = Relay(), linked_scope()
+    link.lost()
+    await relay.response()(scope, relay.receive, relay.send)
+    assert relay.sent == [] and relay.cleaned == 1
+
+
+async def test_a_cancel_from_outside_still_propagates_with_a_link() -> None:
+    relay, (scope, _) = Relay(), linked_scope()
+    call = asyncio.create_task(relay.response()(scope, relay.receive, relay.send))
+    await asyncio.sleep(0.01)
+    call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
     assert relay.body_closed and relay.cleaned == 1
