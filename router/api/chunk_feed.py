@@ -21,9 +21,7 @@ from typing import Protocol
 
 import httpx
 
-from router.api.transport import Body
-
-_TIMED_OUT = object()
+from router.api.transport import Body, wait_bounded
 
 
 class ChunkFeed(Protocol):
@@ -105,15 +103,11 @@ class TaskFeed:
         self._start()
         if self._chunks or self._done:
             return True
-        loop = asyncio.get_running_loop()
-        waiter = self._waiter = loop.create_future()
-        timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, waiter)
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
         try:
-            return await waiter is not _TIMED_OUT
+            return await wait_bounded(waiter, timeout_s)
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
 
     def wake(self) -> None:
         waiter = self._waiter
@@ -124,8 +118,3 @@ class TaskFeed:
         self._source = None
         if self._task is not None:
             self._task.cancel()
-
-
-def _expire(waiter: asyncio.Future[object]) -> None:
-    if not waiter.done():
-        waiter.set_result(_TIMED_OUT)

@@ -120,45 +120,46 @@ class RelayResponse(StreamingResponse):
             return
         task = asyncio.current_task()
         assert task is not None
-        self._sending = True
-
-        def left() -> None:
-            if self._sending:
-                self._client_left = True
-                task.cancel()
-
-        handle = link.on_gone(left)
+        handle = link.on_gone(lambda: self._client_gone(task))
         try:
-            await self.stream_response(send)
-        except asyncio.CancelledError:
-            if not self._client_left:
-                raise
-            task.uncancel()  # our own cancel: the client left, the stream just ends
+            await self._send_until_gone(task, send)
         finally:
-            self._sending = False
             link.forget(handle)
 
     async def _send_watched(self, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._sending = True
         watcher = asyncio.ensure_future(self._watch(receive, task))
         try:
             # the watcher's first look comes before the body's first upstream call: a client
             # that left while the handler waited (on its prefill) gets no decode call
-            await asyncio.sleep(0)
+            await self._send_until_gone(task, send, first_look=True)
+        finally:
+            watcher.cancel()  # after the sending ended: it cancels nothing now
+
+    async def _send_until_gone(self, task: asyncio.Task[Any], send: Send, *,
+                               first_look: bool = False) -> None:
+        """Send the body from ``task``; a cancel of it by :meth:`_client_gone` ends the stream
+        quietly (``first_look``: yield once first, for a watcher to see a disconnect)."""
+        self._sending = True
+        try:
+            if first_look:
+                await asyncio.sleep(0)
             await self.stream_response(send)
         except asyncio.CancelledError:
             if not self._client_left:
                 raise
             task.uncancel()  # our own cancel: the client left, the stream just ends
         finally:
-            self._sending = False  # before any other await: the watcher cancels nothing now
-            watcher.cancel()
+            self._sending = False  # before any other await: a late disconnect cancels nothing
+
+    def _client_gone(self, sender: asyncio.Task[Any]) -> None:
+        """The client disconnected: a body being sent stops (its sending task is cancelled)."""
+        if self._sending:
+            self._client_left = True
+            sender.cancel()
 
     async def _watch(self, receive: Receive, sender: asyncio.Task[Any]) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        if self._sending:
-            self._client_left = True
-            sender.cancel()
+        self._client_gone(sender)

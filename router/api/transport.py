@@ -156,16 +156,11 @@ class _Connection(asyncio.Protocol):
 
     async def wait(self, timeout_s: float | None) -> bool:
         """Until the connection has news (False: ``timeout_s`` passed first)."""
-        loop = asyncio.get_running_loop()
-        waiter = self.waiter = loop.create_future()
-        timer = None if timeout_s is None else loop.call_later(
-            timeout_s, _expire, waiter)
+        waiter = self.waiter = asyncio.get_running_loop().create_future()
         try:
-            return await waiter is not _TIMED_OUT
+            return await wait_bounded(waiter, timeout_s)
         finally:
             self.waiter = None
-            if timer is not None:
-                timer.cancel()
 
     def take(self) -> bytes:
         """Everything of the body received so far."""
@@ -177,6 +172,18 @@ class _Connection(asyncio.Protocol):
             self.paused = False
             self.transport.resume_reading()
         return data
+
+
+async def wait_bounded(waiter: asyncio.Future[object], timeout_s: float | None) -> bool:
+    """Await ``waiter`` (woken by setting any result) for at most ``timeout_s`` (None: no
+    bound); False when the bound passed first."""
+    timer = None if timeout_s is None else asyncio.get_running_loop().call_later(
+        timeout_s, _expire, waiter)
+    try:
+        return await waiter is not _TIMED_OUT
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 def _expire(waiter: asyncio.Future[object]) -> None:
