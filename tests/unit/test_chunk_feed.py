@@ -109,6 +109,14 @@ async def test_the_read_timeout_still_bounds_a_silent_body() -> None:
     await transport.aclose()
 
 
+async def read_to_failure(feed: ChunkFeed, got: bytearray) -> None:
+    """Read into ``got`` until the feed raises its failure (it must fail, not end)."""
+    while True:
+        got += feed.take()
+        assert not feed.ended(), "the body ended without its failure"
+        await feed.wait(5.0)
+
+
 async def drain_until(feed: ChunkFeed, want: bytes) -> bool:
     got = b""
     while want not in got:
@@ -128,12 +136,9 @@ async def test_a_failure_is_raised_after_what_came_before_it() -> None:
     transport = UpstreamTransport()
     async with Server(cut) as url:
         resp, feed = await open_feed(url, transport)
-        got = b""
+        got = bytearray()
         with pytest.raises(httpx.RemoteProtocolError):
-            while True:
-                got += feed.take()
-                if not feed.ended():
-                    await feed.wait(5.0)
+            await read_to_failure(feed, got)
         assert got == b"hello"
         await resp.aclose()
     await transport.aclose()
@@ -185,12 +190,9 @@ async def test_a_task_feed_gives_everything_then_its_end() -> None:
 
 async def test_a_task_feed_raises_its_failure_after_the_data() -> None:
     feed = TaskFeed(chunks_of(b"a", httpx.ReadError("reset")))
-    got = b""
+    got = bytearray()
     with pytest.raises(httpx.ReadError):
-        while True:
-            got += feed.take()
-            if not feed.ended():
-                await feed.wait(5.0)
+        await read_to_failure(feed, got)
     assert got == b"a"
 
 

@@ -26,7 +26,7 @@ from starlette.types import Message, Scope
 from kvtransfer.protocol import Handshake
 from router.api.first_token import FirstToken
 from router.api.proxy import PDProxy
-from router.api.redispatch import Redispatch
+from router.api.redispatch import Redispatch, Waiting
 from router.api.schemas import COMPLETIONS
 from router.api.timeline import PhaseClock
 from router.config import RouterSettings
@@ -720,14 +720,20 @@ def worker_of(rig: Rig, worker_id: str) -> WorkerRecord:
     return next(r for r in rig.cluster.records if r.worker_id == worker_id)
 
 
-async def test_a_move_stops_the_waiting_call_and_raises_redispatch(
-        rig_of: Callable[..., Rig]) -> None:
-    rig = rig_of(d1=[], d2=[])
+async def wait_on_d1(rig: Rig) -> tuple[Call, asyncio.Future[httpx.Response], Waiting]:
+    """A call to d1 being waited on (registered for re-dispatch), and its waiting entry."""
     call, (request, _) = Call(), route()
     waited = asyncio.ensure_future(rig.proxy.watched(worker_of(rig, "d1"), "decode", call.run(),
                                                      request))
     await asyncio.sleep(0)
     [entry] = rig.proxy.waiting.on("d1")
+    return call, waited, entry
+
+
+async def test_a_move_stops_the_waiting_call_and_raises_redispatch(
+        rig_of: Callable[..., Rig]) -> None:
+    rig = rig_of(d1=[], d2=[])
+    call, waited, entry = await wait_on_d1(rig)
     assert entry.move_to(worker_of(rig, "d2")) is True
     with pytest.raises(Redispatch) as moved:
         await waited
@@ -740,11 +746,7 @@ async def test_an_answered_call_is_returned_and_can_no_longer_move(
         rig_of: Callable[..., Rig]) -> None:
     """Control for the test above: the same wait, answered first, returns the answer."""
     rig = rig_of(d1=[], d2=[])
-    call, (request, _) = Call(), route()
-    waited = asyncio.ensure_future(rig.proxy.watched(worker_of(rig, "d1"), "decode", call.run(),
-                                                     request))
-    await asyncio.sleep(0)
-    [entry] = rig.proxy.waiting.on("d1")
+    call, waited, entry = await wait_on_d1(rig)
     call.answer.set()
     assert (await waited).status_code == 200 and not call.cancelled
     assert entry.move_to(worker_of(rig, "d2")) is False
@@ -764,11 +766,7 @@ async def test_a_cancel_from_outside_is_not_taken_for_a_move(rig_of: Callable[..
     """The client left (or the request's deadline passed) while the call waited: the wait
     ends cancelled, even when a move was asked in the same moment."""
     rig = rig_of(d1=[], d2=[])
-    call, (request, _) = Call(), route()
-    waited = asyncio.ensure_future(rig.proxy.watched(worker_of(rig, "d1"), "decode", call.run(),
-                                                     request))
-    await asyncio.sleep(0)
-    [entry] = rig.proxy.waiting.on("d1")
+    call, waited, entry = await wait_on_d1(rig)
     waited.cancel()
     entry.move_to(worker_of(rig, "d2"))
     with pytest.raises(asyncio.CancelledError):
