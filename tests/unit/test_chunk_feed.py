@@ -5,7 +5,6 @@ body against a real loopback server, and the task-read feed any other answer get
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -89,9 +88,7 @@ async def test_wake_ends_a_wait_at_once() -> None:
     async with Server(paced(b"x", end=False, gap_s=10)) as url:
         resp, feed = await open_feed(url, transport)
         asyncio.get_running_loop().call_later(0.05, feed.wake)
-        started = time.monotonic()
-        assert await feed.wait(5.0) is True  # news: the waker's
-        assert time.monotonic() - started < 2.0
+        assert await feed.wait(5.0) is True  # the waker's news (a passed bound gives False)
         assert feed.take() == b"" and not feed.ended()  # control: nothing came
         await resp.aclose()
     await transport.aclose()
