@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import httpx
@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+LOAD_SAMPLES = (RUNNING, WAITING, KV_USAGE)
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class WorkerLoad:
 def worker_load(samples: Samples, own_in_flight: int = 0, at_s: float = 0.0
                 ) -> WorkerLoad | None:
     """The load in ``samples``; None when they lack vLLM's gauges (not a vLLM worker)."""
-    if not all(has(samples, name) for name in (RUNNING, WAITING, KV_USAGE)):
+    if not all(has(samples, name) for name in LOAD_SAMPLES):
         return None
     # summed over engines (data-parallel ranks label theirs); usage is the busiest engine's
     usage = max((v for (n, _), v in samples.items() if n == KV_USAGE), default=0.0)
@@ -77,11 +78,13 @@ class ProbeSilence:
         return self.refused or now_s - self.since_s >= silent_after_s
 
 
-async def fetch_samples(client: httpx.AsyncClient, url: str, timeout_s: float) -> Samples:
-    """Samples of ``url``/metrics; raises httpx.HTTPError or ValueError."""
+async def fetch_samples(client: httpx.AsyncClient, url: str, timeout_s: float,
+                        names: Collection[str] | None = None) -> Samples:
+    """Samples of ``url``/metrics (only those named in ``names``, when given); raises
+    httpx.HTTPError or ValueError."""
     resp = await client.get(f"{url}/metrics", timeout=timeout_s)
     resp.raise_for_status()
-    return parse_samples(resp.text)
+    return parse_samples(resp.text, names)
 
 
 async def scrape(client: httpx.AsyncClient, url: str, timeout_s: float = 5.0) -> Samples:
@@ -135,7 +138,9 @@ class WorkerLoadPoller:
         worker_id = worker.worker_id
         sent_s = self._clock()
         try:
-            samples = await fetch_samples(client, worker.http_url, timeout_s=self._timeout_s)
+            # only the three gauges: the whole parse would hold the router's loop ~10 ms
+            samples = await fetch_samples(client, worker.http_url, self._timeout_s,
+                                          LOAD_SAMPLES)
         except (httpx.HTTPError, ValueError) as exc:
             if self._on_failure is not None:
                 self._on_failure(worker.role)

@@ -8,10 +8,10 @@ import socket
 import httpx
 import pytest
 
-from router.samples import parse_samples
+from router.samples import only_samples, parse_samples
 from router.state.load import LoadTracker
 from router.state.registry import WorkerRecord
-from router.state.worker_load import WorkerLoad, WorkerLoadPoller, worker_load
+from router.state.worker_load import LOAD_SAMPLES, WorkerLoad, WorkerLoadPoller, worker_load
 
 # vLLM's exposition of the three gauges (two engines, as a data-parallel worker labels them)
 VLLM_TEXT = """\
@@ -27,6 +27,22 @@ vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
 vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+"""
+
+# What else vLLM exposes beside them: a histogram, a counter, and names that start like them
+OTHER_TEXT = """\
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="m"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 7.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 7.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.7
+# HELP vllm:num_requests_running_by_lora Lookalike of a wanted name.
+# TYPE vllm:num_requests_running_by_lora gauge
+vllm:num_requests_running_by_lora{engine="0",model_name="m"} 99.0
+# HELP vllm:num_requests_waiting_total Another lookalike.
+# TYPE vllm:num_requests_waiting_total counter
+vllm:num_requests_waiting_total 42.0
 """
 
 
@@ -50,6 +66,34 @@ def test_worker_load_is_none_without_vllm_gauges() -> None:
 def test_malformed_exposition_raises_value_error() -> None:
     with pytest.raises(ValueError):
         parse_samples("vllm:num_requests_running{engine=0 1.0\n")
+
+
+def test_named_parse_keeps_exactly_the_wanted_samples() -> None:
+    """The load probe parses only vLLM's three gauges (the whole exposition held the router's
+    event loop ~10 ms per worker per second, and the relayed streams stalled behind it)."""
+    text = OTHER_TEXT + VLLM_TEXT + OTHER_TEXT.replace('engine="0"', 'engine="1"')
+    everything = parse_samples(text)
+    wanted = parse_samples(text, LOAD_SAMPLES)
+    assert wanted == {k: v for k, v in everything.items() if k[0] in LOAD_SAMPLES}
+    assert len(wanted) == 6
+    # control: the lookalikes and the histogram are in the exposition, and are left out
+    assert {k[0] for k in everything} - set(LOAD_SAMPLES) >= {
+        "vllm:num_requests_running_by_lora", "vllm:num_requests_waiting_total",
+        "vllm:time_to_first_token_seconds_bucket"}
+    assert worker_load(wanted) == worker_load(everything)
+    assert only_samples(text, ()) == "" and parse_samples(text, ()) == {}
+
+
+def test_named_parse_checks_only_the_kept_lines() -> None:
+    """A malformed line of another family does not cost the load (the full parse refuses the
+    whole exposition); a malformed wanted line is still refused."""
+    broken_other = "vllm:something_else{engine=0 1.0\n" + VLLM_TEXT
+    with pytest.raises(ValueError):
+        parse_samples(broken_other)
+    assert worker_load(parse_samples(broken_other, LOAD_SAMPLES)) is not None
+    broken_wanted = VLLM_TEXT + "vllm:num_requests_running{engine=0 1.0\n"
+    with pytest.raises(ValueError):
+        parse_samples(broken_wanted, LOAD_SAMPLES)
 
 
 @pytest.mark.parametrize(("role", "reported", "expected"), [
@@ -94,7 +138,7 @@ class _Members:
         return self.records
 
 
-async def _serve(delays: list[float]) -> tuple[asyncio.Server, int]:
+async def _serve(delays: list[float], text: str = VLLM_TEXT) -> tuple[asyncio.Server, int]:
     """A /metrics server on a free port that waits ``delays[i]`` before its i-th answer
     (the last delay repeats; ``inf`` never answers: a stopped process whose kernel still
     accepts connections)."""
@@ -106,7 +150,7 @@ async def _serve(delays: list[float]) -> tuple[asyncio.Server, int]:
             delay = delays[min(answered, len(delays) - 1)]
             answered += 1
             await asyncio.sleep(3600 if delay == float("inf") else delay)
-            body = VLLM_TEXT.encode()
+            body = text.encode()
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             await writer.drain()
@@ -142,3 +186,20 @@ async def test_one_late_answer_is_not_a_stopped_worker() -> None:
                     {"silent": False, "late": False, "gone": True},   # two: 2 s of silence
                     {"silent": True, "late": False, "gone": True}]    # three: past 2.5 s
     assert set(poller.loads()) == {"late"}  # it answered again: its load counts
+
+
+async def test_the_poller_parses_only_the_load_gauges() -> None:
+    """The poller's probe keeps a worker's load when another family of its exposition is one
+    the full parse refuses: it parsed the three gauges alone."""
+    text = "vllm:something_else{engine=0 1.0\n" + OTHER_TEXT + VLLM_TEXT
+    server, port = await _serve([0.0], text)
+    record = WorkerRecord(worker_id="w", role="decode", model="m", model_path="/m",
+                          http_url=f"http://127.0.0.1:{port}", engine_id="w", ucx_address="",
+                          max_model_len=128, started_at=0.0)
+    async with httpx.AsyncClient(trust_env=False) as client:
+        poller = WorkerLoadPoller(_Members([record]), lambda: client, lambda wid: 0)
+        await poller.poll()
+    server.close()
+    with pytest.raises(ValueError):  # control: the whole exposition does not parse
+        parse_samples(text)
+    assert poller.loads()["w"].running == 5 and not poller.unresponsive("w")
