@@ -54,6 +54,9 @@ _PHASE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
                     0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
+_LOOP_LAG_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
 class RouterMetrics:
     """The router's metric families, registered on ``registry``."""
 
@@ -106,6 +109,12 @@ class RouterMetrics:
             "decode_first_byte (decode call to its first byte), stream (first byte to the "
             "end); the phases of one request sum to its end-to-end time.",
             ["phase"], buckets=_PHASE_BUCKETS_S, registry=r)
+        self.loop_lag = Histogram(
+            "pdserve_router_event_loop_lag_seconds",
+            "How long past its due time the router's event loop woke a probe that sleeps "
+            "50 ms at a time: what anything holding the loop (a parse, a large body) added "
+            "to every stream the router relayed meanwhile.",
+            buckets=_LOOP_LAG_BUCKETS_S, registry=r)
         self.paths = Counter(
             "pdserve_router_paths_total",
             "Requests by the path they took: pd_first_token (P/D, the prefill's token streamed "

@@ -52,6 +52,7 @@ from router.api.version import versions
 from router.api.warm import Warmer
 from router.config import RouterSettings
 from router.errors import APIError, InvalidRequestError
+from router.loop_lag import LoopLagProbe
 from router.metrics import RouterMetrics
 from router.placement import Placement
 from router.policy.adaptive import FORCED_PATHS, AdaptivePaths
@@ -95,6 +96,8 @@ class RouterService:
                 interval_s=settings.load_poll_interval_s,
                 silent_after_s=settings.stall_timeout_s,
                 on_failure=lambda role: self.metrics.load_scrape_failures.labels(role=role).inc())
+        self.loop_lag = LoopLagProbe(self.metrics.loop_lag.observe)
+        """Reports how late the event loop runs what is due (``router.loop_lag``)."""
         self.disagg = SelectiveDisaggregation(settings.disagg_min_prefill_tokens)
         context = PolicyContext(ttft_slo_s=settings.ttft_slo_s,
                                 per_token_s=settings.prefill_s_per_token)
@@ -161,8 +164,10 @@ class RouterService:
             self.loads.start()
         if self.kv_events is not None:
             self.kv_events.start()
+        self.loop_lag.start()
 
     async def close(self) -> None:
+        await self.loop_lag.close()
         if self.redispatch is not None:
             await self.redispatch.close()
         if self.warmer is not None:
