@@ -1,8 +1,8 @@
 """First-token latency and decode stalls: pdserve P/D vs one plain vLLM server, side by side.
 
     python -m bench.pd_vs_plain [--requests 12] [--prompt-tokens 1000] [--max-tokens 64]
-                                [--isolate-cores] [--float] [--breakdown] [--nixl]
-                                [--kv-transport ucx,nixl]
+                                [--isolate-cores] [--float] [--side-by-side] [--breakdown]
+                                [--nixl] [--kv-transport ucx,nixl]
 
 The same distinct prompts (exactly ``--prompt-tokens`` tokens, so no prefix-cache hits; greedy,
 ``ignore_eos``) are streamed one at a time through each setup, started and stopped in turn on
@@ -18,12 +18,17 @@ this machine, in one run:
 
 Layouts (each one a column group): ``--isolate-cores`` gives every engine its own core(s), the
 analog of separate machines, and runs the plain server on the cores one engine gets;
-``--float`` leaves every engine floating over all cores (``--cpu-layout float``). Both by
-default. Per setup: TTFT, TPOT ((last - first token) / (n - 1)), ITL (every gap between
-tokens) and stall time per request (sum of inter-token gaps over 50 ms). ``--breakdown`` adds
-the median and p90 of every router and connector phase, read from the timeline files the
-router and the workers write (``--timeline-file``), joined per request on the wall clock.
-The load average and which process runs on which cores are printed next to every figure.
+``--float`` leaves every engine floating over all cores (``--cpu-layout float``);
+``--side-by-side`` runs the isolated P/D cluster and a plain server pinned to the decode engine's
+core(s) at once, their requests alternating one at a time with a quiet pause before each
+(:data:`QUIET_S`), so that both see the machine in the same minute: the like-for-like TPOT
+ratio (this VM's speed drifts by a third between minutes; a plain run then a P/D run
+measures the drift too). All three by default. Per setup: TTFT, TPOT ((last - first token) /
+(n - 1)), ITL (every gap between tokens) and stall time per request (sum of inter-token gaps
+over 50 ms). ``--breakdown`` adds the median and p90 of every router and connector phase, read
+from the timeline files the router and the workers write (``--timeline-file``), joined per
+request on the wall clock. The load average and which process runs on which cores are printed
+next to every figure.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -52,8 +58,15 @@ from serve.redis_server import free_port, start_redis
 from serve.tiny_model import build_tiny_model
 from serve.worker import stop_process, vllm_command, vllm_env, wait_healthy
 
+if TYPE_CHECKING:
+    from serve.supervisor import ClusterSettings
+
 SERVED = "tiny-llama"
 STALL_GAP_S = 0.05
+QUIET_S = 1.3
+"""Pause before each side-by-side request. vLLM's CPU workers keep busy-looping on
+``sched_yield`` for 1 s after their last step (``SpinCondition.busy_loop_s`` in vLLM's
+``shm_broadcast``): without the pause the server used last takes the shared core from the next."""
 
 
 @dataclass
@@ -180,9 +193,11 @@ def bench_plain(model: Path, prompts: list[str], max_tokens: int, layout: str,
         stop_process(proc)
 
 
-def bench_pdserve(model: Path, prompts: list[str], max_tokens: int, layout: str,
-                  tmp: Path, first_token: bool = True, transport: str = "ucx") -> SetupResult:
-    from serve.supervisor import Cluster, ClusterSettings
+def _cluster_settings(model: Path, layout: str, tmp: Path, first_token: bool, transport: str
+                      ) -> tuple[ClusterSettings, str, Path, Path]:
+    """``pdserve up``'s settings for one setup: (settings, name, router and connector timeline
+    files)."""
+    from serve.supervisor import ClusterSettings
 
     name = ("pdserve" + ("" if transport == "ucx" else f"-{transport}")
             + ("" if first_token else "-classic"))
@@ -193,9 +208,18 @@ def bench_pdserve(model: Path, prompts: list[str], max_tokens: int, layout: str,
     settings = ClusterSettings(
         model=str(model), served_model_name=SERVED, port=free_port(),
         redis_url=f"redis://127.0.0.1:{free_port()}/0",
-        cpu_layout="auto" if layout == "isolated" else "float",
+        cpu_layout="float" if layout == "float" else "auto",
         worker_args=(f"--timeline-file={kv_tl}", f"--kv-transport={transport}"),
         router_args=tuple(router_args))
+    return settings, name, router_tl, kv_tl
+
+
+def bench_pdserve(model: Path, prompts: list[str], max_tokens: int, layout: str,
+                  tmp: Path, first_token: bool = True, transport: str = "ucx") -> SetupResult:
+    from serve.supervisor import Cluster
+
+    settings, name, router_tl, kv_tl = _cluster_settings(model, layout, tmp, first_token,
+                                                         transport)
     cluster = Cluster(settings)
     cluster.start()
     try:
@@ -211,6 +235,62 @@ def bench_pdserve(model: Path, prompts: list[str], max_tokens: int, layout: str,
         cluster.stop()
     return SetupResult(name, layout, samples, placement, load,  # type: ignore[arg-type]
                        read_timelines([router_tl, kv_tl], samples))
+
+
+def bench_side_by_side(model: Path, prompts: list[str], max_tokens: int, tmp: Path,
+                       transport: str = "ucx", quiet_s: float = QUIET_S) -> list[SetupResult]:
+    """pdserve P/D (isolated layout) and a plain vLLM server pinned to the decode engine's
+    cores, both up at once; ``prompts`` alternate between them (P/D takes the even ones), one
+    request at a time, the order flipped every pair, ``quiet_s`` of quiet before each."""
+    from serve.supervisor import Cluster
+
+    layout = "side-by-side"
+    settings, name, router_tl, kv_tl = _cluster_settings(model, layout, tmp, True, transport)
+    cluster = Cluster(settings)
+    plain: subprocess.Popen[bytes] | None = None
+    cluster.start()
+    try:
+        asyncio.run(cluster.wait_ready())
+        decode_cpus = next((w.cpus for w in cluster.workers if w.role == "decode"), ())
+        if not decode_cpus:
+            print("side-by-side: the decode engine has no cores of its own (too few cores for "
+                  "the isolated layout): skipped")
+            return []
+        port = free_port()
+        plain = subprocess.Popen(vllm_command(str(model), "127.0.0.1", port, SERVED, None, None),
+                                 env=vllm_env(1), stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL,
+                                 preexec_fn=lambda: os.sched_setaffinity(0, decode_cpus))
+        plain_url = f"http://127.0.0.1:{port}"
+        asyncio.run(wait_healthy(plain_url, plain, 600))
+        named = {f"{w.role}": w.proc.pid for w in cluster.workers}
+        if cluster.router is not None:
+            named["router"] = cluster.router.pid
+        named["plain"] = plain.pid
+        placement = placement_of(named)
+        bases = {name: cluster.url, "plain": plain_url}
+        samples: dict[str, list[Sample]] = {name: [], "plain": []}
+        with httpx.Client(trust_env=False) as client:
+            for setup, base in bases.items():
+                for i in range(2):
+                    stream_one(client, base, f"warm up {i} " * 40, 8,
+                               f"warm-{setup}-{layout}-{i}-{uuid.uuid4().hex[:6]}")
+            for i, prompt in enumerate(prompts):
+                pair = i // 2
+                setup = (name if i % 2 == 0 else "plain") if pair % 2 == 0 else \
+                    ("plain" if i % 2 == 0 else name)
+                time.sleep(quiet_s)
+                samples[setup].append(stream_one(client, bases[setup], prompt, max_tokens,
+                                                 f"b-{setup}-{layout}-{i}-{uuid.uuid4().hex[:8]}"))
+        time.sleep(1.0)
+        load = os.getloadavg()[:2]
+    finally:
+        if plain is not None:
+            stop_process(plain)
+        cluster.stop()
+    return [SetupResult(name, layout, samples[name], placement, load,  # type: ignore[arg-type]
+                        read_timelines([router_tl, kv_tl], samples[name])),
+            SetupResult("plain", layout, samples["plain"], placement, load)]  # type: ignore[arg-type]
 
 
 def bench_nixl(model: Path, prompts: list[str], max_tokens: int) -> SetupResult | None:
@@ -286,7 +366,7 @@ def print_report(results: list[SetupResult], breakdown: bool) -> dict[str, objec
         where = ", ".join(f"{k}: {v}" for k, v in r.placement.items())
         print(f"  {r.name}/{r.layout:9s} load {r.loadavg[0]:.2f} {r.loadavg[1]:.2f}   {where}")
     verdicts = {}
-    for layout in ("isolated", "float"):
+    for layout in ("isolated", "float", "side-by-side"):
         pd, plain = rows.get(f"pdserve/{layout}"), rows.get(f"plain/{layout}")
         if pd is None or plain is None:
             continue
@@ -332,6 +412,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the isolated layout (default: both layouts)")
     parser.add_argument("--float", dest="floating", action="store_true",
                         help="run the floating layout (default: both layouts)")
+    parser.add_argument("--side-by-side", dest="side_by_side", action="store_true",
+                        help="run P/D (isolated) and a plain server on the decode's cores at "
+                             "once, requests alternating (default: all three layouts)")
+    parser.add_argument("--quiet-s", type=float, default=QUIET_S,
+                        help="side by side: pause before each request (vLLM's CPU workers "
+                             "busy-loop for 1 s after their last step)")
     parser.add_argument("--breakdown", action="store_true",
                         help="print the phase breakdown from the router and connector timelines")
     parser.add_argument("--nixl", action="store_true", help="also run vLLM's NixlConnector")
@@ -347,11 +433,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(transports) - set(TRANSPORTS)
     if unknown or not transports:
         parser.error(f"--kv-transport: choose from {list(TRANSPORTS)}, got {args.kv_transport}")
-    layouts = [name for name, on in (("isolated", args.isolate_cores), ("float", args.floating))
-               if on] or ["isolated", "float"]
+    layouts = [name for name, on in (("isolated", args.isolate_cores), ("float", args.floating),
+                                     ("side-by-side", args.side_by_side))
+               if on] or ["isolated", "float", "side-by-side"]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     model = build_tiny_model()
-    prompts = make_prompts(model, args.requests, args.prompt_tokens)
+    # side by side, each setup gets ``--requests`` of its own (the first ones: those of the
+    # other layouts; the synthesizer is seeded)
+    prompts = make_prompts(model, 2 * args.requests, args.prompt_tokens)
     cores = sorted(os.sched_getaffinity(0))
     plan = plan_cpus(cores, 2)
     print(f"{len(cores)} cores; isolated layout: {plan.reason}; load average at start "
@@ -359,13 +448,19 @@ def main(argv: list[str] | None = None) -> int:
     results: list[SetupResult] = []
     with tempfile.TemporaryDirectory(prefix="pd-vs-plain-") as tmp:
         for layout in layouts:
+            if layout == "side-by-side":
+                for transport in transports:
+                    results += bench_side_by_side(model, prompts, args.max_tokens, Path(tmp),
+                                                  transport, args.quiet_s)
+                continue
+            own = prompts[:args.requests]
             cpus = plan.slots[0] if layout == "isolated" and plan.isolated else ()
-            results.append(bench_plain(model, prompts, args.max_tokens, layout, cpus))
+            results.append(bench_plain(model, own, args.max_tokens, layout, cpus))
             for transport in transports:
-                results.append(bench_pdserve(model, prompts, args.max_tokens, layout, Path(tmp),
+                results.append(bench_pdserve(model, own, args.max_tokens, layout, Path(tmp),
                                              transport=transport))
             if args.classic:
-                results.append(bench_pdserve(model, prompts, args.max_tokens, layout, Path(tmp),
+                results.append(bench_pdserve(model, own, args.max_tokens, layout, Path(tmp),
                                              first_token=False))
     if args.nixl:
         nixl = bench_nixl(model, prompts[:3], args.max_tokens)
