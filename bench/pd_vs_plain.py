@@ -1,8 +1,8 @@
 """First-token latency and decode stalls: pdserve P/D vs one plain vLLM server, side by side.
 
     python -m bench.pd_vs_plain [--requests 12] [--prompt-tokens 1000] [--max-tokens 64]
-                                [--isolate-cores] [--float] [--side-by-side] [--breakdown]
-                                [--nixl] [--kv-transport ucx,nixl]
+                                [--isolate-cores] [--float] [--side-by-side [--relay-arms]]
+                                [--breakdown] [--nixl] [--kv-transport ucx,nixl]
 
 The same distinct prompts (exactly ``--prompt-tokens`` tokens, so no prefix-cache hits; greedy,
 ``ignore_eos``) are streamed one at a time through each setup, started and stopped in turn on
@@ -23,7 +23,9 @@ analog of separate machines, and runs the plain server on the cores one engine g
 core(s) at once, their requests alternating one at a time with a quiet pause before each
 (:data:`QUIET_S`), so that both see the machine in the same minute: the like-for-like TPOT
 ratio (this VM's speed drifts by a third between minutes; a plain run then a P/D run
-measures the drift too). All three by default. Per setup: TTFT, TPOT ((last - first token) /
+measures the drift too); ``--relay-arms`` adds the decode engine reached directly and a router
+serving whole requests on it, and splits P/D's extra TPOT into engine, relay and P/D path.
+All three layouts by default. Per setup: TTFT, TPOT ((last - first token) /
 (n - 1)), ITL (every gap between tokens) and stall time per request (sum of inter-token gaps
 over 50 ms). ``--breakdown`` adds the median and p90 of every router and connector phase, read
 from the timeline files the router and the workers write (``--timeline-file``), joined per
@@ -43,6 +45,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,6 +56,7 @@ from bench.metrics import percentile
 from bench.placement import placement_of
 from bench.prompts import PromptSynthesizer, load_tokenizer
 from kvtransfer.config import TRANSPORTS
+from kvtransfer.signing import current, keyring_source, secret_from_env
 from serve.cpu_layout import plan_cpus
 from serve.redis_server import free_port, start_redis
 from serve.tiny_model import build_tiny_model
@@ -114,7 +118,7 @@ def make_prompts(model_dir: Path, n: int, tokens: int) -> list[str]:
 
 
 def stream_one(client: httpx.Client, base: str, prompt: str, max_tokens: int,
-               request_id: str) -> Sample:
+               request_id: str, headers: Mapping[str, str] | None = None) -> Sample:
     """Stream one completion and stamp each content chunk (``client`` keeps its connection
     alive across requests, as load testers do)."""
     body = {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -123,7 +127,7 @@ def stream_one(client: httpx.Client, base: str, prompt: str, max_tokens: int,
     t0 = time.perf_counter()
     stamps: list[float] = []
     with client.stream("POST", f"{base}/v1/completions", json=body, timeout=600,
-                       headers={"x-request-id": request_id}) as resp:
+                       headers={"x-request-id": request_id, **(headers or {})}) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -237,60 +241,83 @@ def bench_pdserve(model: Path, prompts: list[str], max_tokens: int, layout: str,
                        read_timelines([router_tl, kv_tl], samples))
 
 
+RELAY_ARMS = ("decode-direct", "whole")
+"""``--relay-arms``: the decode engine reached directly (our connector loaded, no router, no
+KV pulled), and a second router forced to serve whole requests on it (``--path-policy
+whole``): beside P/D and plain, they split P/D's extra TPOT into the engine, the relay and
+the P/D path."""
+
+
 def bench_side_by_side(model: Path, prompts: list[str], max_tokens: int, tmp: Path,
-                       transport: str = "ucx", quiet_s: float = QUIET_S) -> list[SetupResult]:
+                       transport: str = "ucx", quiet_s: float = QUIET_S,
+                       relay_arms: bool = False) -> list[SetupResult]:
     """pdserve P/D (isolated layout) and a plain vLLM server pinned to the decode engine's
-    cores, both up at once; ``prompts`` alternate between them (P/D takes the even ones), one
-    request at a time, the order flipped every pair, ``quiet_s`` of quiet before each."""
+    cores, both up at once (with ``relay_arms``, also :data:`RELAY_ARMS`). One request at a
+    time, each after ``quiet_s`` of quiet, round after round; every round each arm takes one
+    prompt, the arms' order rotating by one per round."""
     from serve.supervisor import Cluster
 
     layout = "side-by-side"
     settings, name, router_tl, kv_tl = _cluster_settings(model, layout, tmp, True, transport)
     cluster = Cluster(settings)
-    plain: subprocess.Popen[bytes] | None = None
+    children: list[subprocess.Popen[bytes]] = []
     cluster.start()
     try:
         asyncio.run(cluster.wait_ready())
-        decode_cpus = next((w.cpus for w in cluster.workers if w.role == "decode"), ())
-        if not decode_cpus:
+        decode = next((w for w in cluster.workers if w.role == "decode" and w.cpus), None)
+        if decode is None:
             print("side-by-side: the decode engine has no cores of its own (too few cores for "
                   "the isolated layout): skipped")
             return []
         port = free_port()
-        plain = subprocess.Popen(vllm_command(str(model), "127.0.0.1", port, SERVED, None, None),
-                                 env=vllm_env(1), stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL,
-                                 preexec_fn=lambda: os.sched_setaffinity(0, decode_cpus))
-        plain_url = f"http://127.0.0.1:{port}"
-        asyncio.run(wait_healthy(plain_url, plain, 600))
+        children.append(subprocess.Popen(
+            vllm_command(str(model), "127.0.0.1", port, SERVED, None, None), env=vllm_env(1),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=lambda: os.sched_setaffinity(0, decode.cpus)))
+        arms: dict[str, tuple[str, dict[str, str]]] = {
+            name: (cluster.url, {}), "plain": (f"http://127.0.0.1:{port}", {})}
+        asyncio.run(wait_healthy(arms["plain"][0], children[0], 600))
         named = {f"{w.role}": w.proc.pid for w in cluster.workers}
         if cluster.router is not None:
             named["router"] = cluster.router.pid
-        named["plain"] = plain.pid
+        named["plain"] = children[0].pid
+        if relay_arms:
+            ring = current(keyring_source(*secret_from_env(cluster.env)))
+            key = {"authorization": f"Bearer {ring.worker_api_keys[0]}"} if ring else {}
+            arms["decode-direct"] = (decode.url, key)
+            whole_port = free_port()
+            children.append(subprocess.Popen(
+                [sys.executable, "-m", "router.main", "--host", "127.0.0.1", "--port",
+                 str(whole_port), "--redis-url", cluster.redis_url, "--path-policy", "whole"],
+                env=cluster.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            arms["whole"] = (f"http://127.0.0.1:{whole_port}", {})
+            asyncio.run(wait_healthy(arms["whole"][0], children[-1], 120))
+            named["whole-router"] = children[-1].pid
         placement = placement_of(named)
-        bases = {name: cluster.url, "plain": plain_url}
-        samples: dict[str, list[Sample]] = {name: [], "plain": []}
+        samples: dict[str, list[Sample]] = {arm: [] for arm in arms}
+        order = list(arms)
         with httpx.Client(trust_env=False) as client:
-            for setup, base in bases.items():
+            for arm, (base, headers) in arms.items():
                 for i in range(2):
                     stream_one(client, base, f"warm up {i} " * 40, 8,
-                               f"warm-{setup}-{layout}-{i}-{uuid.uuid4().hex[:6]}")
-            for i, prompt in enumerate(prompts):
-                pair = i // 2
-                setup = (name if i % 2 == 0 else "plain") if pair % 2 == 0 else \
-                    ("plain" if i % 2 == 0 else name)
+                               f"warm-{arm}-{layout}-{i}-{uuid.uuid4().hex[:6]}", headers)
+            for i, prompt in enumerate(prompts[:len(prompts) // len(arms) * len(arms)]):
+                rnd, slot = divmod(i, len(arms))
+                arm = order[(rnd + slot) % len(arms)]
+                base, headers = arms[arm]
                 time.sleep(quiet_s)
-                samples[setup].append(stream_one(client, bases[setup], prompt, max_tokens,
-                                                 f"b-{setup}-{layout}-{i}-{uuid.uuid4().hex[:8]}"))
+                samples[arm].append(stream_one(client, base, prompt, max_tokens,
+                                               f"b-{arm}-{layout}-{i}-{uuid.uuid4().hex[:8]}",
+                                               headers))
         time.sleep(1.0)
         load = os.getloadavg()[:2]
     finally:
-        if plain is not None:
-            stop_process(plain)
+        for child in children:
+            stop_process(child)
         cluster.stop()
-    return [SetupResult(name, layout, samples[name], placement, load,  # type: ignore[arg-type]
-                        read_timelines([router_tl, kv_tl], samples[name])),
-            SetupResult("plain", layout, samples["plain"], placement, load)]  # type: ignore[arg-type]
+    return [SetupResult(arm, layout, got, placement, load,  # type: ignore[arg-type]
+                        read_timelines([router_tl, kv_tl], got) if arm == name else {})
+            for arm, got in samples.items()]
 
 
 def bench_nixl(model: Path, prompts: list[str], max_tokens: int) -> SetupResult | None:
@@ -375,8 +402,19 @@ def print_report(results: list[SetupResult], breakdown: bool) -> dict[str, objec
              "stall_over_plain_ms": pd["stall_per_req_ms"] - plain["stall_per_req_ms"]}
         verdicts[layout] = v
         print(f"\n{layout}: P/D TTFT p50 - plain = {v['ttft_over_plain_ms']:+.1f} ms "
-              f"(target <= +50), TPOT p50 ratio {v['tpot_ratio']:.3f} (target <= 1.2), "
+              f"(target <= +50), TPOT p50 ratio {v['tpot_ratio']:.3f} (target <= 1.1), "
               f"stall - plain = {v['stall_over_plain_ms']:+.1f} ms/request (target <= +20)")
+    arm = {a: rows.get(f"{a}/side-by-side") for a in ("plain", "decode-direct", "whole", "pdserve")}
+    if all(arm.values()):
+        tpot = {a: row["tpot_p50_ms"] for a, row in arm.items() if row is not None}
+        split = {"engine": tpot["decode-direct"] / tpot["plain"],
+                 "relay": tpot["whole"] / tpot["decode-direct"],
+                 "pd_path": tpot["pdserve"] / tpot["whole"]}
+        verdicts["side-by-side split"] = split
+        print("\nside by side, P/D's TPOT over plain's split (TPOT p50 ratios): "
+              f"engine with our connector / plain {split['engine']:.3f}, "
+              f"relay (router, whole) / direct {split['relay']:.3f}, "
+              f"P/D / whole through a router {split['pd_path']:.3f}")
     phases_out: dict[str, dict[str, dict[str, float]]] = {}
     if breakdown:
         for r in results:
@@ -415,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--side-by-side", dest="side_by_side", action="store_true",
                         help="run P/D (isolated) and a plain server on the decode's cores at "
                              "once, requests alternating (default: all three layouts)")
+    parser.add_argument("--relay-arms", action="store_true",
+                        help="side by side: also the decode engine reached directly and a "
+                             "second router serving whole requests on it (splits P/D's extra "
+                             "TPOT into engine, relay and P/D path)")
     parser.add_argument("--quiet-s", type=float, default=QUIET_S,
                         help="side by side: pause before each request (vLLM's CPU workers "
                              "busy-loop for 1 s after their last step)")
@@ -438,9 +480,10 @@ def main(argv: list[str] | None = None) -> int:
                if on] or ["isolated", "float", "side-by-side"]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     model = build_tiny_model()
-    # side by side, each setup gets ``--requests`` of its own (the first ones: those of the
+    # side by side, each arm gets ``--requests`` of its own (the first ones: those of the
     # other layouts; the synthesizer is seeded)
-    prompts = make_prompts(model, 2 * args.requests, args.prompt_tokens)
+    arms = 2 + (len(RELAY_ARMS) if args.relay_arms else 0)
+    prompts = make_prompts(model, arms * args.requests, args.prompt_tokens)
     cores = sorted(os.sched_getaffinity(0))
     plan = plan_cpus(cores, 2)
     print(f"{len(cores)} cores; isolated layout: {plan.reason}; load average at start "
@@ -451,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             if layout == "side-by-side":
                 for transport in transports:
                     results += bench_side_by_side(model, prompts, args.max_tokens, Path(tmp),
-                                                  transport, args.quiet_s)
+                                                  transport, args.quiet_s, args.relay_arms)
                 continue
             own = prompts[:args.requests]
             cpus = plan.slots[0] if layout == "isolated" and plan.isolated else ()
