@@ -63,7 +63,7 @@ from serve.tiny_model import build_tiny_model
 from serve.worker import stop_process, vllm_command, vllm_env, wait_healthy
 
 if TYPE_CHECKING:
-    from serve.supervisor import ClusterSettings
+    from serve.supervisor import Cluster, ClusterSettings
 
 SERVED = "tiny-llama"
 STALL_GAP_S = 0.05
@@ -180,13 +180,27 @@ def read_timelines(paths: list[Path], samples: list[Sample]) -> dict[str, dict[s
     return out
 
 
+def start_plain(model: Path, port: int, cpus: tuple[int, ...]) -> subprocess.Popen[bytes]:
+    """One plain vLLM OpenAI server (no connector) on ``port``, pinned to ``cpus`` (none:
+    floating)."""
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    return subprocess.Popen(vllm_command(str(model), "127.0.0.1", port, SERVED, None, None),
+                            env=vllm_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=pin)
+
+
+def cluster_pids(cluster: Cluster) -> dict[str, int]:
+    """Role (and ``router``) -> pid of a running cluster's children, for ``placement_of``."""
+    named = {f"{w.role}": w.proc.pid for w in cluster.workers}
+    if cluster.router is not None:
+        named["router"] = cluster.router.pid
+    return named
+
+
 def bench_plain(model: Path, prompts: list[str], max_tokens: int, layout: str,
                 cpus: tuple[int, ...]) -> SetupResult:
     port = free_port()
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    proc = subprocess.Popen(vllm_command(str(model), "127.0.0.1", port, SERVED, None, None),
-                            env=vllm_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=pin)
+    proc = start_plain(model, port, cpus)
     try:
         asyncio.run(wait_healthy(f"http://127.0.0.1:{port}", proc, 600))
         placement = placement_of({"plain": proc.pid})
@@ -228,10 +242,7 @@ def bench_pdserve(model: Path, prompts: list[str], max_tokens: int, layout: str,
     cluster.start()
     try:
         asyncio.run(cluster.wait_ready())
-        named = {f"{w.role}": w.proc.pid for w in cluster.workers}
-        if cluster.router is not None:
-            named["router"] = cluster.router.pid
-        placement = placement_of(named)
+        placement = placement_of(cluster_pids(cluster))
         samples = run_prompts(cluster.url, prompts, max_tokens, f"{name}-{layout}")
         time.sleep(1.0)  # connector stats reach the API server with the next engine steps
         load = os.getloadavg()[:2]
@@ -270,17 +281,11 @@ def bench_side_by_side(model: Path, prompts: list[str], max_tokens: int, tmp: Pa
                   "the isolated layout): skipped")
             return []
         port = free_port()
-        children.append(subprocess.Popen(
-            vllm_command(str(model), "127.0.0.1", port, SERVED, None, None), env=vllm_env(1),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=lambda: os.sched_setaffinity(0, decode.cpus)))
+        children.append(start_plain(model, port, decode.cpus))
         arms: dict[str, tuple[str, dict[str, str]]] = {
             name: (cluster.url, {}), "plain": (f"http://127.0.0.1:{port}", {})}
         asyncio.run(wait_healthy(arms["plain"][0], children[0], 600))
-        named = {f"{w.role}": w.proc.pid for w in cluster.workers}
-        if cluster.router is not None:
-            named["router"] = cluster.router.pid
-        named["plain"] = children[0].pid
+        named = {**cluster_pids(cluster), "plain": children[0].pid}
         if relay_arms:
             ring = current(keyring_source(*secret_from_env(cluster.env)))
             key = {"authorization": f"Bearer {ring.worker_api_keys[0]}"} if ring else {}
