@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,8 +118,10 @@ class Running:
         self.note = note
 
 
-def start(setup: str, workload: Workload, min_prefill_tokens: int) -> Running:
-    """Start ``setup`` (the pdserve ones through the pdserve CLI, with ``workload``'s SLOs)."""
+def start(setup: str, workload: Workload, min_prefill_tokens: int,
+          extra: Sequence[str] = ()) -> Running:
+    """Start ``setup`` (the pdserve ones through the pdserve CLI, with ``workload``'s SLOs;
+    ``extra``: more ``pdserve up`` arguments, e.g. ``--worker-arg=--timeline-file=F``)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     if setup == "vllm_pd":
@@ -126,7 +129,8 @@ def start(setup: str, workload: Workload, min_prefill_tokens: int) -> Running:
         return Running(url, stack.stop, stack.procs[0].pid, field_pd.SETTINGS)
     redis = f"redis://127.0.0.1:{_free_port()}/0"
     common = ["--port", str(port), "--redis-url", redis, "--served-model-name", SERVED,
-              "--ttft-slo-s", str(workload.ttft_slo_s), "--tpot-slo-s", str(workload.tpot_slo_s)]
+              "--ttft-slo-s", str(workload.ttft_slo_s), "--tpot-slo-s", str(workload.tpot_slo_s),
+              *extra]
     ready: dict[str, int] = {}
     if setup == "pd":
         cmd = pdserve_command("up", *common)
@@ -209,7 +213,7 @@ def run_one(setup: str, workload: Workload, warm_trace: Path, out: Path,
             args: argparse.Namespace) -> dict[str, Any]:
     """Start, warm up, sweep and stop ``setup`` on ``workload``; its result record."""
     load0 = os.getloadavg()[0]
-    running = start(setup, workload, args.min_prefill_tokens)
+    running = start(setup, workload, args.min_prefill_tokens, args.pdserve_arg)
     try:
         layout = " ".join(f"{name}:{cores}" for name, cores in
                           placement_of(children(running.pid)).items())
@@ -240,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests replayed (and discarded) before each sweep; 0 = none")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--pdserve-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for the pdserve setups' `pdserve up` (repeat), "
+                             "e.g. --pdserve-arg=--worker-arg=--timeline-file=/tmp/kv.jsonl")
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="pd-goodput-"))
     out.mkdir(parents=True, exist_ok=True)

@@ -290,14 +290,17 @@ def vllm_command(model: str, host: str, port: int, served_name: str, kv_config: 
     ``vllm.entrypoints.openai.api_server`` module is deprecated).
 
     The tiny offline model is served in its float32 (see :mod:`serve.tiny_model`) unless
-    ``extra`` names a ``--dtype``."""
+    ``extra`` names a ``--dtype``. An engine with our connector (``kv_config``) schedules by
+    priority, so the router's KV handoffs (``router.api.rewrite.HANDOFF_PRIORITY``) start their
+    pull at its next step rather than behind its queued prefills; requests of one priority keep
+    FCFS order. A ``--scheduling-policy`` in ``extra`` comes later and wins."""
     cmd = [sys.executable, "-m", "serve.vllm_cli", "serve", model,
            "--host", host, "--port", str(port), "--served-model-name", served_name,
            "--disable-uvicorn-access-log"]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
     if kv_config is not None:
-        cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+        cmd += ["--kv-transfer-config", json.dumps(kv_config), "--scheduling-policy", "priority"]
     if is_tiny_model(model) and not any(a.split("=")[0] == "--dtype" for a in extra):
         cmd += ["--dtype", SERVE_DTYPE]
     return cmd + list(extra)

@@ -105,13 +105,14 @@ class PdservePullConnector(KVConnectorBase_V1):
         return PdserveHandshakeMetadata(self._worker.handshake.to_wire())
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Take the step's lease messages before its forward: vLLM calls ``start_load_kv``
-        only after the forward unless a load is synchronous, and on CPU the forward is the
-        whole step, so a lease granted there waited for the next prefill to finish (200-400
-        ms of handoff for a decode whose early release waits on the grant)."""
+        """Take the step's lease messages and start its pulls before its forward: vLLM calls
+        ``start_load_kv`` only after the forward unless a load is synchronous, and on CPU the
+        forward is the whole step, so a lease granted there waited for the next prefill to
+        finish (200-400 ms of handoff for a decode whose early release waits on the grant),
+        and a pull started there began only after a forward it does not depend on."""
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, PdserveMetadata):
-            self._worker.take_lease_messages(connector_metadata)
+            self._worker.begin_step(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

@@ -98,6 +98,12 @@ class WorkerHalf:
         self._load_errors: set[int] = set()
         self._stop = threading.Event()
         self._responder: threading.Thread | None = None
+        # pulls advance on a thread of their own as well as at each step (``_drive_pulls``);
+        # the lock guards every piece of pull, peer and release state the two share
+        self._lock = threading.RLock()
+        self._pulls_started = threading.Event()
+        self._driver: threading.Thread | None = None
+        self._pulled_meta: PdserveMetadata | None = None
         self._reported_leases = (0, 0, 0, 0)
         self._reported_control: dict[str, int] = {}  # CONTROL_COUNTERS key -> last reported
         self._next_prune = 0.0
@@ -122,6 +128,9 @@ class WorkerHalf:
         self._responder = threading.Thread(target=self._serve_releases, daemon=True,
                                            name="pdserve-kv-releases")
         self._responder.start()
+        self._driver = threading.Thread(target=self._drive_pulls, daemon=True,
+                                        name="pdserve-kv-pulls")
+        self._driver.start()
         logger.info("registered %d KV regions (%d blocks of %d bytes) with %s", len(regions),
                     self.num_blocks, regions[0].block_bytes if regions else 0,
                     self.config.transport)
@@ -153,11 +162,38 @@ class WorkerHalf:
             # engine's last step for a while
             responder.answer(incoming)
 
+    # ---------------------------------------------------------------- decode side
+    def _drive_pulls(self) -> None:
+        """Advance pulls between the engine's steps: a read that lands sends its release at
+        once, and an answered release is ready for the step's ``poll``. Stepped only from
+        ``poll``, a pull took three forwards to report (its read seen at the end of one, the
+        release answered at the end of the next), which on a flex engine running 200-300 ms
+        prefill forwards put most of a second into the handoff. Checks every 0.2 ms while a
+        pull is young, backing off to 5 ms; sleeps while there is none."""
+        while not self._stop.is_set():
+            if not self._pulls:
+                self._pulls_started.wait(0.5)
+                self._pulls_started.clear()
+                continue
+            with self._lock:
+                now = time.monotonic()
+                self._advance_pulls(now)
+                youngest = min((now - p.started for p in self._pulls.values()), default=0.0)
+            time.sleep(min(max(youngest / 10, 0.0002), 0.005))
+
     # ---------------------------------------------------------------- per step
-    def take_lease_messages(self, meta: PdserveMetadata) -> None:
-        """Grant this step's leases and send its releases and renewals: called when the step's
-        metadata is bound (vLLM binds it before every forward and before ``start_load_kv``), so
-        a decode's release waits for no forward pass."""
+    def begin_step(self, meta: PdserveMetadata) -> None:
+        """Grant this step's leases, send its releases and renewals and start its pulls: called
+        when the step's metadata is bound (vLLM binds it before every forward; on CPU it calls
+        ``start_load_kv`` only after the forward), so neither a decode's release nor a pull
+        into its freshly allocated blocks (no forward reads them) waits for a forward pass."""
+        with self._lock:
+            self._take_messages(meta)
+            for spec in meta.pulls:
+                self._start_pull(spec)
+            self._pulled_meta = meta  # ``start_step`` of the same step starts nothing again
+
+    def _take_messages(self, meta: PdserveMetadata) -> None:
         for request_id, (expires_at, token) in meta.leases.items():
             now = time.monotonic()
             logger.debug("lease %s granted for %.1f s", request_id, expires_at - now)
@@ -169,9 +205,12 @@ class WorkerHalf:
             self._send_renewal(remote)
 
     def start_step(self, meta: PdserveMetadata) -> None:
-        """Start this step's pulls (its lease messages were taken when it was bound)."""
-        for spec in meta.pulls:
-            self._start_pull(spec)
+        """Start this step's pulls unless binding did (its lease messages were taken then)."""
+        with self._lock:
+            if meta is self._pulled_meta:
+                return
+            for spec in meta.pulls:
+                self._start_pull(spec)
 
     def _peer(self, remote: RemotePrefill) -> _PeerState:
         state = self._peers.get(remote.engine_id)
@@ -221,6 +260,7 @@ class WorkerHalf:
         self.stats.record_event(spec.request_id, "pull_started")
         self._pulls[spec.request_id] = _Pull(spec, state.peer, transfer, _Phase.READ,
                                              now + self.config.pull_timeout_s, now, nbytes)
+        self._pulls_started.set()
 
     def _send_release_only(self, remote: RemotePrefill) -> None:
         try:
@@ -279,7 +319,20 @@ class WorkerHalf:
 
     def poll(self) -> tuple[set[str], set[str]]:
         """Advance pulls and leases; returns (finished sending, finished receiving)."""
-        now = time.monotonic()
+        with self._lock:
+            now = time.monotonic()
+            self._advance_pulls(now)
+            self._releases = [(t, d) for t, d in self._releases
+                              if t.poll() == "pending" and now <= d]
+            self.leases.expire(now)
+            if now >= self._next_prune:
+                self._prune_peers(now)
+            finished_sending = self.leases.take_finished()
+            finished_recving, self._finished_recving = self._finished_recving, set()
+        return finished_sending, finished_recving
+
+    def _advance_pulls(self, now: float) -> None:
+        """Move every pull on: read landed -> release sent -> release answered (or failed)."""
         for request_id, pull in list(self._pulls.items()):
             status = pull.transfer.poll()
             timed_out = status == "pending" and now > pull.deadline
@@ -326,14 +379,6 @@ class WorkerHalf:
             else:
                 self._fail(pull.spec, "lease expired before the pull finished"
                            if reply == RELEASE_EXPIRED else f"bad release reply {reply!r}")
-        self._releases = [(t, d) for t, d in self._releases
-                          if t.poll() == "pending" and now <= d]
-        self.leases.expire(now)
-        if now >= self._next_prune:
-            self._prune_peers(now)
-        finished_sending = self.leases.take_finished()
-        finished_recving, self._finished_recving = self._finished_recving, set()
-        return finished_sending, finished_recving
 
     def _prune_peers(self, now: float) -> None:
         """Disconnect peers idle past ``PEER_IDLE_S`` (gone or restarted prefill engines) or
@@ -351,11 +396,16 @@ class WorkerHalf:
 
     def take_load_errors(self) -> set[int]:
         """Local blocks whose pull failed since the last call (vLLM recomputes them)."""
-        errors, self._load_errors = self._load_errors, set()
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     def take_stats(self) -> TransferStats | None:
         """Telemetry since the last call, or None when nothing happened."""
+        with self._lock:
+            return self._take_stats()
+
+    def _take_stats(self) -> TransferStats | None:
         released, expired = self.leases.num_released, self.leases.num_expired
         renewed, refused = self.leases.num_renewed, self.leases.num_refused
         last_released, last_expired, last_renewed, last_refused = self._reported_leases
@@ -376,10 +426,12 @@ class WorkerHalf:
         return stats
 
     def shutdown(self) -> None:
-        """Stop the responder and release the transport's resources."""
+        """Stop the responder and the pull driver and release the transport's resources."""
         self._stop.set()
-        if self._responder is not None:
-            self._responder.join(timeout=2)
+        self._pulls_started.set()
+        for thread in (self._responder, self._driver):
+            if thread is not None:
+                thread.join(timeout=2)
         if self._engine is not None:
             self._engine.close()
             self._engine = None

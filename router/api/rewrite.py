@@ -9,6 +9,14 @@ from router.api.schemas import Endpoint
 
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {"do_remote_decode": True}
 
+HANDOFF_PRIORITY = -1
+"""vLLM ``priority`` of a decode that pulls a prefill's KV (lower runs earlier): ahead of every
+client request, whose priority the router keeps at 0 or above (``router.api.untrusted``).
+pdserve's workers schedule by priority (``serve.worker.vllm_command``), so a handoff is
+allocated and starts its pull at the engine's next step instead of queueing behind the
+prefills a flex or decode engine already has waiting (FCFS kept it there for 0.2-0.85 s at
+1.5 req/s of prefill_heavy on two flex engines). Under FCFS vLLM ignores it."""
+
 
 def prefill_body(endpoint: Endpoint, body: dict[str, Any], *,
                  token_ids: bool = False) -> dict[str, Any]:
@@ -26,9 +34,11 @@ def prefill_body(endpoint: Endpoint, body: dict[str, Any], *,
 
 
 def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
-    """The original request plus the prefill worker's ``kv_transfer_params``."""
+    """The original request plus the prefill worker's ``kv_transfer_params``, scheduled as a
+    handoff (:data:`HANDOFF_PRIORITY`)."""
     out = dict(body)
     out["kv_transfer_params"] = kv_transfer_params
+    out["priority"] = HANDOFF_PRIORITY
     return out
 
 

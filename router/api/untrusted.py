@@ -1,5 +1,6 @@
 """What a client body may not be or hold, refused up front: more bytes than the router takes,
-more time than it waits for them, and fields that only the router (or an operator) may set.
+more time than it waits for them, and fields that only the router (or an operator) may set
+(a negative ``priority`` included: that is the rank of the router's KV handoffs).
 
 vLLM reads several of them from more than one place: ``kv_transfer_params`` also from
 ``vllm_xargs`` (a string there used to crash the worker's engine core), and a Jinja chat
@@ -45,6 +46,12 @@ def refuse_worker_only_fields(body: Mapping[str, Any]) -> None:
                 raise InvalidRequestError(f"vllm_xargs.{name} is set by the router, not by "
                                           "clients", code="invalid_parameter",
                                           param=f"vllm_xargs.{name}")
+    priority = body.get("priority")
+    if priority is not None and (type(priority) is not int or priority < 0):
+        # below 0 is the router's: its KV handoffs run ahead of every client request
+        raise InvalidRequestError(f"priority must be an integer of 0 or more (lower runs "
+                                  f"earlier; negative values are the router's), got "
+                                  f"{priority!r}", code="invalid_parameter", param="priority")
     if body.get("chat_template") is not None:
         raise _untrusted_template("chat_template")
     kwargs = body.get("chat_template_kwargs")

@@ -205,3 +205,23 @@ def test_decode_pulls_instead_of_recomputing(pd_cluster: Cluster, plain: Plain,
     assert value(p1, expired) == value(p0, expired)
     eventually(lambda: value(scrape(workers["prefill"]), "vllm:kv_cache_usage_perc"),
                lambda usage: usage == 0.0, timeout_s=15)
+
+
+def test_a_client_priority_is_served_and_a_negative_one_refused(cluster: Cluster, plain: Plain,
+                                                               prompts: list[str]) -> None:
+    """pdserve's engines schedule by priority (the router's KV handoffs run at -1): a client's
+    own priority of 0 or more is served through P/D (the prefill gets it, the decode the
+    handoff's) with a plain server's output, streamed or not; a negative one is the router's,
+    refused before any worker sees it."""
+    before = _paths(cluster.url)
+    prompt = prompts[-3]
+    ref = complete(plain.url, prompt)["choices"][0]["text"]
+    assert complete(cluster.url, prompt, priority=5)["choices"][0]["text"] == ref
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "priority": 5}
+    assert stream(cluster.url, "/v1/completions", body)[0] == ref
+    after = _paths(cluster.url)
+    assert after["pd"] + after["pd_first_token"] - before["pd"] - before["pd_first_token"] == 2
+    resp = httpx.post(f"{cluster.url}/v1/completions", json={**body, "priority": -1}, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "priority"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.api.rewrite import decode_body, prefill_body
+from router.api.rewrite import HANDOFF_PRIORITY, decode_body, prefill_body
 from router.api.schemas import CHAT_COMPLETIONS, COMPLETIONS
 
 KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [4, 5],
@@ -43,5 +43,14 @@ def test_decode_body_is_original_plus_params() -> None:
     assert decode_body(body, KV) == {
         "model": "m", "prompt": "hi", "max_tokens": 50, "stream": True,
         "stream_options": {"include_usage": True}, "min_tokens": 3, "kv_transfer_params": KV,
+        "priority": HANDOFF_PRIORITY,
     }
-    assert "kv_transfer_params" not in body
+    assert "kv_transfer_params" not in body and "priority" not in body
+
+
+def test_a_handoff_runs_ahead_of_any_priority_a_client_may_set() -> None:
+    """The decode of a pulled prefill outranks the client's own priority (vLLM: lower runs
+    earlier), which the router keeps at 0 or above; the prefill keeps the client's."""
+    body = {"model": "m", "prompt": "hi", "priority": 3}
+    assert decode_body(body, KV)["priority"] == HANDOFF_PRIORITY < 0
+    assert prefill_body(COMPLETIONS, body)["priority"] == 3

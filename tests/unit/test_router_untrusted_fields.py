@@ -37,6 +37,10 @@ BOMB = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% end
      "chat_template_kwargs.tokenize"),
     (CHAT, {"chat_template_kwargs": "x"}, "invalid_type", "chat_template_kwargs"),
     (C, {"prompt": [1, 2**32]}, "invalid_type", "prompt"),  # one message for the union
+    (C, {"priority": -1}, "invalid_parameter", "priority"),  # the router's handoff rank
+    (CHAT, {"priority": -100}, "invalid_parameter", "priority"),
+    (C, {"priority": 1.5}, "invalid_parameter", "priority"),
+    (C, {"priority": True}, "invalid_parameter", "priority"),
     (C, {"prompt": [[5, 2**40]]}, "invalid_type", "prompt"),
 ])
 async def test_router_only_fields_and_templates_are_refused(
@@ -53,11 +57,13 @@ async def test_router_only_fields_and_templates_are_refused(
     {"vllm_xargs": {"my_plugin_arg": "x"}},
     {"chat_template_kwargs": {"enable_thinking": False}},
     {"prompt": [0, 2**32 - 1]},
+    {"priority": 0},
+    {"priority": 7},
 ])
 async def test_what_clients_may_set_passes(client: httpx.AsyncClient,
                                            extra: dict[str, Any]) -> None:
-    """Negative control: other xargs, template variables and the largest token id pass
-    validation (the only worker is unreachable: 502)."""
+    """Negative control: other xargs, template variables, the largest token id and a priority
+    of 0 or more pass validation (the only worker is unreachable: 502)."""
     path = CHAT if "chat_template_kwargs" in extra else C
     base = {"model": "tiny", **({"messages": MSG} if path == CHAT else {"prompt": "hi"})}
     resp = await client.post(path, json={**base, **extra})

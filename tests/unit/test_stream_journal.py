@@ -8,6 +8,7 @@ from typing import Any
 
 from router.api.first_token import FirstToken, first_events
 from router.api.journal import StreamJournal, continuation_body
+from router.api.rewrite import HANDOFF_PRIORITY
 from router.api.schemas import CHAT_COMPLETIONS, COMPLETIONS
 
 BASE = {"model": "m", "prompt": "hello", "stream": True, "max_tokens": 8, "temperature": 0}
@@ -37,13 +38,15 @@ def test_continuation_body_goes_on_from_the_generated_ids_for_what_is_left() -> 
     out = continuation_body(body, (1, 2, 3), (42,), {"remote": True})
     assert out == {"model": "m", "prompt": [1, 2, 3, 42], "max_tokens": 7, "min_tokens": 3,
                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-                   "kv_transfer_params": {"remote": True}}
+                   "kv_transfer_params": {"remote": True}, "priority": HANDOFF_PRIORITY}
     chat = {"model": "m", "messages": [], "stream": True, "max_completion_tokens": 3}
     assert continuation_body(chat, (1,), (42,), {})["max_tokens"] == 2
     later = continuation_body(body, (1, 2, 3), (42, 43, 44, 45, 46), None, token_ids=True)
     assert later["prompt"] == [1, 2, 3, 42, 43, 44, 45, 46] and later["max_tokens"] == 3
     assert later["min_tokens"] == 0 and later["return_token_ids"] is True
-    assert "kv_transfer_params" not in later
+    assert "kv_transfer_params" not in later and "priority" not in later
+    own = continuation_body({**body, "priority": 4}, (1, 2, 3), (42,), None)
+    assert own["priority"] == 4  # no KV to pull: the client's own rank, as on its first worker
 
 
 def test_native_stream_records_ids_and_relays_them_as_a_plain_stream_would() -> None:

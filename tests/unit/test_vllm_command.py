@@ -48,6 +48,21 @@ def test_every_flag_parses_with_vllms_own_serve_parser() -> None:
     assert config.kv_connector_extra_config == {
         "lease_s": 12.5, "pull_timeout_s": 3.0, "transport": "ucx",
         "handshake_file": "/tmp/hs.json", "signing_keys_file": "/tmp/keys"}
+    assert args.scheduling_policy == "priority"  # the router's KV handoffs go first
+
+
+def test_only_engines_with_the_connector_schedule_by_priority() -> None:
+    """Plain vLLM (no connector: the benches' reference) keeps vLLM's FCFS default, and an
+    operator's own ``--scheduling-policy`` comes after ours, so it wins."""
+    pytest.importorskip("vllm.entrypoints.cli.serve", reason="vLLM not installed")
+    from serve.vllm_cli import build_parser
+
+    parser, _ = build_parser()
+    plain = parser.parse_args(vllm_command(MODEL, "127.0.0.1", 8123, "s", None, None)[3:])
+    assert plain.scheduling_policy == "fcfs"
+    kv = kv_transfer_config("e", lease_s=1.0, pull_timeout_s=1.0, handshake_file=None)
+    own = vllm_command(MODEL, "127.0.0.1", 8123, "s", kv, None, ("--scheduling-policy", "fcfs"))
+    assert parser.parse_args(own[3:]).scheduling_policy == "fcfs"
 
 
 def test_pdserve_vllm_args_come_after_ours_and_parse_as_vllm_flags() -> None:
