@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from router.api.app import create_app
+from router.api.rewrite import HANDOFF_PRIORITY
 from router.config import RouterSettings
 from router.state.registry import WorkerRecord
 from serve.redis_server import RedisServer, start_redis
@@ -43,7 +44,8 @@ def test_completion_two_step_flow_sends_rewritten_bodies(
         "ignore_eos": True, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     upstream = p0.requests[0].headers["x-request-id"]
     assert upstream.startswith("rid-1.")  # the client's id, made unique (review finding 11)
-    assert d0.requests[0].body == {**body, "kv_transfer_params": p0.kv_params(upstream)}
+    assert d0.requests[0].body == {**body, "kv_transfer_params": p0.kv_params(upstream),
+                                   "priority": HANDOFF_PRIORITY}
     assert d0.requests[0].headers["x-request-id"] == upstream
 
 
@@ -83,7 +85,8 @@ def test_stream_relay_is_byte_identical(
     assert prefill.get("max_completion_tokens") == (1 if chat else None)
     pulled = fakes["p0"].kv_params(_upstream(fakes["p0"]))
     assert fakes["d0"].requests[0].body == {**body, "return_token_ids": True,
-                                            "kv_transfer_params": pulled}
+                                            "kv_transfer_params": pulled,
+                                            "priority": HANDOFF_PRIORITY}
 
     endpoint = "chat_completions" if chat else "completions"
     # Stream accounting closes right after the last byte, possibly after the client has it.
