@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from router.api.fastjson import dumps, loads
-from router.api.rewrite import HANDOFF_PRIORITY
+from router.api.rewrite import decode_body
 from router.api.schemas import Endpoint
 
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop_token_ids",
@@ -61,10 +61,9 @@ def continuation_body(body: Mapping[str, Any], prompt_ids: Sequence[int],
         out["stream_options"] = body["stream_options"]
     if token_ids:
         out["return_token_ids"] = True
-    if kv_transfer_params is not None:
-        out["kv_transfer_params"] = kv_transfer_params
-        out["priority"] = HANDOFF_PRIORITY
-    elif "priority" in body:  # the client's own, as on its first worker
+    if kv_transfer_params is not None:  # a handoff, as the first decode call is
+        return decode_body(out, kv_transfer_params)
+    if "priority" in body:  # the client's own, as on its first worker
         out["priority"] = body["priority"]
     return out
 
