@@ -45,6 +45,7 @@ from router.policy.path_cost import (
     EngineLoad,
     PathCosts,
     PlanEstimate,
+    decode_stall,
     decode_tpot,
     estimate_pd,
     estimate_whole,
@@ -67,6 +68,11 @@ MIN_SENSITIVE_REQUESTS = 2.0
 """Stall-sensitive requests (decayed over ``share_window_s``) below which no engine is kept
 quiet: about one every 5 s with the default 10 s window. Chosen by reasoning (a reservation for
 a lone request costs a whole engine's prefill capacity for a window), not fitted to a trace."""
+MIN_QUIET_SHARE = 0.5
+"""The split reserves a further quiet decoder only while the stall-sensitive share of recent
+requests times the engines that can decode reaches the reserved count + 1 - this: k of N
+engines kept quiet for a share s of the requests, rounded (with 2 engines the first needs a
+quarter of the requests). Chosen by reasoning, not fitted."""
 LEARNING_RATE = 0.1
 """Weight of one observed request in the learned cost scales (an exponential average)."""
 MIN_LEARN_S = 0.005
@@ -89,8 +95,8 @@ class PathDecision:
     reason: str
     other: PlanEstimate | None = None
     sensitive: bool = False
-    """Its TPOT holds on a quiet decoder but not on any engine that also prefills: its decode
-    counts toward the quiet decoders the split keeps (``dispatched``)."""
+    """Its TPOT holds on a quiet decoder but not on any engine that also prefills: it counts
+    toward the quiet decoders the split keeps (``dispatched``), on whatever path it took."""
 
 
 @dataclass
@@ -142,6 +148,8 @@ class AdaptivePaths:
         self._sensitive_requests = 0.0
         """Stall-sensitive requests, decayed like the prefill counts."""
         self._sensitive_at_s = 0.0
+        self._all_requests = 0.0
+        """Every request dispatched, decayed like the sensitive count (same stamp)."""
         self.reserved: tuple[str, ...] = ()
         """Engines kept quiet for stall-sensitive decodes (the split's decode side)."""
         self.base_costs = costs
@@ -229,13 +237,23 @@ class AdaptivePaths:
         # decodes it still ran: on the 2-engine box 32 of 81 whole plans landed there, 14 missed)
         need = min(self.quiet_decoders_needed(now_s), len(can_decode), others - 1)
         kept = sum(1 for w in self.reserved if w in can_decode)
-        want = max(min(need, max(room, kept)), 0)
+        # growth also needs a sensitive share that fills the engines it takes, to half an
+        # engine: while the split holds every request goes P/D, so a few sensitive requests
+        # must not turn a fleet of whole-serving engines into P/D pools
+        fills = math.floor(self.sensitive_share(now_s) * len(can_decode) + MIN_QUIET_SHARE)
+        want = max(min(need, max(min(room, fills), kept)), 0)
 
         def quietness(worker_id: str) -> tuple[bool, float, str]:
             return (worker_id not in self.reserved, self._prefill_seconds(worker_id, now_s),
                     worker_id)
 
         self.reserved = tuple(sorted(sorted(can_decode, key=quietness)[:want]))
+
+    def sensitive_share(self, now_s: float) -> float:
+        """The stall-sensitive share of the requests dispatched lately (decayed alike)."""
+        decay = self._decay(self._sensitive_at_s, now_s)
+        total = self._all_requests * decay
+        return self._sensitive_requests * decay / total if total > 1e-12 else 0.0
 
     # -- the decision ---------------------------------------------------------------------------
 
@@ -319,8 +337,12 @@ class AdaptivePaths:
                     return PathDecision(relief, "split_relief", plan, sensitive=sensitive)
             return PathDecision(plan, reason, best_whole, sensitive=sensitive)
 
-        if self.stall_sensitive(request, output_tokens, engines):
-            quiet = [p for p in pd if by_id[p.worker].reserved] or pd
+        sensitive = self.stall_sensitive(request, output_tokens, engines)
+        # decoded where no prefill runs: a reserved decoder, or one that cannot prefill; with
+        # neither, P/D would only move the answer to another engine that prefills (it is planned
+        # as any other, and still counts toward the demand that reserves one)
+        quiet = [p for p in pd if by_id[p.worker].reserved or not by_id[p.worker].prefill]
+        if sensitive and (quiet or quiet_whole):
             return relieved(quiet_whole or best(quiet), "stall_sensitive",  # type: ignore[arg-type]
                             sensitive=True)
         # while the split keeps quiet decoders, the fleet runs as P/D pools: every request
@@ -329,21 +351,23 @@ class AdaptivePaths:
         # adding to its queue) while the quiet decoder has room.
         split = [p for p in pd if by_id[p.worker].reserved]
         if split:
-            return relieved(quiet_whole or best(split), "split")  # type: ignore[arg-type]
+            return relieved(quiet_whole or best(split), "split",  # type: ignore[arg-type]
+                            sensitive=sensitive)
         # a whole plan that meets the SLOs: the least prefill work (a cached prefix), then the
         # least loaded; cache affinity is kept only while the SLOs hold
         meeting = min((p for p in whole if p.meets(*slo)),
                       key=lambda p: (p.uncached_tokens, round(p.expected_misses(*slo), 2),
                                      p.badness(*slo), p.worker), default=None)
         if meeting is not None:
-            return PathDecision(meeting, "whole_meets_slo", best_pd)
+            return PathDecision(meeting, "whole_meets_slo", best_pd, sensitive=sensitive)
         meeting = best([p for p in pd if p.meets(*slo)])
         if meeting is not None:
-            return PathDecision(meeting, self._why_not_whole(best_whole), best_whole)
+            return PathDecision(meeting, self._why_not_whole(best_whole), best_whole,
+                                sensitive=sensitive)
         chosen = best([best_whole, best_pd])
         assert chosen is not None
         return PathDecision(chosen, "best_effort",
-                            best_pd if chosen is best_whole else best_whole)
+                            best_pd if chosen is best_whole else best_whole, sensitive=sensitive)
 
     def stall_sensitive(self, request: RouteRequest, output_tokens: int,
                         engines: Sequence[EngineLoad]) -> bool:
@@ -360,7 +384,13 @@ class AdaptivePaths:
         typical = EngineLoad("typical", running=round(sum(e.running for e in open_)
                                                       / len(open_)),
                              prefill_rate=rate, mean_prefill_s=_typical_prefill_s(engines))
-        if decode_tpot(self.costs, typical, out) <= self.tpot_slo_s:
+        # a prefill sent to that engine while the request waits for its own runs after it,
+        # between its decode steps (first come, first served): its wait is exposure too
+        stall = decode_stall(self.costs, typical, out)
+        wait = sum(e.queued_s for e in open_) / len(open_) + self.costs.prefill_s(
+            request.prompt_len)
+        exposed = replace(stall, landings_mean=stall.landings_mean + rate * wait)
+        if exposed.tpot_s() <= self.tpot_slo_s:
             return False
         least = min((e.running for e in decoders), default=0)
         hop = self.costs.hop_s + request.prompt_len * self.costs.pull_s_per_token
@@ -380,11 +410,14 @@ class AdaptivePaths:
         """``plan`` was sent at ``now_s``: the prefilling engine's queue and share grow by its
         prefill, the decoding engine decodes it, both caches now hold the prompt; a
         ``sensitive`` decode (``PathDecision.sensitive``) adds to the quiet decoders' demand."""
+        decay = self._decay(self._sensitive_at_s, now_s)
+        self._all_requests = self._all_requests * decay + 1.0
+        self._sensitive_tokens *= decay
+        self._sensitive_requests *= decay
+        self._sensitive_at_s = now_s
         if sensitive:
-            decay = self._decay(self._sensitive_at_s, now_s)
-            self._sensitive_tokens = self._sensitive_tokens * decay + output_tokens
-            self._sensitive_requests = self._sensitive_requests * decay + 1.0
-            self._sensitive_at_s = now_s
+            self._sensitive_tokens += output_tokens
+            self._sensitive_requests += 1.0
         prefiller = plan.prefill_worker or plan.worker
         seconds = self.costs.prefill_s(plan.uncached_tokens)
         engine = self._engines.setdefault(prefiller, _Engine())

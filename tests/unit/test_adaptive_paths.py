@@ -95,6 +95,66 @@ def test_a_stall_sensitive_request_is_decoded_where_no_prefill_runs() -> None:
     assert _paths(tpot=0.03).decide(_request(100), 512, engines).reason == "whole_meets_slo"  # type: ignore
 
 
+def test_the_wait_for_its_own_prefill_is_exposure_to_prefills() -> None:
+    """Prefills sent to an engine while a request waits there run after its own, between its
+    decode steps: a 12-token answer queued 1 s behind others catches ~1.3 prefills of 0.2 s
+    (3 at the 0.95-quantile, 18 ms a token each), past a 40 ms target, where its answer alone
+    (0.11 s, one landing) stays under it."""
+    paths = _paths(tpot=0.05)
+    busy = {"prefill_rate": 1.0, "mean_prefill_s": 0.2}
+    queued = [EngineLoad("a", queued_s=1.0, **busy), EngineLoad("b", queued_s=1.0, **busy),  # type: ignore[arg-type]
+              EngineLoad("d", whole=False, prefill=False)]
+    request = _request(1500)
+    assert paths.stall_sensitive(request, 12, queued)
+    decision = paths.decide(request, 12, queued)
+    assert decision is not None and decision.reason == "stall_sensitive" and decision.sensitive
+    assert decision.plan.worker == "d"
+    # control: the same rates with nothing queued ahead (a 0.15 s wait, one landing)
+    calm = [EngineLoad("a", **busy), EngineLoad("b", **busy),  # type: ignore[arg-type]
+            EngineLoad("d", whole=False, prefill=False)]
+    assert not paths.stall_sensitive(request, 12, calm)
+
+
+def test_a_few_sensitive_requests_among_many_keep_no_decoder_quiet() -> None:
+    """The split sends every request P/D while it holds: 4 stall-sensitive requests in 40 (a
+    tenth, under a quarter: half an engine of two) reserve no decoder, though their demand
+    alone would."""
+    cands = [("flex", Candidate(w)) for w in ("a", "b")]
+    request = _request(1500, "next")
+    other = estimate_whole(COSTS, 150, 160, EngineLoad("b"))
+    paths = _paths(tpot=0.025)
+    for i in range(36):
+        paths.dispatched(_request(150, f"o{i}"), other, 160, now_s=i * 0.1)
+    _split_of_two(paths, [0.5, 1.5, 2.5, 3.5])
+    assert paths.quiet_decoders_needed(3.5) == 1
+    assert 0.05 < paths.sensitive_share(3.5) < 0.25  # a tenth, the later ones weigh more
+    paths.loads(request, cands, 3.5)
+    assert paths.reserved == ()
+    # control: the same four with no other traffic reserve one
+    alone = _paths(tpot=0.025)
+    _split_of_two(alone, [0.5, 1.5, 2.5, 3.5])
+    alone.loads(request, cands, 3.5)
+    assert alone.reserved == ("a",)
+
+
+def test_with_no_quiet_decoder_a_stall_sensitive_request_is_planned_as_any_other() -> None:
+    """Two flex engines, neither reserved: P/D would decode it on the other engine that
+    prefills as much, so it is planned as any request and only counted as sensitive (its
+    demand is what reserves a quiet decoder)."""
+    busy = {"prefill_rate": 5.0, "mean_prefill_s": 0.2}
+    engines = [EngineLoad("a", **busy), EngineLoad("b", **busy)]  # type: ignore[arg-type]
+    paths = _paths(tpot=0.03)
+    assert paths.stall_sensitive(_request(1000), 16, engines)
+    decision = paths.decide(_request(1000), 16, engines)
+    assert decision is not None and decision.sensitive
+    assert decision.reason != "stall_sensitive"
+    # control: the same fleet with b reserved decodes it there, P/D
+    quiet = [EngineLoad("a", **busy), EngineLoad("b", reserved=True)]  # type: ignore[arg-type]
+    held = paths.decide(_request(1000), 16, quiet)
+    assert held is not None and held.reason == "stall_sensitive" and held.sensitive
+    assert (held.plan.path, held.plan.worker) == ("pd", "b")
+
+
 def test_nothing_meets_the_slos_takes_the_least_bad_plan() -> None:
     engines = [EngineLoad("a", queued_s=5.0), EngineLoad("b", queued_s=9.0)]
     decision = _paths().decide(_request(), 64, engines)
