@@ -223,8 +223,9 @@ class AdaptivePaths:
     def _resize_split(self, engines: list[tuple[str, Candidate]], now_s: float) -> None:
         """Keep :meth:`quiet_decoders_needed` engines reserved (at most all but one of the
         engines that can prefill or serve whole; more only while the others stay under 70 %
-        prefill load): the ones already reserved first, then the quietest. This is the control
-        rule by which the split follows the load."""
+        prefill load and the sensitive share fills them, :data:`MIN_QUIET_SHARE`): the ones
+        already reserved first, then the quietest. This is the control rule by which the split
+        follows the load."""
         can_decode = [c.worker_id for role, c in engines
                       if CAPABILITIES[role][2] and CAPABILITIES[role][0]]
         others = sum(1 for role, _ in engines if CAPABILITIES[role][0] or CAPABILITIES[role][1])
@@ -372,9 +373,10 @@ class AdaptivePaths:
     def stall_sensitive(self, request: RouteRequest, output_tokens: int,
                         engines: Sequence[EngineLoad]) -> bool:
         """Its tail TPOT on a typical engine that prefills (this fleet's prefill rate spread
-        over the engines that take prefills) misses the SLO, while a decoder that prefills
-        nothing would keep it: such requests are decoded where no prefill runs (the split's
-        quiet decoders), whatever the momentary load of one engine says."""
+        over the engines that take prefills, landing while it waits for its own prefill and
+        while it decodes) misses the SLO, while a decoder that prefills nothing would keep it:
+        such requests are decoded where no prefill runs (the split's quiet decoders), whatever
+        the momentary load of one engine says."""
         open_ = [e for e in engines if not e.reserved and (e.prefill or e.whole)]
         decoders = [e for e in engines if e.decode]
         if not open_ or len(decoders) + len(open_) < 2:
@@ -385,10 +387,11 @@ class AdaptivePaths:
                                                       / len(open_)),
                              prefill_rate=rate, mean_prefill_s=_typical_prefill_s(engines))
         # a prefill sent to that engine while the request waits for its own runs after it,
-        # between its decode steps (first come, first served): its wait is exposure too
+        # between its decode steps (first come, first served): its wait is exposure too (its
+        # own prefill: what the engine holding most of its prompt would compute)
         stall = decode_stall(self.costs, typical, out)
-        wait = sum(e.queued_s for e in open_) / len(open_) + self.costs.prefill_s(
-            request.prompt_len)
+        uncached = request.prompt_len - max(e.cached_tokens for e in open_)
+        wait = sum(e.queued_s for e in open_) / len(open_) + self.costs.prefill_s(uncached)
         exposed = replace(stall, landings_mean=stall.landings_mean + rate * wait)
         if exposed.tpot_s() <= self.tpot_slo_s:
             return False

@@ -113,6 +113,16 @@ def test_the_wait_for_its_own_prefill_is_exposure_to_prefills() -> None:
     calm = [EngineLoad("a", **busy), EngineLoad("b", **busy),  # type: ignore[arg-type]
             EngineLoad("d", whole=False, prefill=False)]
     assert not paths.stall_sensitive(request, 12, calm)
+    # a 4,000-token prompt waits 0.1 s in the queue and 0.4 s for its own prefill: exposed
+    # (2 landings at p95); control: the same prompt cached where it would be served (a
+    # conversation turn) computes nothing, and the queue alone exposes it to one
+    def fleet(cached_tokens: int) -> list[EngineLoad]:
+        return [EngineLoad("a", queued_s=0.1, cached_tokens=cached_tokens, **busy),  # type: ignore[arg-type]
+                EngineLoad("b", queued_s=0.1, **busy),  # type: ignore[arg-type]
+                EngineLoad("d", whole=False, prefill=False)]
+
+    assert paths.stall_sensitive(_request(4000), 12, fleet(0))
+    assert not paths.stall_sensitive(_request(4000), 12, fleet(4000))
 
 
 def test_a_few_sensitive_requests_among_many_keep_no_decoder_quiet() -> None:
