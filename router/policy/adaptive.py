@@ -339,13 +339,14 @@ class AdaptivePaths:
             return PathDecision(plan, reason, best_whole, sensitive=sensitive)
 
         sensitive = self.stall_sensitive(request, output_tokens, engines)
-        # decoded where no prefill runs: a reserved decoder, or one that cannot prefill; with
-        # neither, P/D would only move the answer to another engine that prefills (it is planned
-        # as any other, and still counts toward the demand that reserves one)
-        quiet = [p for p in pd if by_id[p.worker].reserved or not by_id[p.worker].prefill]
-        if sensitive and (quiet or quiet_whole):
-            return relieved(quiet_whole or best(quiet), "stall_sensitive",  # type: ignore[arg-type]
-                            sensitive=True)
+        if sensitive:
+            # decoded where no prefill runs: a reserved decoder, or one that cannot prefill;
+            # with neither, P/D would only move the answer to another engine that prefills (it
+            # is planned as any other, and still counts toward the demand that reserves one)
+            quiet = [p for p in pd if by_id[p.worker].reserved or not by_id[p.worker].prefill]
+            if quiet or quiet_whole:
+                return relieved(quiet_whole or best(quiet),  # type: ignore[arg-type]
+                                "stall_sensitive", sensitive=True)
         # while the split keeps quiet decoders, the fleet runs as P/D pools: every request
         # takes a P/D plan onto a quiet decoder (or, short, is served whole there). A whole
         # plan elsewhere would decode on an engine that takes every prefill (stalled, and
