@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -72,7 +74,12 @@ class _PeerState:
 
 PEER_IDLE_S = 120.0
 """A prefill engine not pulled from for this long (a restarted prefill has a new engine id, so
-its old endpoint is never used again) is disconnected; a later pull reconnects."""
+its old endpoint is never used again) is disconnected; a later pull reconnects. Not while it
+still asks this engine for releases (two flex engines pull from each other): UCX pairs our
+endpoint to it with its endpoint to us, and aborting ours broke its requests to us until UCX
+reported the connection reset, 8 s later on the 2-core box (its pulls were then recomputed)."""
+ASKERS_MAX = 4096
+"""Requesters whose last request time is remembered (older ones are forgotten first)."""
 
 
 class WorkerHalf:
@@ -107,6 +114,10 @@ class WorkerHalf:
         self._reported_leases = (0, 0, 0, 0)
         self._reported_control: dict[str, int] = {}  # CONTROL_COUNTERS key -> last reported
         self._next_prune = 0.0
+        self.peer_idle_s = max(PEER_IDLE_S, 2 * config.lease_s)
+        """Seconds a peer may go unused, both ways, before it is disconnected."""
+        self._asked_at: dict[bytes, float] = {}
+        """Requester address (a UCX worker address) -> when it last sent us a request."""
 
     # ---------------------------------------------------------------- setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -157,10 +168,21 @@ class WorkerHalf:
                 soon = responder.expects_grant(time.monotonic())
                 self._engine.wait_requests(0.002 if soon else 0.05)
                 continue
+            self._saw_askers(incoming, time.monotonic())
             # the lease_released stamps wait in the table (take_stats): kept there with the
             # release itself, they reach the step that frees the blocks, which may be the
             # engine's last step for a while
             responder.answer(incoming)
+
+    def _saw_askers(self, incoming: Sequence[Any], now: float) -> None:
+        """Remember when each requester that names its address (UCX) last asked us."""
+        for request in incoming:
+            sender = getattr(request, "sender", None)
+            if isinstance(sender, bytes):
+                self._asked_at[sender] = now
+        if len(self._asked_at) > ASKERS_MAX:
+            newest = sorted(self._asked_at.items(), key=lambda kv: kv[1])[-ASKERS_MAX // 2:]
+            self._asked_at = dict(newest)
 
     # ---------------------------------------------------------------- decode side
     def _drive_pulls(self) -> None:
@@ -381,12 +403,13 @@ class WorkerHalf:
                            if reply == RELEASE_EXPIRED else f"bad release reply {reply!r}")
 
     def _prune_peers(self, now: float) -> None:
-        """Disconnect peers idle past ``PEER_IDLE_S`` (gone or restarted prefill engines) or
-        failed, unless a pull still uses them."""
+        """Disconnect peers idle past ``peer_idle_s`` both ways (gone or restarted prefill
+        engines, :data:`PEER_IDLE_S`) or failed, unless a pull still uses them."""
         self._next_prune = now + 10.0
         busy = {id(p.peer) for p in self._pulls.values()}
         for engine_id, state in list(self._peers.items()):
-            idle = now - state.last_used > max(PEER_IDLE_S, 2 * self.config.lease_s)
+            asked = self._asked_at.get(state.handshake.ucx_address, -math.inf)
+            idle = now - max(state.last_used, asked) > self.peer_idle_s
             if (idle or state.peer.failed) and id(state.peer) not in busy:
                 del self._peers[engine_id]
                 with contextlib.suppress(Exception):
