@@ -198,6 +198,7 @@ class AdaptivePaths:
                 cached_tokens=self.cached_tokens(request, c.worker_id),
                 admitted_output_tokens=min((a[0] for a in admitted), default=0.0),
                 admitted_stall_s=max((a[1] for a in admitted), default=0.0),
+                admitted=tuple((a[0], a[1]) for a in admitted),
                 recently_failed=c.recently_failed, reserved=c.worker_id in self.reserved))
         return out
 
@@ -322,11 +323,10 @@ class AdaptivePaths:
             return PathDecision(best_pd, "no_pd_pair")
         quiet_plans = self.quiet_plans(request, output_tokens, engines) \
             if any(e.reserved for e in engines) else []
-        # a prompt short enough to prefill on a quiet decoder within one token's TPOT slack of
-        # what it decodes is served whole there: no hop, no wait behind the long prompts
+        # a prompt short enough is served whole on a quiet decoder: no hop, no wait behind the
+        # long prompts (:meth:`quiet_whole_fits`)
         quiet_whole = best([p for p in quiet_plans if p.path == "whole" and p.meets(*slo)
-                            and self.costs.prefill_s(p.uncached_tokens)
-                            <= self.tpot_slo_s - self.costs.step_s(by_id[p.worker].running + 1)])
+                            and self.quiet_whole_fits(p, by_id[p.worker])])
 
         def relieved(plan: PlanEstimate, reason: str, sensitive: bool = False) -> PathDecision:
             # the split's plan misses its TTFT (the prefillers' queues): a plan that prefills
@@ -370,6 +370,17 @@ class AdaptivePaths:
         assert chosen is not None
         return PathDecision(chosen, "best_effort",
                             best_pd if chosen is best_whole else best_whole, sensitive=sensitive)
+
+    def quiet_whole_fits(self, plan: PlanEstimate, engine: EngineLoad) -> bool:
+        """Whether ``plan``'s prefill is short enough to run whole on the quiet decoder
+        ``engine``: no longer than the P/D hop plus one token's TPOT slack of what it decodes.
+        Sent P/D, such a prompt waits behind the prefillers' long prompts and then pays the hop
+        (its decode's call, handshake and pull); whole, it stalls this decoder's answers once by
+        at most that much (``plan.meets`` prices the stall on them).
+        Bounded by one token's slack alone, only prompts of under ~60 tokens qualified on the
+        2-core box, and selective (threshold 512) kept the short ones off its prefiller."""
+        slack = self.tpot_slo_s - self.costs.step_s(engine.running + 1)
+        return self.costs.prefill_s(plan.uncached_tokens) <= self.costs.hop_s + slack
 
     def stall_sensitive(self, request: RouteRequest, output_tokens: int,
                         engines: Sequence[EngineLoad]) -> bool:

@@ -41,7 +41,11 @@ misses); :meth:`PlanEstimate.expected_misses` adds it to the plan's certain miss
 
 A plan meets its SLOs when TTFT <= the TTFT SLO, TPOT <= the TPOT SLO, and no engine it touches
 that already decodes is pushed past the TPOT SLO (``harm_tpot_s``): that last term is where
-goodput comes from, a request must not buy its own SLO with other requests'.
+goodput comes from, a request must not buy its own SLO with other requests'. Where the engines'
+sequences are known one by one (``EngineLoad.admitted``), the expected misses count each one the
+plan leaves past the TPOT target: a long prefill on a decoder under four short answers costs
+four misses, not one (counted once, it outweighed one request's TTFT miss whenever one of the
+four was already late).
 """
 
 from __future__ import annotations
@@ -164,6 +168,9 @@ class EngineLoad:
     """Shortest expected output of the sequences it decodes (0: none or unknown)."""
     admitted_stall_s: float = 0.0
     """Largest prefill stall per token already added to one of the sequences it decodes."""
+    admitted: tuple[tuple[float, float], ...] = ()
+    """(expected output tokens, prefill stall per token already added) of each sequence it
+    decodes (empty: known only by the two worst cases above)."""
     recently_failed: bool = False
     """In the router's failure cool-down: planned only when nothing else can serve."""
     reserved: bool = False
@@ -193,6 +200,9 @@ class PlanEstimate:
     """Expected neighbours' prefills landing on the decoding engine during its answer."""
     landing_tpot_s: float = 0.0
     """TPOT each landing prefill adds (its mean length over the token gaps)."""
+    admitted_tpots_s: tuple[float, ...] = ()
+    """Predicted TPOT of each sequence already decoding on the engines it touches, after it
+    (empty: only ``harm_tpot_s``, the worst, is known)."""
 
     def tpot_miss_probability(self, tpot_slo_s: float) -> float:
         """Probability that its own TPOT exceeds ``tpot_slo_s``: 1 when it does with no landing
@@ -205,10 +215,12 @@ class PlanEstimate:
         return poisson_tail(self.landings_mean, hits)
 
     def expected_misses(self, ttft_slo_s: float, tpot_slo_s: float) -> float:
-        """Requests this plan is expected to put past an SLO: itself (certainly, when its TTFT
-        misses; else with its TPOT's miss probability) and the admitted ones it would push past
-        the TPOT (counted as one)."""
+        """Requests this plan is expected to leave past an SLO: itself (certainly, when its
+        TTFT misses; else with its TPOT's miss probability) and each admitted one past the TPOT
+        after it (one for all of them when they are not known one by one)."""
         own = 1.0 if self.ttft_s > ttft_slo_s else self.tpot_miss_probability(tpot_slo_s)
+        if self.admitted_tpots_s:
+            return own + sum(1 for t in self.admitted_tpots_s if t > tpot_slo_s)
         return own + (1.0 if self.harm_tpot_s > tpot_slo_s else 0.0)
 
     def meets(self, ttft_slo_s: float, tpot_slo_s: float) -> bool:
@@ -296,6 +308,16 @@ def _admitted_tpot(costs: PathCosts, engine: EngineLoad, stall_s: float) -> floa
     return costs.step_s(engine.running + 1) + engine.admitted_stall_s + stall_s / gaps
 
 
+def _admitted_tpots(costs: PathCosts, engine: EngineLoad, stall_s: float) -> tuple[float, ...]:
+    """TPOT of each sequence ``engine`` decodes (``EngineLoad.admitted``) after ``stall_s``
+    more prefill."""
+    if not engine.running:
+        return ()
+    step = costs.step_s(engine.running + 1)
+    return tuple(step + stall + stall_s / token_intervals(out or 1.0)
+                 for out, stall in engine.admitted)
+
+
 def estimate_whole(costs: PathCosts, prompt_tokens: int, output_tokens: int,
                    engine: EngineLoad) -> PlanEstimate:
     """The request served whole on ``engine``."""
@@ -304,7 +326,8 @@ def estimate_whole(costs: PathCosts, prompt_tokens: int, output_tokens: int,
     stall = decode_stall(costs, engine, output_tokens)
     return PlanEstimate("whole", engine.worker_id, None, engine.queued_s + prefill,
                         stall.tpot_s(), _admitted_tpot(costs, engine, prefill), uncached,
-                        stall.base_s, stall.landings_mean, stall.per_landing_s)
+                        stall.base_s, stall.landings_mean, stall.per_landing_s,
+                        _admitted_tpots(costs, engine, prefill))
 
 
 def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
@@ -323,4 +346,6 @@ def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
     harm = max(_admitted_tpot(costs, prefill, prefill_s), _admitted_tpot(costs, decode, 0.0))
     return PlanEstimate("pd", decode.worker_id, prefill.worker_id, ready_s + wait_s,
                         stall.tpot_s() + hop, harm, uncached, stall.base_s + hop,
-                        stall.landings_mean, stall.per_landing_s)
+                        stall.landings_mean, stall.per_landing_s,
+                        _admitted_tpots(costs, prefill, prefill_s)
+                        + _admitted_tpots(costs, decode, 0.0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -395,14 +396,14 @@ def test_a_few_short_stall_sensitive_answers_keep_one_decoder_quiet() -> None:
     assert paths.reserved == ("a",)  # the quieter one (b took the prefills)
     # while the split holds, a request that is not stall-sensitive is also served P/D onto
     # the quiet decoder (the fleet runs as 1P+1D), not whole on the engine that prefills
-    decision = paths.decide(_request(150, "long answer"), 160, loads)
+    decision = paths.decide(_request(1000, "long answer"), 160, loads)
     assert decision is not None and decision.reason == "split"
     assert (decision.plan.path, decision.plan.prefill_worker, decision.plan.worker) == \
         ("pd", "b", "a")
     # control: once the demand has decayed (a minute later) the same request goes whole
     loads = paths.loads(request, cands, 63.0)
     assert paths.reserved == ()
-    later = paths.decide(_request(150, "long answer"), 160, loads)
+    later = paths.decide(_request(1000, "long answer"), 160, loads)
     assert later is not None and later.plan.path == "whole" and later.reason != "split"
 
 
@@ -439,22 +440,24 @@ def test_a_quiet_decoder_stays_quiet_through_a_burst_of_prefills() -> None:
 
 
 def test_a_short_prompt_is_served_whole_on_the_quiet_decoder() -> None:
-    """Its prefill (5 ms) costs what the quiet decoder runs less than one token's slack (a
-    20 ms target, 10 ms steps): no hop and no wait behind the long prompts on b."""
+    """A prefill within the hop (20 ms) plus one token's slack (a 20 ms target, 11 ms steps)
+    runs whole on the quiet decoder: no hop and no wait behind the long prompts on b."""
     paths = _paths(tpot=0.025)
     cands = [("flex", Candidate(w)) for w in ("a", "b")]
     _split_of_two(paths, [0.0, 1.0, 2.0, 3.0])
-    loads = paths.loads(_request(50, "short"), cands, 3.0)
-    assert paths.reserved == ("a",)
-    decision = paths.decide(_request(50, "short"), 12, loads)
-    assert decision is not None and decision.reason in ("split", "stall_sensitive")
-    assert (decision.plan.path, decision.plan.worker) == ("whole", "a")
-    # control: a long prompt (150 ms of prefill) still goes P/D, prefilled on b
-    loads = paths.loads(_request(1500, "long"), cands, 3.0)
-    decision = paths.decide(_request(1500, "long"), 12, loads)
-    assert decision is not None
-    assert (decision.plan.path, decision.plan.prefill_worker, decision.plan.worker) == \
-        ("pd", "b", "a")
+    for tokens in (50, 250):  # 5 ms and 25 ms of prefill: 250 is over one token's slack alone
+        loads = paths.loads(_request(tokens, "short"), cands, 3.0)
+        assert paths.reserved == ("a",)
+        decision = paths.decide(_request(tokens, "short"), 12, loads)
+        assert decision is not None and decision.reason in ("split", "stall_sensitive")
+        assert (decision.plan.path, decision.plan.worker) == ("whole", "a"), tokens
+    # control: just past the bound (35 ms) and a long prompt (150 ms) still go P/D, from b
+    for tokens in (350, 1500):
+        loads = paths.loads(_request(tokens, "long"), cands, 3.0)
+        decision = paths.decide(_request(tokens, "long"), 12, loads)
+        assert decision is not None
+        assert (decision.plan.path, decision.plan.prefill_worker, decision.plan.worker) == \
+            ("pd", "b", "a"), tokens
 
 
 def test_the_split_lends_its_quiet_decoder_when_the_prefiller_would_miss_the_ttft() -> None:
@@ -486,3 +489,30 @@ def test_the_hop_waits_for_the_prefill_the_decoder_has_queued() -> None:
                            EngineLoad("d", queued_s=0.5))
     assert queued_p.ttft_s == pytest.approx(1.0 + idle.ttft_s)
     assert queued_p.tpot_s == pytest.approx(idle.tpot_s)
+
+
+def test_a_relief_prefill_counts_every_short_answer_it_would_push_past_the_tpot() -> None:
+    """The quiet decoder a holds four pending short answers, one already late. Prefilling a
+    1,500-token prompt there (150 ms) would push the other three past the TPOT: three misses,
+    against the one TTFT miss of the split's plan queued behind b's 3 s. Counted as one miss
+    for all of them (as when they are not known one by one), the relief looked cheaper."""
+    answers = ((4.0, 0.0), (5.0, 0.0), (6.0, 0.0), (6.0, 0.06))
+    quiet = EngineLoad("a", reserved=True, running=4, admitted_output_tokens=4.0,
+                       admitted_stall_s=0.06, admitted=answers)
+    engines = [quiet, EngineLoad("b", queued_s=3.0)]
+    decision = _paths().decide(_request(1500), 64, engines)
+    assert decision is not None and decision.reason == "split"
+    assert (decision.plan.path, decision.plan.prefill_worker, decision.plan.worker) == \
+        ("pd", "b", "a")
+    relief = estimate_whole(COSTS, 1500, 64, quiet)
+    assert relief.expected_misses(1.0, 0.04) >= 4  # the four answers, each counted
+    # control 1: the same engine known only by its worst cases: the relief is taken
+    blind = [replace(quiet, admitted=()), EngineLoad("b", queued_s=3.0)]
+    decision = _paths().decide(_request(1500), 64, blind)
+    assert decision is not None and decision.reason == "split_relief"
+    # control 2: long answers absorb the stall (150 ms over 199 gaps): the relief is taken
+    long_answers = replace(quiet, admitted_output_tokens=200.0, admitted_stall_s=0.0,
+                           admitted=((200.0, 0.0),) * 4)
+    decision = _paths().decide(_request(1500), 64, [long_answers, EngineLoad("b", queued_s=3.0)])
+    assert decision is not None and decision.reason == "split_relief"
+    assert (decision.plan.prefill_worker or decision.plan.worker) == "a"
