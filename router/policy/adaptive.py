@@ -110,7 +110,8 @@ class _Engine:
     """Sum of the squared prefill seconds, decayed to ``share_at_s``."""
     share_at_s: float = 0.0
     decoding: dict[str, list[float]] = field(default_factory=dict)
-    """Request id -> [its expected output tokens, the prefill stall per token added to it]."""
+    """Request id -> [its expected output tokens, the prefill stall per token added to it, when
+    it starts decoding (its prefill's predicted end)]."""
 
 
 def _typical_prefill_s(engines: Sequence[EngineLoad]) -> float:
@@ -198,7 +199,7 @@ class AdaptivePaths:
                 cached_tokens=self.cached_tokens(request, c.worker_id),
                 admitted_output_tokens=min((a[0] for a in admitted), default=0.0),
                 admitted_stall_s=max((a[1] for a in admitted), default=0.0),
-                admitted=tuple((a[0], a[1]) for a in admitted),
+                admitted=tuple((a[0], a[1], max(a[2] - now_s, 0.0)) for a in admitted),
                 recently_failed=c.recently_failed, reserved=c.worker_id in self.reserved))
         return out
 
@@ -324,8 +325,12 @@ class AdaptivePaths:
         quiet_plans = self.quiet_plans(request, output_tokens, engines) \
             if any(e.reserved for e in engines) else []
         # a prompt short enough is served whole on a quiet decoder: no hop, no wait behind the
-        # long prompts (:meth:`quiet_whole_fits`)
-        quiet_whole = best([p for p in quiet_plans if p.path == "whole" and p.meets(*slo)
+        # long prompts (:meth:`quiet_whole_fits`), when no answer decoding there by the time
+        # its prefill ends is pushed past the TPOT (answers still waiting for their prefill on
+        # another engine are not stalled by it)
+        quiet_whole = best([p for p in quiet_plans if p.path == "whole"
+                            and p.ttft_s <= self.ttft_slo_s and p.tpot_s <= self.tpot_slo_s
+                            and not p.admitted_past(self.tpot_slo_s)
                             and self.quiet_whole_fits(p, by_id[p.worker])])
 
         def relieved(plan: PlanEstimate, reason: str, sensitive: bool = False) -> PathDecision:
@@ -436,16 +441,17 @@ class AdaptivePaths:
         prefiller = plan.prefill_worker or plan.worker
         seconds = self.costs.prefill_s(plan.uncached_tokens)
         engine = self._engines.setdefault(prefiller, _Engine())
-        engine.busy_until_s = max(engine.busy_until_s, now_s) + seconds
+        engine.busy_until_s = ends_s = max(engine.busy_until_s, now_s) + seconds
         decay = self._decay(engine.share_at_s, now_s)
         engine.share_s = engine.share_s * decay + seconds
         engine.count = engine.count * decay + (1.0 if seconds > 0 else 0.0)
         engine.square_s = engine.square_s * decay + seconds * seconds
         engine.share_at_s = now_s
-        for admitted in engine.decoding.values():  # the prefill stalls what it decodes
-            admitted[1] += seconds / token_intervals(admitted[0])
+        for admitted in engine.decoding.values():  # the prefill stalls what it decodes by then
+            if admitted[2] < ends_s:
+                admitted[1] += seconds / token_intervals(admitted[0])
         decoder = self._engines.setdefault(plan.worker, _Engine())
-        decoder.decoding[request.request_id] = [float(output_tokens), 0.0]
+        decoder.decoding[request.request_id] = [float(output_tokens), 0.0, ends_s]
         self._requests[request.request_id] = (plan.worker,)
         for worker in {prefiller, plan.worker}:
             cache = self._caches.get(worker)

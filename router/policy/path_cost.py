@@ -45,7 +45,8 @@ goodput comes from, a request must not buy its own SLO with other requests'. Whe
 sequences are known one by one (``EngineLoad.admitted``), the expected misses count each one the
 plan leaves past the TPOT target: a long prefill on a decoder under four short answers costs
 four misses, not one (counted once, it outweighed one request's TTFT miss whenever one of the
-four was already late).
+four was already late). A prefill stalls only the sequences decoding by the time it ends: an
+answer still waiting for its own prefill on another engine is not stalled by it.
 """
 
 from __future__ import annotations
@@ -168,9 +169,10 @@ class EngineLoad:
     """Shortest expected output of the sequences it decodes (0: none or unknown)."""
     admitted_stall_s: float = 0.0
     """Largest prefill stall per token already added to one of the sequences it decodes."""
-    admitted: tuple[tuple[float, float], ...] = ()
-    """(expected output tokens, prefill stall per token already added) of each sequence it
-    decodes (empty: known only by the two worst cases above)."""
+    admitted: tuple[tuple[float, float, float], ...] = ()
+    """(expected output tokens, prefill stall per token already added, seconds until it starts
+    decoding: 0 once it does) of each sequence it decodes or will decode once its prefill ends
+    (empty: known only by the two worst cases above)."""
     recently_failed: bool = False
     """In the router's failure cool-down: planned only when nothing else can serve."""
     reserved: bool = False
@@ -214,14 +216,19 @@ class PlanEstimate:
         hits = math.floor((tpot_slo_s - self.tpot_base_s) / self.landing_tpot_s) + 1
         return poisson_tail(self.landings_mean, hits)
 
+    def admitted_past(self, tpot_slo_s: float) -> int:
+        """Admitted requests past ``tpot_slo_s`` after this plan (1 for all of them when they
+        are not known one by one)."""
+        if self.admitted_tpots_s:
+            return sum(1 for t in self.admitted_tpots_s if t > tpot_slo_s)
+        return 1 if self.harm_tpot_s > tpot_slo_s else 0
+
     def expected_misses(self, ttft_slo_s: float, tpot_slo_s: float) -> float:
         """Requests this plan is expected to leave past an SLO: itself (certainly, when its
         TTFT misses; else with its TPOT's miss probability) and each admitted one past the TPOT
-        after it (one for all of them when they are not known one by one)."""
+        after it (:meth:`admitted_past`)."""
         own = 1.0 if self.ttft_s > ttft_slo_s else self.tpot_miss_probability(tpot_slo_s)
-        if self.admitted_tpots_s:
-            return own + sum(1 for t in self.admitted_tpots_s if t > tpot_slo_s)
-        return own + (1.0 if self.harm_tpot_s > tpot_slo_s else 0.0)
+        return own + self.admitted_past(tpot_slo_s)
 
     def meets(self, ttft_slo_s: float, tpot_slo_s: float) -> bool:
         """Within both SLOs without pushing admitted requests past the TPOT SLO."""
@@ -310,12 +317,15 @@ def _admitted_tpot(costs: PathCosts, engine: EngineLoad, stall_s: float) -> floa
 
 def _admitted_tpots(costs: PathCosts, engine: EngineLoad, stall_s: float) -> tuple[float, ...]:
     """TPOT of each sequence ``engine`` decodes (``EngineLoad.admitted``) after ``stall_s``
-    more prefill."""
+    more prefill, which runs after the engine's queue: a sequence whose own prefill ends after
+    that is not stalled by it."""
     if not engine.running:
         return ()
     step = costs.step_s(engine.running + 1)
-    return tuple(step + stall + stall_s / token_intervals(out or 1.0)
-                 for out, stall in engine.admitted)
+    ends_s = engine.queued_s + stall_s
+    return tuple(step + stall + (stall_s / token_intervals(out or 1.0) if starts_s < ends_s
+                                 else 0.0)
+                 for out, stall, starts_s in engine.admitted)
 
 
 def estimate_whole(costs: PathCosts, prompt_tokens: int, output_tokens: int,

@@ -496,7 +496,7 @@ def test_a_relief_prefill_counts_every_short_answer_it_would_push_past_the_tpot(
     1,500-token prompt there (150 ms) would push the other three past the TPOT: three misses,
     against the one TTFT miss of the split's plan queued behind b's 3 s. Counted as one miss
     for all of them (as when they are not known one by one), the relief looked cheaper."""
-    answers = ((4.0, 0.0), (5.0, 0.0), (6.0, 0.0), (6.0, 0.06))
+    answers = ((4.0, 0.0, 0.0), (5.0, 0.0, 0.0), (6.0, 0.0, 0.0), (6.0, 0.06, 0.0))
     quiet = EngineLoad("a", reserved=True, running=4, admitted_output_tokens=4.0,
                        admitted_stall_s=0.06, admitted=answers)
     engines = [quiet, EngineLoad("b", queued_s=3.0)]
@@ -512,7 +512,33 @@ def test_a_relief_prefill_counts_every_short_answer_it_would_push_past_the_tpot(
     assert decision is not None and decision.reason == "split_relief"
     # control 2: long answers absorb the stall (150 ms over 199 gaps): the relief is taken
     long_answers = replace(quiet, admitted_output_tokens=200.0, admitted_stall_s=0.0,
-                           admitted=((200.0, 0.0),) * 4)
+                           admitted=((200.0, 0.0, 0.0),) * 4)
     decision = _paths().decide(_request(1500), 64, [long_answers, EngineLoad("b", queued_s=3.0)])
     assert decision is not None and decision.reason == "split_relief"
     assert (decision.plan.prefill_worker or decision.plan.worker) == "a"
+
+
+def test_a_prefill_stalls_only_the_answers_decoding_by_the_time_it_ends() -> None:
+    """A 2-token answer whose own prefill ends in 2 s is not stalled by a 30 ms prefill on its
+    decoder now; the same answer decoding already is pushed past the 40 ms target."""
+    pending = EngineLoad("a", running=1, admitted_output_tokens=2.0, admitted=((2.0, 0.0, 2.0),))
+    decoding = replace(pending, admitted=((2.0, 0.0, 0.0),))
+    assert estimate_whole(COSTS, 300, 12, pending).admitted_past(0.04) == 0
+    assert estimate_whole(COSTS, 300, 12, decoding).admitted_past(0.04) == 1  # control
+    # the router's own state: a P/D answer waiting 2 s for b's queue keeps no stall from a
+    # whole prefill dispatched on its decoder meanwhile; one decoding there does
+    paths = _paths()
+    busy = estimate_whole(COSTS, 20000, 1, EngineLoad("b"))  # 2 s of prefill queued on b
+    paths.dispatched(_request(20000, "queue"), busy, 1, now_s=0.0)
+    pd = estimate_pd(COSTS, 1000, 2, EngineLoad("b", queued_s=2.0), EngineLoad("a"))
+    paths.dispatched(_request(1000, "waits"), pd, 2, now_s=0.0)
+    whole_a = estimate_whole(COSTS, 300, 12, EngineLoad("a"))
+    paths.dispatched(_request(300, "short"), whole_a, 12, now_s=0.0)
+    cands = [("flex", Candidate("a")), ("flex", Candidate("b"))]
+    loads = {e.worker_id: e for e in paths.loads(_request(10, "next"), cands, 0.01)}
+    stalls = sorted(stall for _, stall, _ in loads["a"].admitted)
+    assert stalls == [0.0, 0.0]  # "waits" (pending) and "short" itself
+    # control: once "waits" decodes (its prefill ended at 2.1 s), a prefill on a stalls it
+    paths.dispatched(_request(300, "later"), whole_a, 12, now_s=2.5)
+    loads = {e.worker_id: e for e in paths.loads(_request(10, "next"), cands, 2.51)}
+    assert max(stall for _, stall, _ in loads["a"].admitted) > 0.0
