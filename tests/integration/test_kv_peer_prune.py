@@ -10,7 +10,6 @@ are idle both ways.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +21,7 @@ from kvtransfer.config import ConnectorConfig
 from kvtransfer.connector.metadata import PdserveMetadata, PullSpec
 from kvtransfer.connector.worker import WorkerHalf
 from kvtransfer.protocol import RemotePrefill, new_lease_token
+from tests.support.spawned import spawned
 
 NUM_BLOCKS = 8
 BLOCK_TOKENS = 16
@@ -86,18 +86,8 @@ def _engine_a(conn: Any) -> None:
 
 @pytest.fixture
 def engine_a() -> Iterator[tuple[Any, str]]:
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_engine_a, args=(theirs,), daemon=True)
-    proc.start()
-    try:
-        assert ours.poll(START_S), "engine A did not start"
-        yield ours, ours.recv()
-    finally:
-        ours.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+    with spawned(_engine_a, START_S) as started:
+        yield started
 
 
 def test_an_engine_still_asking_for_releases_keeps_the_endpoint_it_is_paired_with(

@@ -11,7 +11,6 @@ have come from the driver thread: without it, nothing would send it until the ne
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +22,7 @@ from kvtransfer.config import ConnectorConfig
 from kvtransfer.connector.metadata import PdserveMetadata, PullSpec
 from kvtransfer.connector.worker import WorkerHalf
 from kvtransfer.protocol import RemotePrefill, new_lease_token
+from tests.support.spawned import spawned
 
 NUM_BLOCKS = 8
 BLOCK_TOKENS = 16
@@ -64,18 +64,8 @@ def _prefill(conn: Any) -> None:
 
 @pytest.fixture
 def prefill() -> Iterator[tuple[Any, str]]:
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_prefill, args=(theirs,), daemon=True)
-    proc.start()
-    try:
-        assert ours.poll(START_S), "the prefill process did not start"
-        yield ours, ours.recv()
-    finally:
-        ours.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+    with spawned(_prefill, START_S) as started:
+        yield started
 
 
 def _lease(conn: Any, request_id: str) -> str:
