@@ -381,7 +381,8 @@ class AdaptivePaths:
         ``engine``: no longer than the P/D hop plus one token's TPOT slack of what it decodes.
         Sent P/D, such a prompt waits behind the prefillers' long prompts and then pays the hop
         (its decode's call, handshake and pull); whole, it stalls this decoder's answers once by
-        at most that much (``plan.meets`` prices the stall on them).
+        at most that much (``decide`` takes it only when no answer is pushed past the TPOT,
+        ``PlanEstimate.admitted_past``).
         Bounded by one token's slack alone, only prompts of under ~60 tokens qualified on the
         2-core box, and selective (threshold 512) kept the short ones off its prefiller."""
         slack = self.tpot_slo_s - self.costs.step_s(engine.running + 1)

@@ -203,8 +203,8 @@ class PlanEstimate:
     landing_tpot_s: float = 0.0
     """TPOT each landing prefill adds (its mean length over the token gaps)."""
     admitted_tpots_s: tuple[float, ...] = ()
-    """Predicted TPOT of each sequence already decoding on the engines it touches, after it
-    (empty: only ``harm_tpot_s``, the worst, is known)."""
+    """Predicted TPOT of each sequence the engines it touches decode or will decode
+    (``EngineLoad.admitted``), after it (empty: only ``harm_tpot_s``, the worst, is known)."""
 
     def tpot_miss_probability(self, tpot_slo_s: float) -> float:
         """Probability that its own TPOT exceeds ``tpot_slo_s``: 1 when it does with no landing
