@@ -110,6 +110,9 @@ class RouterSettings:
     path_costs_file: str | None = None
     """Instance profile (``pdserve bench profile``'s JSON) the adaptive cost model starts from;
     None: ``router.policy.path_cost.PathCosts``' defaults (the tiny model on one CPU core)."""
+    hold_prefills: bool = True
+    """Adaptive paths may hold a request in the router until the answers its prefill would push
+    past the TPOT SLO have finished (``router.policy.adaptive``, ``AdaptivePaths.defer``)."""
     expected_output_tokens: int = 128
     """Output length the adaptive decision assumes for a request without ``max_tokens``."""
     kv_events: bool = False
@@ -295,6 +298,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--path-costs", dest="path_costs_file", metavar="FILE",
                    help="instance profile from `pdserve bench profile` the adaptive cost model "
                    "starts from (PDSERVE_ROUTER_PATH_COSTS)")
+    p.add_argument("--hold-prefills", dest="hold_prefills",
+                   action=argparse.BooleanOptionalAction,
+                   help="adaptive paths: hold a request until the answers its prefill would "
+                   "push past the TPOT SLO have finished, instead of stalling them or moving "
+                   "it P/D (PDSERVE_ROUTER_HOLD_PREFILLS, default on)")
     p.add_argument("--expected-output-tokens", dest="expected_output_tokens", type=int,
                    help="output length assumed for requests without max_tokens "
                    "(PDSERVE_ROUTER_EXPECTED_OUTPUT_TOKENS, default 128)")
@@ -343,6 +351,7 @@ _ENV_NAMES = {
     "timeline_file": "TIMELINE_FILE",
     "path_policy": "PATH_POLICY",
     "path_costs_file": "PATH_COSTS",
+    "hold_prefills": "HOLD_PREFILLS",
     "expected_output_tokens": "EXPECTED_OUTPUT_TOKENS",
     "kv_events": "KV_EVENTS",
 }

@@ -3,11 +3,16 @@
 
 Fleets (:func:`make_fleet`, N engines):
 
-- ``adaptive``: N ``flex`` engines; each request whole or P/D, as the policy decides;
+- ``adaptive``: N ``flex`` engines; each request whole or P/D, sent now or held, as the policy
+  decides (the router's default, ``--hold-prefills``);
+- ``adaptive_nohold``: the same without held plans (``--no-hold-prefills``: the split rule);
 - ``aggregated``: N ``aggregated`` engines; every request whole (the policy picks the engine);
 - ``pd1:3`` ... ``pd3:1``: static P/D, ``prefill`` : ``decode`` engines in that ratio (at least
   one of each); every request forced onto a P/D path (``force="pd"``), so the policy only picks
   the pair.
+
+A held plan is held as the router holds it: sent when the requests it waits for have finished,
+or at its limit (``router.policy.adaptive.hold_limit_s``).
 
 The simulator calls the policy exactly as a router would, with simulated time: per arrival
 ``loads(request, [(role, Candidate)], now)`` then ``decide(request, output_tokens, loads,
@@ -32,13 +37,14 @@ from dataclasses import dataclass, field
 
 from bench.sim.colocated import ColocatedEngine
 from bench.sim.workload import SimRequest
-from router.policy.adaptive import AdaptivePaths
+from router.policy.adaptive import AdaptivePaths, hold_limit_s
 from router.policy.base import Candidate, RouteRequest
-from router.policy.path_cost import PathCosts
+from router.policy.path_cost import PathCosts, PlanEstimate
 
 MODEL = "sim"
 PD_RATIOS: tuple[tuple[int, int], ...] = ((1, 3), (1, 2), (1, 1), (2, 1), (3, 1))
-FLEETS: tuple[str, ...] = ("adaptive", "aggregated", *(f"pd{p}:{d}" for p, d in PD_RATIOS))
+FLEETS: tuple[str, ...] = ("adaptive", "adaptive_nohold", "aggregated",
+                           *(f"pd{p}:{d}" for p, d in PD_RATIOS))
 """Every fleet name :func:`make_fleet` knows, adaptive first."""
 
 
@@ -49,6 +55,8 @@ class Fleet:
     name: str
     roles: tuple[str, ...]
     force: str | None = None
+    defer: bool = False
+    """The policy may hold requests (``AdaptivePaths.defer``)."""
 
 
 def make_fleet(name: str, n: int) -> Fleet:
@@ -56,6 +64,8 @@ def make_fleet(name: str, n: int) -> Fleet:
     if n < 2:
         raise ValueError(f"a fleet needs >= 2 engines, got {n}")
     if name == "adaptive":
+        return Fleet(name, ("flex",) * n, defer=True)
+    if name == "adaptive_nohold":
         return Fleet(name, ("flex",) * n)
     if name == "aggregated":
         return Fleet(name, ("aggregated",) * n)
@@ -116,7 +126,14 @@ class _Job:
         self.first_s = 0.0
 
 
-_ENGINE, _PULLED = 0, 1
+class _Held:
+    __slots__ = ("prefiller", "job", "waiting", "sent")
+
+    def __init__(self, prefiller: ColocatedEngine[_Job], job: _Job, waiting: int) -> None:
+        self.prefiller, self.job, self.waiting, self.sent = prefiller, job, waiting, False
+
+
+_ENGINE, _PULLED, _SEND = 0, 1, 2
 
 
 class _Run:
@@ -129,8 +146,13 @@ class _Run:
                         for i, role in enumerate(fleet.roles)]
         self.by_id = {e.wid: e for e in self.engines}
         self.paths = AdaptivePaths(s.costs, s.ttft_slo_s, s.tpot_slo_s,
-                                   capacity_blocks=s.cache_blocks, block_tokens=s.block_tokens)
+                                   capacity_blocks=s.cache_blocks, block_tokens=s.block_tokens,
+                                   defer=fleet.defer)
         self.events: list[tuple[float, int, int, object, int]] = []
+        self.running: set[str] = set()
+        """Requests placed (held or sent) and not yet done."""
+        self.waiters: dict[str, list[_Held]] = {}
+        """Request id -> the held requests waiting for it to end."""
         self.seq = 0
         self.res = FleetResult()
 
@@ -146,16 +168,35 @@ class _Run:
     def arrive(self, req: SimRequest, now: float) -> None:
         route = RouteRequest(str(req.index), MODEL, block_hashes=req.block_hashes,
                              num_prompt_tokens=req.prompt_tokens)
-        prefiller, decoder = self.place(route, req, now)
+        prefiller, decoder, plan = self.place(route, req, now)
         job = _Job(req, route, decoder, decoder is not prefiller, now >= self.s.warmup_s)
         prefiller.in_flight += 1
         if decoder is not prefiller:
             decoder.in_flight += 1
-        prefiller.add_prefill(job, req.prompt_tokens - self.cached_tokens(prefiller, req))
+        waits = [rid for rid in (plan.waits_for if plan else ()) if rid in self.running]
+        self.running.add(route.request_id)
+        if plan is None or not waits:
+            self.send(prefiller, job, now)
+            return
+        # held, as the router holds it: sent when the answers it waits for have ended, or at
+        # its limit (``hold_limit_s``)
+        held = _Held(prefiller, job, len(waits))
+        for rid in waits:
+            self.waiters.setdefault(rid, []).append(held)
+        self.push(now + hold_limit_s(plan, self.s.ttft_slo_s), _SEND, held)
+
+    def send(self, prefiller: ColocatedEngine[_Job], job: _Job, now: float) -> None:
+        prefiller.add_prefill(job, job.req.prompt_tokens - self.cached_tokens(prefiller, job.req))
         self.wake(prefiller, now)
 
+    def release(self, held: _Held, now: float) -> None:
+        """Send a held request (once: its last awaited answer ended, or its deadline came)."""
+        if not held.sent:
+            held.sent = True
+            self.send(held.prefiller, held.job, now)
+
     def place(self, route: RouteRequest, req: SimRequest, now: float
-              ) -> tuple[ColocatedEngine[_Job], ColocatedEngine[_Job]]:
+              ) -> tuple[ColocatedEngine[_Job], ColocatedEngine[_Job], PlanEstimate | None]:
         """The engines that prefill and decode ``route`` (the same one: whole), planned by
         the adaptive policy."""
         cands = [(e.role, Candidate(e.wid, e.in_flight, False, 0, e.running))
@@ -167,7 +208,7 @@ class _Run:
         self.paths.dispatched(route, plan, req.output_tokens, now, sensitive=decision.sensitive)
         self.res.paths[plan.path] += 1
         self.res.reasons[decision.reason] += 1
-        return self.by_id[plan.prefill_worker or plan.worker], self.by_id[plan.worker]
+        return self.by_id[plan.prefill_worker or plan.worker], self.by_id[plan.worker], plan
 
     def cached_tokens(self, e: ColocatedEngine[_Job], req: SimRequest) -> int:
         """Prompt tokens of ``req`` that ``e``'s cache holds and the engine reuses (never the
@@ -199,6 +240,11 @@ class _Run:
 
     def done(self, job: _Job, now: float) -> None:
         self.released(job)
+        self.running.discard(job.route.request_id)
+        for held in self.waiters.pop(job.route.request_id, ()):
+            held.waiting -= 1
+            if held.waiting == 0:
+                self.release(held, now)
         job.decoder.in_flight -= 1
         if job.measured:
             out = job.req.output_tokens
@@ -215,6 +261,10 @@ class _Run:
                 self.arrive(req, req.arrival_s)
                 continue
             now, _, kind, payload, version = heapq.heappop(events)
+            if kind == _SEND:
+                assert isinstance(payload, _Held)
+                self.release(payload, now)
+                continue
             if kind == _PULLED:
                 job = payload
                 assert isinstance(job, _Job)

@@ -20,6 +20,7 @@ from bench.sim.fleet import MODEL, Fleet, FleetResult, FleetSettings, _Job, _Run
 from bench.sim.workload import SimRequest
 from router.placement import Pool
 from router.policy.base import Candidate, PlacementPolicy, RouteRequest
+from router.policy.path_cost import PlanEstimate
 from router.state.load import LoadTracker
 
 ROLE = "aggregated"
@@ -33,7 +34,7 @@ class _PlacedRun(_Run):
         self.pool.sync(MODEL, [e.wid for e in self.engines])
 
     def place(self, route: RouteRequest, req: SimRequest, now: float
-              ) -> tuple[ColocatedEngine[_Job], ColocatedEngine[_Job]]:
+              ) -> tuple[ColocatedEngine[_Job], ColocatedEngine[_Job], PlanEstimate | None]:
         ledger = self.ledger
         candidates = [Candidate(e.wid, ledger.in_flight(e.wid), False,
                                 ledger.pending_tokens(e.wid), e.running) for e in self.engines]
@@ -43,7 +44,7 @@ class _PlacedRun(_Run):
         self.res.paths["whole"] += 1
         self.res.reasons[choice.reason] += 1
         engine = self.by_id[choice.worker]
-        return engine, engine
+        return engine, engine, None
 
     def released(self, job: _Job) -> None:
         self.pool.end(job.route, job.decoder.wid)

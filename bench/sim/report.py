@@ -141,7 +141,7 @@ def paths_table(rows: Sequence[Row]) -> str:
     lines = []
     for row in rows:
         mean = {f: sum(c) / len(c) for f, c in row.capacity_rps.items()}
-        static = [v for f, v in mean.items() if f != "adaptive"]
+        static = [v for f, v in mean.items() if not f.startswith("adaptive")]
         best = max(static, default=0.0)
         ratio = (f"{mean['adaptive'] / best:.2f}x" if "adaptive" in mean and best else "n/a")
         share = (f"{sum(row.adaptive_pd_share) / len(row.adaptive_pd_share):.0%}"

@@ -23,6 +23,7 @@ from router.api.cache_salt import KeySalts
 from router.api.context import SCOPE_KEY, RequestIdMiddleware, new_request_id
 from router.api.direct import DirectRoutes
 from router.api.errors import error_response, install_error_handlers
+from router.api.holds import Holds
 from router.api.limits import LimitsMiddleware
 from router.api.proxy import PDProxy
 from router.api.redispatch import Redispatcher
@@ -55,7 +56,7 @@ from router.errors import APIError, InvalidRequestError
 from router.loop_lag import LoopLagProbe
 from router.metrics import RouterMetrics
 from router.placement import Placement
-from router.policy.adaptive import FORCED_PATHS, AdaptivePaths
+from router.policy.adaptive import FORCED_PATHS, AdaptivePaths, hold_limit_s
 from router.policy.admission import AdmissionLimits, admit
 from router.policy.base import CacheChanged, RouteRequest
 from router.policy.context import PolicyContext
@@ -104,7 +105,8 @@ class RouterService:
         costs = PathCosts.from_file(settings.path_costs_file) if settings.path_costs_file \
             else PathCosts()
         self.adaptive = AdaptivePaths(costs, settings.ttft_slo_s, settings.tpot_slo_s,
-                                      block_tokens=context.block_tokens)
+                                      block_tokens=context.block_tokens,
+                                      defer=settings.hold_prefills)
         """The per-request path decision (``--path-policy``; adaptive disaggregation)."""
         self.placement = Placement.create(settings.policy, settings.decode_policy, context,
                                           self.tracker, decode_observers=(self.disagg.observe,))
@@ -128,6 +130,8 @@ class RouterService:
         """Per-key token-rate limits (``router.api.token_budget``; off when both rates are 0)."""
         self._charges: dict[str, Charge] = {}
         """What each admitted request in flight was charged, by its upstream id."""
+        self.holds = Holds()
+        """Held adaptive plans wait here for the answers they would stall to end."""
         self.salts: KeySalts | None = None
         """Per-key ``cache_salt`` (``--cache-salt-per-key``; needs API keys)."""
         if settings.cache_salt_per_key:
@@ -194,6 +198,7 @@ class RouterService:
         stops counting it and, from a stream it planned, learns the engines' real costs; its
         key's decode budget is charged what it generated."""
         self.adaptive.finished(clock.upstream_id)
+        self.holds.ended(clock.upstream_id)
         charge = self._charges.pop(clock.upstream_id, None)
         if charge is not None:
             self.budgets.settle(charge, settled_output(charge.decode, clock.output_tokens,
@@ -433,7 +438,11 @@ class RouterService:
                       "prefill_worker": plan.prefill_worker,
                       "predicted_ttft_s": round(plan.ttft_s, 6),
                       "predicted_tpot_s": round(plan.tpot_s, 6),
-                      "predicted_admitted_tpot_s": round(plan.harm_tpot_s, 6)}
+                      "predicted_admitted_tpot_s": round(plan.harm_tpot_s, 6),
+                      "hold_s": round(plan.hold_s, 6)}
+        if plan.waits_for:  # its prefill waits for the answers it would stall to end
+            limit_s = hold_limit_s(plan, self.settings.ttft_slo_s)
+            clock.plan["held_s"] = round(await self.holds.wait(plan.waits_for, limit_s), 6)
         worker = by_id[plan.worker]
         if plan.path == "whole":
             self._took(clock, "whole", decision.reason)

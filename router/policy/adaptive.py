@@ -14,6 +14,17 @@ and it plans (:mod:`router.policy.path_cost`):
 3. else the plan with the fewest expected misses, then the lowest worst-SLO ratio
    (``best_effort``). "Best" is this order wherever plans are compared.
 
+With ``defer`` (the router's ``--hold-prefills``, on by default) the rule is one step instead
+(:meth:`AdaptivePaths.decide_held`): every plan above may also be *held*, the request kept in
+the router until the answers its prefill would push past the TPOT have ended
+(:func:`~router.policy.path_cost.estimate_whole_deferred`; the router releases it when they end,
+``router.api.holds``). The plan taken is the one that meets both SLOs and pushes no admitted
+answer past the TPOT, sent now or held (the most of the prompt cached, whole before P/D, the
+earliest first token); else the fewest expected misses among the plans sent now and the held
+ones still within the TTFT (``best_effort``). A short answer's decode then runs between two
+engines' prefills instead of under one: both engines keep prefilling, and no engine is set
+aside as a quiet decoder (the split below is not consulted).
+
 Costs start from :class:`~router.policy.path_cost.PathCosts` (defaults or a ``pdserve bench
 profile``) and are calibrated online: ``learn`` moves a prefill scale and a decode scale toward
 observed/predicted TTFT and TPOT of each streamed request (exponential average, weight 0.1).
@@ -48,7 +59,9 @@ from router.policy.path_cost import (
     decode_stall,
     decode_tpot,
     estimate_pd,
+    estimate_pd_deferred,
     estimate_whole,
+    estimate_whole_deferred,
     token_intervals,
 )
 
@@ -81,7 +94,8 @@ SCALE_LIMITS = (0.1, 10.0)
 """The learned scales stay within these factors of the starting costs."""
 
 REASONS = ("whole_meets_slo", "whole_misses_ttft", "whole_misses_tpot", "whole_harms_admitted",
-           "best_effort", "forced", "no_pd_pair", "stall_sensitive", "split", "split_relief")
+           "best_effort", "forced", "no_pd_pair", "stall_sensitive", "split", "split_relief",
+           "held", "pd_meets_slo")
 """Every ``reason`` a decision may carry (bounded metric labels)."""
 
 FORCED_PATHS = ("whole", "pd")
@@ -123,13 +137,41 @@ def _typical_prefill_s(engines: Sequence[EngineLoad]) -> float:
     return sum(e.prefill_rate * e.mean_prefill_s for e in engines) / rate
 
 
+def _ends_s(admitted: list[float], step_s: float) -> float:
+    """When a sequence of ``_Engine.decoding`` sends its last token: its start, then its
+    token gaps at ``step_s`` plus the stall per token added to it."""
+    return admitted[2] + token_intervals(admitted[0]) * (step_s + admitted[1])
+
+
+HOLD_SLACK = 1.0
+"""A held request waits at most its predicted hold plus this fraction of it (and at least
+:data:`HOLD_SLACK_MIN_S` more): answers that run far past their predicted end decode slower
+than the model knows, and waiting for them would only spend the request's TTFT."""
+HOLD_SLACK_MIN_S = 0.05
+
+
+def hold_limit_s(plan: PlanEstimate, ttft_slo_s: float) -> float:
+    """How long a held ``plan`` waits at most for the answers it waits for: its predicted hold
+    with slack (:data:`HOLD_SLACK`), never past the moment its own TTFT would miss."""
+    latest = ttft_slo_s - (plan.ttft_s - plan.hold_s)
+    return min(plan.hold_s * (1 + HOLD_SLACK) + HOLD_SLACK_MIN_S, max(latest, plan.hold_s))
+
+
+def _ends_in_s(admitted: list[float], step_s: float, now_s: float) -> float:
+    """Seconds until a sequence of ``_Engine.decoding`` sends its last token; infinite once it
+    has outlived that prediction (its decode ran slower than predicted, by an unknown amount:
+    no plan waits for it)."""
+    left = _ends_s(admitted, step_s) - now_s
+    return left if left > 0 else math.inf
+
+
 class AdaptivePaths:
     """Chooses whole or P/D per request; remembers what it dispatched where."""
 
     def __init__(self, costs: PathCosts, ttft_slo_s: float, tpot_slo_s: float, *,
                  tpot_margin: float = TPOT_MARGIN, share_window_s: float = 10.0, top_k: int = 2,
                  capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
-                 block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+                 block_tokens: int = DEFAULT_BLOCK_TOKENS, defer: bool = False) -> None:
         if ttft_slo_s <= 0 or tpot_slo_s <= 0 or share_window_s <= 0 or top_k < 1:
             raise ValueError("SLOs and share_window_s must be > 0 and top_k >= 1")
         self.costs = costs
@@ -140,6 +182,8 @@ class AdaptivePaths:
         self.top_k = top_k
         self.capacity_blocks = capacity_blocks
         self.block_tokens = block_tokens
+        self.defer = defer
+        """Whole plans may be held until the answers they would stall have finished."""
         self._engines: dict[str, _Engine] = {}
         self._caches: dict[str, PrefixCacheModel] = {}
         self._requests: dict[str, tuple[str, ...]] = {}
@@ -189,6 +233,7 @@ class AdaptivePaths:
             engine = self._engines.get(c.worker_id) or _Engine()
             decay = self._decay(engine.share_at_s, now_s)
             admitted = engine.decoding.values()
+            step = self.costs.step_s(max(c.running, len(engine.decoding)))
             out.append(EngineLoad(
                 worker_id=c.worker_id, whole=whole, prefill=prefill, decode=decode,
                 queued_s=max(engine.busy_until_s - now_s, 0.0),
@@ -200,6 +245,9 @@ class AdaptivePaths:
                 admitted_output_tokens=min((a[0] for a in admitted), default=0.0),
                 admitted_stall_s=max((a[1] for a in admitted), default=0.0),
                 admitted=tuple((a[0], a[1], max(a[2] - now_s, 0.0)) for a in admitted),
+                # one that outlived its predicted end: when it ends is not known
+                admitted_ends_s=tuple(_ends_in_s(a, step, now_s) for a in admitted),
+                admitted_ids=tuple(engine.decoding),
                 recently_failed=c.recently_failed, reserved=c.worker_id in self.reserved))
         return out
 
@@ -317,6 +365,8 @@ class AdaptivePaths:
                 return PathDecision(forced, "forced", other)
         if best_whole is None and best_pd is None:
             return None
+        if self.defer:
+            return self.decide_held(request, output_tokens, engines, whole, pd)
         if best_pd is None:
             assert best_whole is not None
             return PathDecision(best_whole, "no_pd_pair")
@@ -375,6 +425,42 @@ class AdaptivePaths:
         assert chosen is not None
         return PathDecision(chosen, "best_effort",
                             best_pd if chosen is best_whole else best_whole, sensitive=sensitive)
+
+    def decide_held(self, request: RouteRequest, output_tokens: int,
+                    engines: Sequence[EngineLoad], whole: list[PlanEstimate],
+                    pd: list[PlanEstimate]) -> PathDecision:
+        """Every plan, sent now or held until the answers its prefill would stall have
+        finished: the one that meets both SLOs and pushes no admitted answer past the TPOT (the
+        most of the prompt cached, whole before P/D, then the earliest first token); else the
+        fewest expected misses among those sent now."""
+        slo = (self.ttft_slo_s, self.tpot_slo_s)
+        n, out = request.prompt_len, output_tokens
+        plans = whole + pd
+        for e in engines:
+            if e.whole and not e.recently_failed:
+                held = estimate_whole_deferred(self.costs, n, out, e, self.tpot_slo_s)
+                if held is not None:
+                    plans.append(held)
+        by_id = {e.worker_id: e for e in engines}
+        for p in pd:
+            assert p.prefill_worker is not None
+            held = estimate_pd_deferred(self.costs, n, out, by_id[p.prefill_worker],
+                                        by_id[p.worker], self.tpot_slo_s)
+            if held is not None:
+                plans.append(held)
+        ok = [p for p in plans if p.ttft_s <= self.ttft_slo_s and p.tpot_s <= self.tpot_slo_s
+              and not p.admitted_past(self.tpot_slo_s)]
+        chosen = min(ok, key=lambda p: (p.uncached_tokens, p.path != "whole", p.ttft_s,
+                                        p.worker, p.prefill_worker or ""), default=None)
+        if chosen is not None:
+            return PathDecision(chosen, "held" if chosen.hold_s else
+                                "whole_meets_slo" if chosen.path == "whole" else "pd_meets_slo")
+        # no plan meets them: a held plan only within the TTFT (one held past it misses anyway,
+        # and delays every request behind it)
+        fallback = whole + pd + [p for p in plans if p.hold_s and p.ttft_s <= self.ttft_slo_s]
+        best = min(fallback, key=lambda p: (round(p.expected_misses(*slo), 2),
+                                              p.badness(*slo), p.worker, p.prefill_worker or ""))
+        return PathDecision(best, "best_effort")
 
     def quiet_whole_fits(self, plan: PlanEstimate, engine: EngineLoad) -> bool:
         """Whether ``plan``'s prefill is short enough to run whole on the quiet decoder
@@ -442,14 +528,17 @@ class AdaptivePaths:
         prefiller = plan.prefill_worker or plan.worker
         seconds = self.costs.prefill_s(plan.uncached_tokens)
         engine = self._engines.setdefault(prefiller, _Engine())
-        engine.busy_until_s = ends_s = max(engine.busy_until_s, now_s) + seconds
+        starts_s = max(engine.busy_until_s, now_s + plan.hold_s)
+        engine.busy_until_s = ends_s = starts_s + seconds
         decay = self._decay(engine.share_at_s, now_s)
         engine.share_s = engine.share_s * decay + seconds
         engine.count = engine.count * decay + (1.0 if seconds > 0 else 0.0)
         engine.square_s = engine.square_s * decay + seconds * seconds
         engine.share_at_s = now_s
+        step = self.costs.step_s(len(engine.decoding))
         for admitted in engine.decoding.values():  # the prefill stalls what it decodes by then
-            if admitted[2] < ends_s:
+            # (a held prefill waited for the ones it would stall: those ended by its start)
+            if admitted[2] < ends_s and (not plan.hold_s or _ends_s(admitted, step) > starts_s):
                 admitted[1] += seconds / token_intervals(admitted[0])
         decoder = self._engines.setdefault(plan.worker, _Engine())
         decoder.decoding[request.request_id] = [float(output_tokens), 0.0, ends_s]

@@ -54,7 +54,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +173,10 @@ class EngineLoad:
     """(expected output tokens, prefill stall per token already added, seconds until it starts
     decoding: 0 once it does) of each sequence it decodes or will decode once its prefill ends
     (empty: known only by the two worst cases above)."""
+    admitted_ends_s: tuple[float, ...] = ()
+    """Seconds until each sequence of ``admitted`` (same order) sends its last token."""
+    admitted_ids: tuple[str, ...] = ()
+    """The request id of each sequence of ``admitted`` (same order; empty: unknown)."""
     recently_failed: bool = False
     """In the router's failure cool-down: planned only when nothing else can serve."""
     reserved: bool = False
@@ -205,6 +209,11 @@ class PlanEstimate:
     admitted_tpots_s: tuple[float, ...] = ()
     """Predicted TPOT of each sequence the engines it touches decode or will decode
     (``EngineLoad.admitted``), after it (empty: only ``harm_tpot_s``, the worst, is known)."""
+    hold_s: float = 0.0
+    """Seconds the router is expected to hold the request before sending it (a held plan: its
+    prefill waits for the answers it would push past the TPOT to finish)."""
+    waits_for: tuple[str, ...] = ()
+    """A held plan: the request ids of those answers (the router sends it once they end)."""
 
     def tpot_miss_probability(self, tpot_slo_s: float) -> float:
         """Probability that its own TPOT exceeds ``tpot_slo_s``: 1 when it does with no landing
@@ -359,3 +368,58 @@ def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
                         stall.landings_mean, stall.per_landing_s,
                         _admitted_tpots(costs, prefill, prefill_s)
                         + _admitted_tpots(costs, decode, 0.0))
+
+
+
+def held_engine(engine: EngineLoad, admitted_tpots_s: tuple[float, ...], tpot_target_s: float
+                ) -> tuple[EngineLoad, float, tuple[str, ...]] | None:
+    """``engine`` as it will be once the sequences a prefill there would push past
+    ``tpot_target_s`` (``admitted_tpots_s``: each one's TPOT after it, in ``admitted`` order)
+    have sent their last token, and the seconds until then; None when it pushes none, when
+    their ends are unknown (or infinite: one outlived its predicted end), or when the engine's
+    own queue outlasts them anyway. Also the ids
+    of the sequences to wait for (empty when ``admitted_ids`` is)."""
+    ends = engine.admitted_ends_s
+    if len(ends) != len(engine.admitted) or len(admitted_tpots_s) != len(ends):
+        return None
+    harmed = [i for i, t in enumerate(admitted_tpots_s) if t > tpot_target_s]
+    hold = max((ends[i] for i in harmed), default=0.0)
+    if hold <= engine.queued_s or math.isinf(hold):
+        return None
+    left = [i for i, end in enumerate(ends) if end > hold]
+    ids = engine.admitted_ids
+    known = len(ids) == len(ends)
+    return replace(engine, queued_s=hold,
+                   running=max(engine.running - (len(ends) - len(left)), 0),
+                   admitted=tuple(engine.admitted[i] for i in left),
+                   admitted_ends_s=tuple(ends[i] for i in left),
+                   admitted_ids=tuple(ids[i] for i in left) if known else ()), \
+        hold, tuple(ids[i] for i in harmed) if known else ()
+
+
+def estimate_whole_deferred(costs: PathCosts, prompt_tokens: int, output_tokens: int,
+                            engine: EngineLoad, tpot_target_s: float) -> PlanEstimate | None:
+    """The request served whole on ``engine`` once the answers its prefill would push past
+    ``tpot_target_s`` have finished: held by the router until then, so its prefill stalls none
+    of them (:func:`held_engine`; None when there is nothing to wait for)."""
+    now = estimate_whole(costs, prompt_tokens, output_tokens, engine)
+    held = held_engine(engine, now.admitted_tpots_s, tpot_target_s)
+    if held is None:
+        return None
+    later, hold, ids = held
+    return replace(estimate_whole(costs, prompt_tokens, output_tokens, later), hold_s=hold,
+                   waits_for=ids)
+
+
+def estimate_pd_deferred(costs: PathCosts, prompt_tokens: int, output_tokens: int,
+                         prefill: EngineLoad, decode: EngineLoad, tpot_target_s: float
+                         ) -> PlanEstimate | None:
+    """:func:`estimate_pd` held until the answers its prefill would push past
+    ``tpot_target_s`` on ``prefill`` have finished (None when there is nothing to wait for)."""
+    now = estimate_pd(costs, prompt_tokens, output_tokens, prefill, decode)
+    held = held_engine(prefill, now.admitted_tpots_s[:len(prefill.admitted)], tpot_target_s)
+    if held is None:
+        return None
+    later, hold, ids = held
+    return replace(estimate_pd(costs, prompt_tokens, output_tokens, later, decode), hold_s=hold,
+                   waits_for=ids)

@@ -86,17 +86,17 @@ def test_aggregated_fleet_only_serves_whole() -> None:
 
 
 def test_adaptive_decode_heavy_tight_tpot_takes_mostly_whole() -> None:
-    paths = _paths("decode_heavy", "adaptive", 4, 20.0)
+    paths = _paths("decode_heavy", "adaptive_nohold", 4, 20.0)
     assert paths["whole"] >= 0.9 * sum(paths.values())
 
 
-def test_adaptive_prefill_heavy_takes_pd_under_load_only() -> None:
-    saturated = _paths("prefill_heavy", "adaptive", 4, 17.5)
+def test_adaptive_without_holds_prefill_heavy_takes_pd_under_load_only() -> None:
+    saturated = _paths("prefill_heavy", "adaptive_nohold", 4, 17.5)
     assert saturated["pd"] >= 0.1 * sum(saturated.values())
     # negative control: at under a quarter of that rate every request is served whole (a
     # short answer's wait for its own prefill is short, so few neighbours' prefills land on
     # it: none P/D at 4 req/s when written, 24 of 143 at 8)
-    calm = _paths("prefill_heavy", "adaptive", 4, 4.0)
+    calm = _paths("prefill_heavy", "adaptive_nohold", 4, 4.0)
     assert calm["pd"] <= 0.05 * sum(calm.values()), calm
 
 
@@ -140,5 +140,5 @@ def test_highest_rate_within_five_percent(limit: float, start: float) -> None:
 
 def test_paths_cli_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
     assert sim_main(["paths", "--fleets", "adaptive,pd9:1"]) == 2
-    assert "allowed: adaptive, aggregated, pd1:3" in capsys.readouterr().err
+    assert "allowed: adaptive, adaptive_nohold, aggregated, pd1:3" in capsys.readouterr().err
     assert sim_main(["paths", "--workloads", "nope"]) == 2

@@ -1,0 +1,188 @@
+"""Held plans: a request waits in the router until the answers its prefill would push past the
+TPOT have finished (``AdaptivePaths(defer=True)``, ``--hold-prefills``), each with its control."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from bench.sim.fleet import FleetSettings, make_fleet, simulate_fleet
+from bench.sim.workload import SimRequest
+from router.api.holds import Holds
+from router.config import load
+from router.policy.adaptive import (
+    HOLD_SLACK,
+    HOLD_SLACK_MIN_S,
+    REASONS,
+    AdaptivePaths,
+    hold_limit_s,
+)
+from router.policy.base import Candidate, RouteRequest
+from router.policy.hashing import block_hashes
+from router.policy.path_cost import (
+    EngineLoad,
+    PathCosts,
+    estimate_pd_deferred,
+    estimate_whole_deferred,
+)
+
+COSTS = PathCosts(prefill_s_per_token=1e-4, prefill_fixed_s=0.0, decode_step_s=0.01,
+                  decode_step_s_per_seq=0.001, hop_s=0.02, pull_s_per_token=0.0)
+HELD_FLEET, NOW_FLEET = "adaptive", "adaptive_nohold"
+"""Simulated fleets of flex engines with and without held plans."""
+TARGET = 0.04
+"""The TPOT the plans aim for: a 50 ms SLO x the 0.8 margin."""
+
+
+def _request(tokens: int, rid: str = "r") -> RouteRequest:
+    ids = tuple(range(tokens)) if rid == "r" else tuple(range(7, 7 + tokens))
+    return RouteRequest(request_id=rid, model="m", prompt_token_ids=ids,
+                        block_hashes=block_hashes(ids))
+
+
+def _short_answer(ends_s: float, output: float = 4.0, queued_s: float = 0.0,
+                  worker: str = "a") -> EngineLoad:
+    """An engine decoding one short answer (request ``<worker>-answer``) that sends its last
+    token in ``ends_s``."""
+    return EngineLoad(worker, queued_s=queued_s, running=1, admitted=((output, 0.0, 0.0),),
+                      admitted_ends_s=(ends_s,), admitted_ids=(f"{worker}-answer",))
+
+
+def test_a_prefill_that_would_stall_a_short_answer_waits_for_it_to_end() -> None:
+    # 2,000 tokens = 0.2 s of prefill: over a 4-token answer's 3 gaps, 67 ms more per token
+    held = estimate_whole_deferred(COSTS, 2000, 64, _short_answer(0.03), TARGET)
+    assert held is not None
+    assert held.hold_s == pytest.approx(0.03) and held.waits_for == ("a-answer",)
+    assert held.ttft_s == pytest.approx(0.03 + 0.2)
+    assert held.admitted_past(TARGET) == 0 and held.admitted_tpots_s == ()
+    # control: a 200-token answer takes the same stall over 199 gaps (1 ms each): nothing waits
+    assert estimate_whole_deferred(COSTS, 2000, 64, _short_answer(1.5, output=200.0),
+                                   TARGET) is None
+    # control: the engine's own queue outlasts the answer, holding buys nothing
+    assert estimate_whole_deferred(COSTS, 2000, 64, _short_answer(0.03, queued_s=0.5),
+                                   TARGET) is None
+
+
+def test_a_held_pd_plan_waits_only_for_its_prefiller() -> None:
+    prefill, decode = _short_answer(0.03), _short_answer(0.5, worker="b")
+    held = estimate_pd_deferred(COSTS, 2000, 64, prefill, decode, TARGET)
+    assert held is not None and held.path == "pd"
+    assert held.hold_s == pytest.approx(0.03)  # not b's answer: a pull stalls no one there
+    assert held.waits_for == ("a-answer",)
+    assert held.admitted_past(TARGET) == 0
+    # control: an idle prefiller has nothing to wait for
+    assert estimate_pd_deferred(COSTS, 2000, 64, EngineLoad("a"), decode, TARGET) is None
+
+
+def test_holding_beats_stalling_or_moving_the_request() -> None:
+    engines = [_short_answer(0.03), _short_answer(0.05, worker="b")]
+    held = AdaptivePaths(COSTS, 1.0, 0.05, defer=True).decide(_request(2000), 64, engines)
+    assert held is not None and held.reason == "held" and "held" in REASONS
+    assert (held.plan.path, held.plan.worker) == ("whole", "a")  # the earlier first token
+    assert held.plan.hold_s == pytest.approx(0.03)
+    # control: without holding, every plan sent now stalls one of the two answers
+    now = AdaptivePaths(COSTS, 1.0, 0.05).decide(_request(2000), 64, engines)
+    assert now is not None and now.plan.hold_s == 0.0
+    assert now.plan.admitted_past(TARGET) == 1
+
+
+def test_a_hold_that_would_miss_the_ttft_is_not_taken() -> None:
+    # the answers end in 0.9 s: held, the first token comes at 1.1 s, past the 1 s SLO
+    engines = [_short_answer(0.9), _short_answer(0.9, worker="b")]
+    decision = AdaptivePaths(COSTS, 1.0, 0.05, defer=True).decide(_request(2000), 64, engines)
+    assert decision is not None and decision.reason == "best_effort"
+    assert decision.plan.hold_s == 0.0
+    # control: a looser TTFT SLO takes the hold
+    loose = AdaptivePaths(COSTS, 2.0, 0.05, defer=True).decide(_request(2000), 64, engines)
+    assert loose is not None and loose.reason == "held"
+
+
+def test_a_held_prefill_is_booked_after_the_answers_it_waited_for() -> None:
+    one = [("flex", Candidate("a", 0, False, 0, 0))]
+    for defer in (True, False):
+        paths = AdaptivePaths(COSTS, 1.0, 0.05, defer=defer)
+        first = paths.decide(_request(100, "short"), 4, paths.loads(_request(100, "short"),
+                                                                    one, 0.0))
+        assert first is not None
+        paths.dispatched(_request(100, "short"), first.plan, 4, 0.0)  # decodes 0.01-0.04 s
+        loads = paths.loads(_request(2000), one, 0.011)
+        assert loads[0].admitted_ends_s == (pytest.approx(0.029),)
+        decision = paths.decide(_request(2000), 64, loads)
+        assert decision is not None
+        paths.dispatched(_request(2000), decision.plan, 64, 0.011)
+        after = paths.loads(_request(10, "next"), one, 0.012)[0]
+        stalls = {out: stall for out, stall, _ in after.admitted}
+        if defer:
+            assert decision.plan.hold_s == pytest.approx(0.029)
+            assert after.queued_s == pytest.approx(0.04 + 0.2 - 0.012)
+            assert stalls[4.0] == 0.0  # it ended before the prefill started
+        else:  # control: sent at once, the prefill stalls the short answer
+            assert decision.plan.hold_s == 0.0
+            assert stalls[4.0] > 0.0
+
+
+def test_the_router_flag_and_its_environment_variable() -> None:
+    assert load([], env={}).hold_prefills is True
+    assert load(["--no-hold-prefills"], env={}).hold_prefills is False
+    assert load([], env={"PDSERVE_ROUTER_HOLD_PREFILLS": "0"}).hold_prefills is False
+
+
+def test_holds_release_a_request_when_the_answers_it_waits_for_end() -> None:
+    async def scenario() -> tuple[float, float, float, int]:
+        holds = Holds()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, holds.ended, "x")
+        loop.call_later(0.10, holds.ended, "y")
+        both = await holds.wait(("x", "y"), timeout_s=5.0)  # until the later of the two
+        # control: an answer that never ends releases it at the deadline
+        stuck = await holds.wait(("never",), timeout_s=0.05)
+        nothing = await holds.wait((), timeout_s=5.0)
+        return both, stuck, nothing, len(holds)
+    both, stuck, nothing, left = asyncio.run(scenario())
+    assert 0.09 <= both < 2.0
+    assert 0.04 <= stuck < 2.0
+    assert nothing == 0.0
+    assert left == 0  # nothing is kept for an id nobody waits for any more
+
+
+def test_a_held_fleet_keeps_short_answers_clear_of_a_long_prefill() -> None:
+    # two 4-token answers, one per engine, then a 2,000-token prompt while they decode
+    trace = [SimRequest(0, 0.0, 100, 4, ()), SimRequest(1, 0.001, 100, 4, ()),
+             SimRequest(2, 0.03, 2000, 64, ())]
+    settings = FleetSettings(1.0, 0.05, warmup_s=0.0)
+    held = simulate_fleet(trace, make_fleet(HELD_FLEET, 2), settings)
+    assert held.reasons["held"] == 1
+    assert max(held.tpot_s[:2]) < 0.01  # each answer's steps alone
+    assert held.ttft_s[2] > 0.01 + 2000 * 1.5e-4  # it waited for them first
+    # control: sent at once, the prefill lands under one of the short answers
+    now = simulate_fleet(trace, make_fleet(NOW_FLEET, 2), settings)
+    assert now.reasons["held"] == 0
+    assert max(now.tpot_s[:2]) > 0.05
+
+
+def test_an_answer_past_its_predicted_end_is_not_waited_for() -> None:
+    one = [("flex", Candidate("a", 0, False, 0, 0))]
+    paths = AdaptivePaths(COSTS, 1.0, 0.05, defer=True)
+    first = paths.decide(_request(100, "short"), 4, paths.loads(_request(100, "short"), one, 0.0))
+    assert first is not None
+    paths.dispatched(_request(100, "short"), first.plan, 4, 0.0)  # predicted to end at 0.04 s
+    late = paths.loads(_request(2000), one, 0.5)  # still decoding at 0.5 s: slower than known
+    assert late[0].admitted_ends_s == (math.inf,)
+    decision = paths.decide(_request(2000), 64, late)
+    assert decision is not None and decision.plan.hold_s == 0.0
+    # control: before its predicted end it is waited for
+    early = paths.loads(_request(2000), one, 0.02)
+    held = paths.decide(_request(2000), 64, early)
+    assert held is not None and held.reason == "held" and held.plan.waits_for == ("short",)
+
+
+def test_a_hold_is_bounded_by_its_prediction_and_by_the_ttft() -> None:
+    held = estimate_whole_deferred(COSTS, 2000, 64, _short_answer(0.03), TARGET)
+    assert held is not None
+    assert hold_limit_s(held, 1.0) == pytest.approx(0.03 * (1 + HOLD_SLACK) + HOLD_SLACK_MIN_S)
+    # a TTFT SLO that leaves no more than the predicted hold: never less than the prediction
+    assert hold_limit_s(held, 0.2) == pytest.approx(0.03)
+    # between the two: until the moment its own TTFT would miss
+    assert hold_limit_s(held, 0.3) == pytest.approx(0.3 - 0.2)
