@@ -223,6 +223,30 @@ async def _burst(url: str, prompts: list[str], max_tokens: int, concurrency: int
 
 
 def test_a_switching_load_moves_the_path_mix(adaptive: Cluster, tiny_model_dir: Path) -> None:
+    """Held plans (the default): a burst of long prompts with 4-token answers holds some of
+    them until the answers they would stall have ended; short prompts with long answers then
+    go whole at once. No request fails."""
+    long = make_prompts(tiny_model_dir, [900 + 7 * i for i in range(16)], seed=24,
+                        tag="held-long")
+    short = make_prompts(tiny_model_dir, [60 + 3 * i for i in range(6)], seed=25,
+                         tag="held-short")
+    # 25 ms TPOT (plans aim at 20): a 900-token prefill over a 4-token answer's 3 gaps puts
+    # it past that, while its own answer, a few steps, keeps it
+    with _router(adaptive, tpot_slo_s=0.025, ttft_slo_s=2.0) as url:
+        before = _paths(url)
+        codes = asyncio.run(_burst(url, long, max_tokens=4, concurrency=6))
+        burst = _grew(before, _paths(url))
+        middle = _paths(url)
+        codes += asyncio.run(_burst(url, short, max_tokens=48, concurrency=1))
+        calm = _grew(middle, _paths(url))
+    assert codes == [200] * (len(long) + len(short)), codes
+    assert burst.get(("whole", "held"), 0) + burst.get(("pd_first_token", "held"), 0) \
+        + burst.get(("pd", "held"), 0) >= 1, burst
+    assert calm == {("whole", "whole_meets_slo"): len(short)}, calm  # nothing to wait for
+
+
+def test_without_holds_the_split_moves_the_path_mix(adaptive: Cluster,
+                                                   tiny_model_dir: Path) -> None:
     long = make_prompts(tiny_model_dir, [900 + 7 * i for i in range(16)], seed=22,
                         tag="switch-long")
     short = make_prompts(tiny_model_dir, [60 + 3 * i for i in range(6)], seed=23,
@@ -230,7 +254,7 @@ def test_a_switching_load_moves_the_path_mix(adaptive: Cluster, tiny_model_dir: 
     # 15 ms TPOT: a long prefill landing on an engine stalls its 16-token answers past it,
     # while the P/D hop (50 ms over 16 tokens) does not (a 4-token answer would miss by the
     # hop alone: P/D cannot save it)
-    with _router(adaptive, tpot_slo_s=0.015, ttft_slo_s=2.0) as url:
+    with _router(adaptive, tpot_slo_s=0.015, ttft_slo_s=2.0, hold_prefills=False) as url:
         before = _paths(url)
         codes = asyncio.run(_burst(url, long, max_tokens=16, concurrency=6))
         burst = _grew(before, _paths(url))
