@@ -183,7 +183,8 @@ class AdaptivePaths:
         self.capacity_blocks = capacity_blocks
         self.block_tokens = block_tokens
         self.defer = defer
-        """Whole plans may be held until the answers they would stall have finished."""
+        """Plans may be held until the answers they would stall have finished
+        (:meth:`decide_held`)."""
         self._engines: dict[str, _Engine] = {}
         self._caches: dict[str, PrefixCacheModel] = {}
         self._requests: dict[str, tuple[str, ...]] = {}
@@ -432,7 +433,7 @@ class AdaptivePaths:
         """Every plan, sent now or held until the answers its prefill would stall have
         finished: the one that meets both SLOs and pushes no admitted answer past the TPOT (the
         most of the prompt cached, whole before P/D, then the earliest first token); else the
-        fewest expected misses among those sent now."""
+        fewest expected misses among those sent now and the held ones within the TTFT."""
         slo = (self.ttft_slo_s, self.tpot_slo_s)
         n, out = request.prompt_len, output_tokens
         plans = whole + pd
