@@ -149,8 +149,6 @@ class _Run:
                                    capacity_blocks=s.cache_blocks, block_tokens=s.block_tokens,
                                    defer=fleet.defer)
         self.events: list[tuple[float, int, int, object, int]] = []
-        self.running: set[str] = set()
-        """Requests placed (held or sent) and not yet done."""
         self.waiters: dict[str, list[_Held]] = {}
         """Request id -> the held requests waiting for it to end."""
         self.seq = 0
@@ -173,15 +171,14 @@ class _Run:
         prefiller.in_flight += 1
         if decoder is not prefiller:
             decoder.in_flight += 1
-        waits = [rid for rid in (plan.waits_for if plan else ()) if rid in self.running]
-        self.running.add(route.request_id)
-        if plan is None or not waits:
+        if plan is None or not plan.waits_for:
             self.send(prefiller, job, now)
             return
         # held, as the router holds it: sent when the answers it waits for have ended, or at
-        # its limit (``hold_limit_s``)
-        held = _Held(prefiller, job, len(waits))
-        for rid in waits:
+        # its limit (``hold_limit_s``); they are in flight (the policy took them from its own
+        # in-flight state, which ``done`` updates)
+        held = _Held(prefiller, job, len(plan.waits_for))
+        for rid in plan.waits_for:
             self.waiters.setdefault(rid, []).append(held)
         self.push(now + hold_limit_s(plan, self.s.ttft_slo_s), _SEND, held)
 
@@ -240,7 +237,6 @@ class _Run:
 
     def done(self, job: _Job, now: float) -> None:
         self.released(job)
-        self.running.discard(job.route.request_id)
         for held in self.waiters.pop(job.route.request_id, ()):
             held.waiting -= 1
             if held.waiting == 0:

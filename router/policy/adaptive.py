@@ -437,16 +437,18 @@ class AdaptivePaths:
         slo = (self.ttft_slo_s, self.tpot_slo_s)
         n, out = request.prompt_len, output_tokens
         plans = whole + pd
+        sent_now = {p.worker: p for p in whole}
         for e in engines:
             if e.whole and not e.recently_failed:
-                held = estimate_whole_deferred(self.costs, n, out, e, self.tpot_slo_s)
+                held = estimate_whole_deferred(self.costs, n, out, e, self.tpot_slo_s,
+                                               sent_now.get(e.worker_id))
                 if held is not None:
                     plans.append(held)
         by_id = {e.worker_id: e for e in engines}
         for p in pd:
             assert p.prefill_worker is not None
             held = estimate_pd_deferred(self.costs, n, out, by_id[p.prefill_worker],
-                                        by_id[p.worker], self.tpot_slo_s)
+                                        by_id[p.worker], self.tpot_slo_s, p)
             if held is not None:
                 plans.append(held)
         ok = [p for p in plans if p.ttft_s <= self.ttft_slo_s and p.tpot_s <= self.tpot_slo_s

@@ -370,15 +370,13 @@ def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
                         + _admitted_tpots(costs, decode, 0.0))
 
 
-
 def held_engine(engine: EngineLoad, admitted_tpots_s: tuple[float, ...], tpot_target_s: float
                 ) -> tuple[EngineLoad, float, tuple[str, ...]] | None:
     """``engine`` as it will be once the sequences a prefill there would push past
     ``tpot_target_s`` (``admitted_tpots_s``: each one's TPOT after it, in ``admitted`` order)
-    have sent their last token, and the seconds until then; None when it pushes none, when
-    their ends are unknown (or infinite: one outlived its predicted end), or when the engine's
-    own queue outlasts them anyway. Also the ids
-    of the sequences to wait for (empty when ``admitted_ids`` is)."""
+    have sent their last token, the seconds until then and their ids (empty when
+    ``admitted_ids`` is); None when it pushes none, when their ends are unknown (or infinite:
+    one outlived its predicted end), or when the engine's own queue outlasts them anyway."""
     ends = engine.admitted_ends_s
     if len(ends) != len(engine.admitted) or len(admitted_tpots_s) != len(ends):
         return None
@@ -398,11 +396,13 @@ def held_engine(engine: EngineLoad, admitted_tpots_s: tuple[float, ...], tpot_ta
 
 
 def estimate_whole_deferred(costs: PathCosts, prompt_tokens: int, output_tokens: int,
-                            engine: EngineLoad, tpot_target_s: float) -> PlanEstimate | None:
+                            engine: EngineLoad, tpot_target_s: float,
+                            now: PlanEstimate | None = None) -> PlanEstimate | None:
     """The request served whole on ``engine`` once the answers its prefill would push past
     ``tpot_target_s`` have finished: held by the router until then, so its prefill stalls none
-    of them (:func:`held_engine`; None when there is nothing to wait for)."""
-    now = estimate_whole(costs, prompt_tokens, output_tokens, engine)
+    of them (:func:`held_engine`; None when there is nothing to wait for). ``now``: the same
+    plan sent now, when the caller has it."""
+    now = now or estimate_whole(costs, prompt_tokens, output_tokens, engine)
     held = held_engine(engine, now.admitted_tpots_s, tpot_target_s)
     if held is None:
         return None
@@ -412,11 +412,12 @@ def estimate_whole_deferred(costs: PathCosts, prompt_tokens: int, output_tokens:
 
 
 def estimate_pd_deferred(costs: PathCosts, prompt_tokens: int, output_tokens: int,
-                         prefill: EngineLoad, decode: EngineLoad, tpot_target_s: float
-                         ) -> PlanEstimate | None:
+                         prefill: EngineLoad, decode: EngineLoad, tpot_target_s: float,
+                         now: PlanEstimate | None = None) -> PlanEstimate | None:
     """:func:`estimate_pd` held until the answers its prefill would push past
-    ``tpot_target_s`` on ``prefill`` have finished (None when there is nothing to wait for)."""
-    now = estimate_pd(costs, prompt_tokens, output_tokens, prefill, decode)
+    ``tpot_target_s`` on ``prefill`` have finished (None when there is nothing to wait for).
+    ``now``: the same plan sent now, when the caller has it."""
+    now = now or estimate_pd(costs, prompt_tokens, output_tokens, prefill, decode)
     held = held_engine(prefill, now.admitted_tpots_s[:len(prefill.admitted)], tpot_target_s)
     if held is None:
         return None
