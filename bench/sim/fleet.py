@@ -219,6 +219,9 @@ class _Run:
         self.paths.finished(job.route.request_id)
 
     def prefilled(self, e: ColocatedEngine[_Job], job: _Job, now: float) -> None:
+        """``job``'s prefill on ``e`` ended: the policy hears it (as the router does from the
+        prefill's answer or the first token), then the decode starts or the KV moves."""
+        self.paths.prefilled(job.route.request_id, now)
         e.cache.insert(job.route.block_hashes)
         c = self.s.costs
         if not job.pd:

@@ -207,8 +207,9 @@ class RouterService:
             self.adaptive.learn(
                 float(clock.plan["predicted_ttft_s"]),  # type: ignore[arg-type]
                 clock.first_output - clock.mono["validated"],
-                float(clock.plan["predicted_tpot_s"]),  # type: ignore[arg-type]
-                clock.tpot_s)
+                float(clock.plan["expected_tpot_s"]),  # type: ignore[arg-type]
+                clock.tpot_s,
+                float(clock.plan.get("predicted_wait_s", 0.0)))  # type: ignore[arg-type]
             self.metrics.path_cost_scale.labels(part="prefill").set(self.adaptive.prefill_scale)
             self.metrics.path_cost_scale.labels(part="decode").set(self.adaptive.decode_scale)
         for phase, seconds in clock.phases().items():
@@ -438,8 +439,15 @@ class RouterService:
                       "prefill_worker": plan.prefill_worker,
                       "predicted_ttft_s": round(plan.ttft_s, 6),
                       "predicted_tpot_s": round(plan.tpot_s, 6),
+                      "expected_tpot_s": round(plan.expected_tpot_s, 6),
                       "predicted_admitted_tpot_s": round(plan.harm_tpot_s, 6),
+                      "predicted_wait_s": round(
+                          plan.ttft_s - self.adaptive.costs.prefill_s(plan.uncached_tokens), 6),
+                      "prefill_scale": round(self.adaptive.prefill_scale, 4),
+                      "decode_scale": round(self.adaptive.decode_scale, 4),
                       "hold_s": round(plan.hold_s, 6)}
+        upstream_id = clock.upstream_id
+        clock.on_prefilled = lambda: self.adaptive.prefilled(upstream_id, time.monotonic())
         if plan.waits_for:  # its prefill waits for the answers it would stall to end
             limit_s = hold_limit_s(plan, self.settings.ttft_slo_s)
             clock.plan["held_s"] = round(await self.holds.wait(plan.waits_for, limit_s), 6)

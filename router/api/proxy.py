@@ -600,7 +600,7 @@ class PDProxy:
             now = time.perf_counter()
             watch.feed(chunk, now)
             if not detector.found and detector.feed(chunk):
-                clock.first_output = now
+                clock.saw_first_output(now)
                 metrics.ttft.labels(endpoint=endpoint.name, model_name=route.model).observe(
                     now - clock.started)
 

@@ -174,7 +174,7 @@ class ResumableStream:
             self._first(now)
 
     def _first(self, now: float) -> None:
-        self.clock.first_output = now
+        self.clock.saw_first_output(now)
         self.proxy.metrics.ttft.labels(endpoint=self.endpoint.name,
                                        model_name=self.route.model).observe(
             now - self.clock.started)

@@ -14,6 +14,7 @@ timelines, which use ``time.time()``).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.api.context import upstream_request_id
@@ -64,6 +65,9 @@ class PhaseClock:
     model: str = ""
     """The served model, once known to be one a live worker registered (the ``model_name``
     label of the router's request metrics; ``""`` for requests refused before that)."""
+    on_prefilled: Callable[[], None] | None = None
+    """Called once, when the request's prompt is known to be prefilled: the prefill's answer
+    (``prefill_answered``) or, served whole, its stream's first generated token."""
 
     @classmethod
     def start(cls, request_id: str, at: float | None = None) -> PhaseClock:
@@ -81,6 +85,20 @@ class PhaseClock:
         if event not in self.mono:
             self.mono[event] = time.perf_counter()
             self.wall[event] = time.time()
+            if event == "prefill_answered":
+                self._prefilled()
+
+    def saw_first_output(self, at: float) -> None:
+        """The stream's first generated token reached the client at ``at`` (``perf_counter``;
+        kept only the first time)."""
+        if self.first_output is None:
+            self.first_output = at
+            self._prefilled()
+
+    def _prefilled(self) -> None:
+        hook, self.on_prefilled = self.on_prefilled, None
+        if hook is not None:
+            hook()
 
     @property
     def started(self) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import replace
 from pathlib import Path
 
@@ -346,11 +347,67 @@ def test_costs_are_learned_from_what_served_requests_showed() -> None:
     # controls: no measurement, or a prediction too short to trust, teaches nothing
     before = (paths.prefill_scale, paths.decode_scale)
     paths.learn(0.2, None, 0.01, None)
-    paths.learn(0.001, 0.5, 0.001, 0.5)
+    paths.learn(0.001, 0.5, 0.0005, 0.5)
     assert (paths.prefill_scale, paths.decode_scale) == before
     # one absurd outlier moves the scale by at most 4 ** 0.1
     paths.learn(0.2, 1000.0, 0.01, 0.01)
     assert paths.prefill_scale <= before[0] * 4 ** 0.1 + 1e-9
+
+
+def test_a_heard_prefill_end_resets_its_engine_queue() -> None:
+    paths = _paths()
+    cands = [("flex", Candidate("a")), ("flex", Candidate("b"))]
+    for rid in ("r1", "r2", "r3"):  # 0.1 s of prefill each, queued on a: it ends at 0.3
+        paths.dispatched(_request(1000, rid), estimate_whole(COSTS, 1000, 64, EngineLoad("a")),
+                         64, now_s=0.0)
+
+    def load(worker: str, now: float) -> EngineLoad:
+        return {e.worker_id: e for e in paths.loads(_request(10), cands, now)}[worker]
+
+    assert load("a", 0.05).queued_s == pytest.approx(0.25)  # control: nothing heard yet
+    paths.prefilled("r1", 0.05)  # r1 ended 0.05 s early: r2 and r3 start that much earlier
+    assert load("a", 0.05).queued_s == pytest.approx(0.2)
+    assert load("a", 0.05).admitted[0][2] == 0.0  # r1 decodes from now on
+    assert load("a", 0.05).admitted[1][2] == pytest.approx(0.1)  # r2's prefill ends at 0.15
+    paths.prefilled("r2", 0.4)  # r2 ended 0.25 s late: r3 is that much later
+    assert load("a", 0.4).queued_s == pytest.approx(0.1)
+    assert load("b", 0.4).queued_s == 0.0  # another engine's queue is its own
+    before = load("a", 0.4)
+    paths.prefilled("r2", 0.45)  # heard once: a second word and an unknown id change nothing
+    paths.prefilled("unknown", 0.45)
+    assert load("a", 0.4) == before
+    paths.prefilled("r3", 0.42)  # the last one ends: the engine is idle
+    assert load("a", 0.42).queued_s == 0.0
+
+
+def test_the_prefill_scale_learns_only_from_requests_that_did_not_wait() -> None:
+    paths = _paths()
+    for _ in range(30):  # a burst: the queue's prediction was long, the prefill was not slow
+        paths.learn(2.0, 0.7, 0.02, 0.02, predicted_wait_s=1.9)
+    assert paths.prefill_scale == 1.0
+    for _ in range(30):  # control: a request predicted to wait little teaches the scale
+        paths.learn(0.1, 0.2, 0.02, 0.02, predicted_wait_s=0.01)
+    assert paths.prefill_scale > 1.5
+
+
+def test_the_decode_scale_learns_the_mean_tpot_not_the_tail() -> None:
+    # 20-token answers on an engine taking 2 prefills/s of 0.2 s: 0.38 landings expected, so
+    # the 0.95 tail counts 2 landings (31 ms) while most answers see none (the 10 ms step)
+    engine = EngineLoad("a", prefill_rate=2.0, mean_prefill_s=0.2)
+    truth = estimate_whole(COSTS, 100, 20, engine)
+    assert truth.tpot_s > 3 * truth.tpot_base_s and truth.tpot_base_s == pytest.approx(0.01)
+    # engines like the model's: of 100 answers 68 see no landing prefill, 26 one, 6 two
+    landed = [2] * 6 + [1] * 26 + [0] * 68
+    random.Random(0).shuffle(landed)
+    mean, tail = _paths(), _paths()
+    for _ in range(3):
+        for k in landed:
+            observed = truth.tpot_base_s + k * truth.landing_tpot_s
+            mean.learn(0.1, 0.1, estimate_whole(mean.costs, 100, 20, engine).expected_tpot_s,
+                       observed)
+            tail.learn(0.1, 0.1, estimate_whole(tail.costs, 100, 20, engine).tpot_s, observed)
+    assert 0.7 < mean.decode_scale < 1.1  # the model's step stays about the step (0.83)
+    assert tail.decode_scale < 0.4  # control: against the tail it ratchets down (0.19)
 
 
 def test_the_split_keeps_quiet_decoders_for_stall_sensitive_demand() -> None:

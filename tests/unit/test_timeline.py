@@ -63,3 +63,20 @@ def test_router_clock_keeps_the_first_stamp_and_rejects_unknown_events() -> None
     assert list(clock.phases()) == ["prefill_choose"]
     with pytest.raises(ValueError):
         clock.mark("nonsense")
+
+
+def test_the_prefilled_hook_fires_once_at_the_prefill_answer_or_the_first_token() -> None:
+    heard: list[str] = []
+    pd = PhaseClock.start("pd")
+    pd.on_prefilled = lambda: heard.append("pd")
+    pd.mark("validated")
+    assert heard == []  # control: another event is not the prefill's end
+    pd.mark("prefill_answered")
+    pd.saw_first_output(1.0)
+    pd.mark("prefill_answered")
+    assert heard == ["pd"]
+    whole = PhaseClock.start("whole")
+    whole.on_prefilled = lambda: heard.append("whole")
+    whole.saw_first_output(2.0)
+    whole.saw_first_output(3.0)
+    assert heard == ["pd", "whole"] and whole.first_output == 2.0
