@@ -197,6 +197,7 @@ class RouterService:
         """A request ended: phase metrics, the timeline file, the trace; the adaptive decision
         stops counting it and, from a stream it planned, learns the engines' real costs; its
         key's decode budget is charged what it generated."""
+        stall_s = self.adaptive.stall_added_s(clock.upstream_id)
         self.adaptive.finished(clock.upstream_id)
         self.holds.ended(clock.upstream_id)
         charge = self._charges.pop(clock.upstream_id, None)
@@ -207,8 +208,8 @@ class RouterService:
             self.adaptive.learn(
                 float(clock.plan["predicted_ttft_s"]),  # type: ignore[arg-type]
                 clock.first_output - clock.mono["validated"],
-                float(clock.plan["expected_tpot_s"]),  # type: ignore[arg-type]
-                clock.tpot_s,
+                float(clock.plan["base_tpot_s"]),  # type: ignore[arg-type]
+                None if clock.tpot_s is None else clock.tpot_s - stall_s,
                 float(clock.plan.get("predicted_wait_s", 0.0)))  # type: ignore[arg-type]
             self.metrics.path_cost_scale.labels(part="prefill").set(self.adaptive.prefill_scale)
             self.metrics.path_cost_scale.labels(part="decode").set(self.adaptive.decode_scale)
@@ -439,7 +440,7 @@ class RouterService:
                       "prefill_worker": plan.prefill_worker,
                       "predicted_ttft_s": round(plan.ttft_s, 6),
                       "predicted_tpot_s": round(plan.tpot_s, 6),
-                      "expected_tpot_s": round(plan.expected_tpot_s, 6),
+                      "base_tpot_s": round(plan.tpot_base_s, 6),
                       "predicted_admitted_tpot_s": round(plan.harm_tpot_s, 6),
                       "predicted_wait_s": round(
                           plan.ttft_s - self.adaptive.costs.prefill_s(plan.uncached_tokens), 6),

@@ -126,6 +126,10 @@ class _Engine:
     """Prefill seconds dispatched, decayed to ``share_at_s``."""
     count: float = 0.0
     """Prefills dispatched, decayed to ``share_at_s``."""
+    pushing: float = 0.0
+    """Prefills dispatched that pushed an answer past the TPOT target (sent now by a plan
+    that met nothing), decayed to ``share_at_s``: the landings a held plan's answer is exposed
+    to."""
     square_s: float = 0.0
     """Sum of the squared prefill seconds, decayed to ``share_at_s``."""
     share_at_s: float = 0.0
@@ -248,7 +252,9 @@ class AdaptivePaths:
                 worker_id=c.worker_id, whole=whole, prefill=prefill, decode=decode,
                 queued_s=max(engine.busy_until_s - now_s, 0.0),
                 running=max(c.running, len(engine.decoding)),
-                prefill_rate=engine.count * decay / self.share_window_s,
+                # held plans: only the prefills sent past the answers they stall land on one
+                prefill_rate=(engine.pushing if self.defer else engine.count) * decay
+                / self.share_window_s,
                 mean_prefill_s=engine.square_s / engine.share_s if engine.share_s > 1e-12
                 else 0.0,
                 cached_tokens=self.cached_tokens(request, c.worker_id),
@@ -545,6 +551,8 @@ class AdaptivePaths:
         decay = self._decay(engine.share_at_s, now_s)
         engine.share_s = engine.share_s * decay + seconds
         engine.count = engine.count * decay + (1.0 if seconds > 0 else 0.0)
+        engine.pushing = engine.pushing * decay + (
+            1.0 if seconds > 0 and plan.admitted_past(self.tpot_slo_s) else 0.0)
         engine.square_s = engine.square_s * decay + seconds * seconds
         engine.share_at_s = now_s
         step = self.costs.step_s(len(engine.decoding))
@@ -590,8 +598,16 @@ class AdaptivePaths:
         if admitted is not None:
             admitted[2] = start_s
 
+    def stall_added_s(self, request_id: str) -> float:
+        """The stall per token the prefills dispatched onto ``request_id``'s engine added to
+        its answer (0 when it is not known): what of its TPOT is not the engine's step."""
+        engines = self._requests.get(request_id, ())
+        engine = self._engines.get(engines[0]) if engines else None
+        admitted = engine.decoding.get(request_id) if engine is not None else None
+        return admitted[1] if admitted is not None else 0.0
+
     def learn(self, predicted_ttft_s: float, observed_ttft_s: float | None,
-              expected_tpot_s: float, observed_tpot_s: float | None,
+              base_tpot_s: float, observed_tpot_s: float | None,
               predicted_wait_s: float = 0.0) -> None:
         """Move the cost scales toward what one served request showed (online calibration
         from the router's own measurements: a deployment's engines need no profile to start
@@ -600,12 +616,13 @@ class AdaptivePaths:
         (``predicted_wait_s``, the queue, hold and hop before it, under a quarter): a queued
         request's error is the queue's, which :meth:`prefilled` corrects. Learned from every
         request, a burst's over-predicted queues taught the scale a 0.14x in 20 requests and
-        the next minute's predictions were 14x short (the box, switching trace). The TPOT
-        compared is the plan's mean (``PlanEstimate.expected_tpot_s``), not its tail, and a
-        TPOT teaches from :data:`MIN_LEARN_TPOT_S`: against the tail (a whole landing prefill
-        that most answers never see), with TPOTs under 5 ms ignored, the decode scale fell to
-        0.3-0.5x on the box (switching trace): the model's step was ~2.5 ms where 2-12-token
-        answers took 8.6 ms (p50), and answers were predicted to end 2-3x too soon."""
+        the next minute's predictions were 14x short (the box, switching trace). The decode
+        scale learns the step: ``base_tpot_s`` (``PlanEstimate.tpot_base_s``, no landing
+        prefill) against the observed TPOT less the stall the router's own prefills added to
+        it (:meth:`stall_added_s`), from :data:`MIN_LEARN_TPOT_S`. Against the predicted tail
+        (a whole landing prefill that most answers never see), with TPOTs under 5 ms ignored,
+        it fell to 0.3-0.5x on the box: the model's step was ~2.5 ms where 2-12-token answers
+        took 8.6 ms (p50), and answers were predicted to end 2-3x too soon."""
         lo, hi = SCALE_LIMITS
 
         def step(scale: float, predicted: float, observed: float | None,
@@ -619,7 +636,7 @@ class AdaptivePaths:
 
         if predicted_wait_s <= MAX_LEARN_WAIT * predicted_ttft_s:
             self.prefill_scale = step(self.prefill_scale, predicted_ttft_s, observed_ttft_s)
-        self.decode_scale = step(self.decode_scale, expected_tpot_s, observed_tpot_s,
+        self.decode_scale = step(self.decode_scale, base_tpot_s, observed_tpot_s,
                                  MIN_LEARN_TPOT_S)
         base = self.base_costs
         self.costs = replace(base,

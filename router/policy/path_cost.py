@@ -215,13 +215,6 @@ class PlanEstimate:
     waits_for: tuple[str, ...] = ()
     """A held plan: the request ids of those answers (the router sends it once they end)."""
 
-    @property
-    def expected_tpot_s(self) -> float:
-        """Its mean TPOT: with the expected landings, not the tail's. What an observed TPOT
-        is compared with when the costs are learned (the tail of a short answer counts a
-        whole landing prefill that lands in few of them)."""
-        return self.tpot_base_s + self.landings_mean * self.landing_tpot_s
-
     def tpot_miss_probability(self, tpot_slo_s: float) -> float:
         """Probability that its own TPOT exceeds ``tpot_slo_s``: 1 when it does with no landing
         prefill, else the chance that enough land (Poisson)."""

@@ -390,24 +390,34 @@ def test_the_prefill_scale_learns_only_from_requests_that_did_not_wait() -> None
     assert paths.prefill_scale > 1.5
 
 
-def test_the_decode_scale_learns_the_mean_tpot_not_the_tail() -> None:
-    # 20-token answers on an engine taking 2 prefills/s of 0.2 s: 0.38 landings expected, so
-    # the 0.95 tail counts 2 landings (31 ms) while most answers see none (the 10 ms step)
-    engine = EngineLoad("a", prefill_rate=2.0, mean_prefill_s=0.2)
-    truth = estimate_whole(COSTS, 100, 20, engine)
-    assert truth.tpot_s > 3 * truth.tpot_base_s and truth.tpot_base_s == pytest.approx(0.01)
-    # engines like the model's: of 100 answers 68 see no landing prefill, 26 one, 6 two
+def test_the_decode_scale_learns_the_step_from_tpots_less_the_stalls_added() -> None:
+    # 20-token answers on engine a; of 100, 26 had one neighbour's 0.4 s prefill land during
+    # their decode and 6 two (the router dispatched them there, so it knows), the rest none
     landed = [2] * 6 + [1] * 26 + [0] * 68
     random.Random(0).shuffle(landed)
-    mean, tail = _paths(), _paths()
-    for _ in range(3):
-        for k in landed:
-            observed = truth.tpot_base_s + k * truth.landing_tpot_s
-            mean.learn(0.1, 0.1, estimate_whole(mean.costs, 100, 20, engine).expected_tpot_s,
-                       observed)
-            tail.learn(0.1, 0.1, estimate_whole(tail.costs, 100, 20, engine).tpot_s, observed)
-    assert 0.7 < mean.decode_scale < 1.1  # the model's step stays about the step (0.83)
-    assert tail.decode_scale < 0.4  # control: against the tail it ratchets down (0.19)
+    paths, control = _paths(), _paths()
+    step = COSTS.step_s(1)
+    for i, k in enumerate(landed):
+        rid = f"r{i}"
+        for policy in (paths, control):
+            policy.dispatched(_request(100, rid), estimate_whole(policy.costs, 100, 20,
+                                                                  EngineLoad("a")), 20, i)
+            for n in range(k):  # a neighbour's 4,000-token prefill lands while it decodes
+                policy.dispatched(_request(4000, f"{rid}-{n}"),
+                                  estimate_whole(policy.costs, 4000, 1, EngineLoad("a")), 1,
+                                  i + 0.02)
+        observed = step + k * 0.4 / 19
+        assert paths.stall_added_s(rid) == pytest.approx(k * 0.4 / 19, rel=0.2)
+        base = estimate_whole(paths.costs, 100, 20, EngineLoad("a")).tpot_base_s
+        paths.learn(0.1, 0.1, base, observed - paths.stall_added_s(rid))
+        control.learn(0.1, 0.1, estimate_whole(control.costs, 100, 20,
+                                               EngineLoad("a")).tpot_base_s, observed)
+        for policy in (paths, control):
+            for done in [rid] + [f"{rid}-{n}" for n in range(k)]:
+                policy.finished(done)
+    assert paths.decode_scale == pytest.approx(1.0, abs=0.05)  # the model's step is the step
+    assert control.decode_scale > 1.15  # control: their stall taught as a slower step (1.25)
+    assert paths.stall_added_s("unknown") == 0.0
 
 
 def test_the_split_keeps_quiet_decoders_for_stall_sensitive_demand() -> None:

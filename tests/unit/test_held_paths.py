@@ -118,9 +118,26 @@ def test_a_held_prefill_is_booked_after_the_answers_it_waited_for() -> None:
             assert decision.plan.hold_s == pytest.approx(0.029)
             assert after.queued_s == pytest.approx(0.04 + 0.2 - 0.012)
             assert stalls[4.0] == 0.0  # it ended before the prefill started
+            assert after.prefill_rate == 0.0  # no prefill landed on an answer here
         else:  # control: sent at once, the prefill stalls the short answer
             assert decision.plan.hold_s == 0.0
             assert stalls[4.0] > 0.0
+            assert after.prefill_rate > 0.0
+
+
+def test_with_holds_an_answer_is_exposed_only_to_prefills_sent_past_answers() -> None:
+    one = [("flex", Candidate("a", 0, False, 0, 0))]
+    # a TTFT of 0.15 s leaves no room to wait: the 0.2 s prefill misses it, and is sent now
+    # onto the short answer it stalls
+    paths = AdaptivePaths(COSTS, 0.15, 0.05, defer=True)
+    paths.dispatched(_request(100, "short"), paths.decide(  # type: ignore[union-attr]
+        _request(100, "short"), 4, paths.loads(_request(100, "short"), one, 0.0)).plan, 4, 0.0)
+    decision = paths.decide(_request(2000), 64, paths.loads(_request(2000), one, 0.011))
+    assert decision is not None and decision.reason == "best_effort"
+    assert decision.plan.admitted_past(TARGET) == 1
+    paths.dispatched(_request(2000), decision.plan, 64, 0.011)
+    after = paths.loads(_request(10, "next"), one, 0.012)[0]
+    assert after.prefill_rate == pytest.approx(0.1, rel=0.01)  # one such prefill in 10 s
 
 
 def test_the_router_flag_and_its_environment_variable() -> None:
