@@ -94,10 +94,10 @@ MIN_LEARN_TPOT_S = 0.001
 """TPOT predictions shorter than this teach nothing. A TPOT is a mean over the answer's gaps,
 with no request overhead in it: a decode step of a few ms is a real measurement."""
 SCALE_LIMITS = (0.1, 10.0)
+"""The learned scales stay within these factors of the starting costs."""
 MAX_LEARN_WAIT = 0.25
 """The prefill scale learns from a request only when the wait before its own prefill was
 predicted under this share of its TTFT (:meth:`AdaptivePaths.learn`)."""
-"""The learned scales stay within these factors of the starting costs."""
 
 REASONS = ("whole_meets_slo", "whole_misses_ttft", "whole_misses_tpot", "whole_harms_admitted",
            "best_effort", "forced", "no_pd_pair", "stall_sensitive", "split", "split_relief",
@@ -574,8 +574,8 @@ class AdaptivePaths:
         """``request_id``'s prefill ended at ``now_s`` (the router saw its prefill's answer or
         its first token): its engine's virtual queue is set by it. An engine runs its prefills
         in order, so what was booked there after it ends as much earlier or later as it did,
-        and it starts decoding now. Without this the queue drifted by every error of the model
-        (on the box, predicted TTFTs 2.7x the observed in a burst)."""
+        and it starts decoding now. Without this the queue kept every error of the model until
+        the engine emptied (on the box, TTFTs predicted 2.7x the observed in a burst)."""
         booked = self._booked.pop(request_id, None)
         if booked is None:
             return
@@ -590,20 +590,22 @@ class AdaptivePaths:
                 self._starts_at(other, max(end_s + shift_s, now_s))
         self._starts_at(request_id, now_s)
 
-    def _starts_at(self, request_id: str, start_s: float) -> None:
-        """``request_id`` starts decoding at ``start_s`` (its prefill's end, as now known)."""
+    def _decoding(self, request_id: str) -> list[float] | None:
+        """``request_id``'s entry in its decoding engine's ``_Engine.decoding`` (None: none)."""
         engines = self._requests.get(request_id, ())
         engine = self._engines.get(engines[0]) if engines else None
-        admitted = engine.decoding.get(request_id) if engine is not None else None
+        return engine.decoding.get(request_id) if engine is not None else None
+
+    def _starts_at(self, request_id: str, start_s: float) -> None:
+        """``request_id`` starts decoding at ``start_s`` (its prefill's end, as now known)."""
+        admitted = self._decoding(request_id)
         if admitted is not None:
             admitted[2] = start_s
 
     def stall_added_s(self, request_id: str) -> float:
         """The stall per token the prefills dispatched onto ``request_id``'s engine added to
         its answer (0 when it is not known): what of its TPOT is not the engine's step."""
-        engines = self._requests.get(request_id, ())
-        engine = self._engines.get(engines[0]) if engines else None
-        admitted = engine.decoding.get(request_id) if engine is not None else None
+        admitted = self._decoding(request_id)
         return admitted[1] if admitted is not None else 0.0
 
     def learn(self, predicted_ttft_s: float, observed_ttft_s: float | None,
@@ -614,9 +616,9 @@ class AdaptivePaths:
         right; a profile, ``PathCosts.from_profile``, only starts them closer). The prefill
         scale learns only from a request whose predicted TTFT was mostly its own prefill
         (``predicted_wait_s``, the queue, hold and hop before it, under a quarter): a queued
-        request's error is the queue's, which :meth:`prefilled` corrects. Learned from every
-        request, a burst's over-predicted queues taught the scale a 0.14x in 20 requests and
-        the next minute's predictions were 14x short (the box, switching trace). The decode
+        request's error is the queue's, which :meth:`prefilled` corrects (learned from every
+        request, TTFT predictions on the box went from 2.7x too long in a burst to 14x too
+        short in the ten seconds after it, as that learning would make them). The decode
         scale learns the step: ``base_tpot_s`` (``PlanEstimate.tpot_base_s``, no landing
         prefill) against the observed TPOT less the stall the router's own prefills added to
         it (:meth:`stall_added_s`), from :data:`MIN_LEARN_TPOT_S`. Against the predicted tail
