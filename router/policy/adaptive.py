@@ -199,9 +199,9 @@ class AdaptivePaths:
         self._caches: dict[str, PrefixCacheModel] = {}
         self._requests: dict[str, tuple[str, ...]] = {}
         """Request id -> the engines it occupies (decode engine first)."""
-        self._booked: dict[str, tuple[str, float]] = {}
-        """Request id -> (the engine prefilling it, its prefill's predicted end), until the
-        router hears it prefilled (:meth:`prefilled`)."""
+        self._prefilling: dict[str, str] = {}
+        """Request id -> the engine prefilling it, until the router hears it prefilled
+        (:meth:`prefilled`); its prefill's predicted end is its decoding entry's start."""
         self._sensitive_tokens = 0.0
         """Output tokens of stall-sensitive requests, decayed like the prefill counts."""
         self._sensitive_requests = 0.0
@@ -562,7 +562,7 @@ class AdaptivePaths:
                 admitted[1] += seconds / token_intervals(admitted[0])
         decoder = self._engines.setdefault(plan.worker, _Engine())
         decoder.decoding[request.request_id] = [float(output_tokens), 0.0, ends_s]
-        self._booked[request.request_id] = (prefiller, ends_s)
+        self._prefilling[request.request_id] = prefiller
         self._requests[request.request_id] = (plan.worker,)
         for worker in {prefiller, plan.worker}:
             cache = self._caches.get(worker)
@@ -576,31 +576,25 @@ class AdaptivePaths:
         in order, so what was booked there after it ends as much earlier or later as it did,
         and it starts decoding now. Without this the queue kept every error of the model until
         the engine emptied (on the box, TTFTs predicted 2.7x the observed in a burst)."""
-        booked = self._booked.pop(request_id, None)
-        if booked is None:
+        worker = self._prefilling.pop(request_id, None)
+        admitted = self._decoding(request_id)
+        if worker is None or admitted is None:
             return
-        worker, predicted_end_s = booked
+        predicted_end_s, admitted[2] = admitted[2], now_s
         shift_s = now_s - predicted_end_s
         engine = self._engines.get(worker)
         if engine is not None and engine.busy_until_s >= predicted_end_s:
             engine.busy_until_s = max(engine.busy_until_s + shift_s, now_s)
-        for other, (where, end_s) in list(self._booked.items()):
-            if where == worker and end_s > predicted_end_s:
-                self._booked[other] = (where, max(end_s + shift_s, now_s))
-                self._starts_at(other, max(end_s + shift_s, now_s))
-        self._starts_at(request_id, now_s)
+        for other, where in self._prefilling.items():
+            queued = self._decoding(other) if where == worker else None
+            if queued is not None and queued[2] > predicted_end_s:
+                queued[2] = max(queued[2] + shift_s, now_s)
 
     def _decoding(self, request_id: str) -> list[float] | None:
         """``request_id``'s entry in its decoding engine's ``_Engine.decoding`` (None: none)."""
         engines = self._requests.get(request_id, ())
         engine = self._engines.get(engines[0]) if engines else None
         return engine.decoding.get(request_id) if engine is not None else None
-
-    def _starts_at(self, request_id: str, start_s: float) -> None:
-        """``request_id`` starts decoding at ``start_s`` (its prefill's end, as now known)."""
-        admitted = self._decoding(request_id)
-        if admitted is not None:
-            admitted[2] = start_s
 
     def stall_added_s(self, request_id: str) -> float:
         """The stall per token the prefills dispatched onto ``request_id``'s engine added to
@@ -650,7 +644,7 @@ class AdaptivePaths:
 
     def finished(self, request_id: str) -> None:
         """``request_id`` ended (answered, failed or re-planned): its engines stop counting it."""
-        self._booked.pop(request_id, None)
+        self._prefilling.pop(request_id, None)
         for worker in self._requests.pop(request_id, ()):
             engine = self._engines.get(worker)
             if engine is not None:
