@@ -6,7 +6,7 @@ PY        := $(VENV)/bin/python
 PIP       := $(PY) -m pip
 STAMP     := $(VENV)/.pdserve-setup
 NATIVE    := $(wildcard kernels/native/*.c kernels/native/*.h)
-PYTEST_ARGS ?= --durations=25
+PYTEST_ARGS ?= --durations=60
 
 COMPOSE   ?= $(shell command -v docker-compose >/dev/null 2>&1 && echo docker-compose || echo docker compose)
 

@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.sim.sweep import SweepConfig, effective_capacity, starting_rate
-from bench.sim.workload import WorkloadConfig, build_requests
+from bench.sim.workload import SimRequest, WorkloadConfig, build_requests
 from bench.synth import gamma_rows
-from bench.trace import native_rate
+from bench.trace import TraceRow, native_rate
 from router.policy.registry import BASELINES, PEERS, PREFILL_POLICIES
 
 #: shape -> (gamma_rows keyword arguments, WorkloadConfig changes)
@@ -76,8 +76,22 @@ def policy_names(spec: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def held_out(shape: str, seed: int) -> bool:
+    """Whether DualMap's tuning never looked at ``shape`` with ``seed``."""
+    return shape not in TUNED and seed >= TUNED_SEEDS
+
+
 def _ratio(reference: float, best: float) -> float:
     return reference / best if best else float("inf")
+
+
+def shape_requests(shape: str, seed: int, n: int, block_tokens: int
+                   ) -> tuple[list[TraceRow], list[SimRequest]]:
+    """The trace rows and the simulator's requests of ``n`` arrivals of ``shape``."""
+    rows_kw, workload_kw = SHAPES[shape]
+    rows = gamma_rows(n, seed=seed, **rows_kw)  # type: ignore[arg-type]
+    workload = replace(WorkloadConfig(block_tokens=block_tokens), **workload_kw)
+    return rows, build_requests(rows, workload, seed)
 
 
 def one(shape: str, seed: int, n: int, instances: int, ttft_slo_s: float,
@@ -85,11 +99,8 @@ def one(shape: str, seed: int, n: int, instances: int, ttft_slo_s: float,
     """The effective capacity of every policy (or of ``policies``, which must include DualMap)
     on one shape and seed. ``best_baseline`` / ``dualmap_over_best`` compare DualMap with the
     best of all the others run; ``groups`` with the best of each group (baselines, peers)."""
-    rows_kw, workload_kw = SHAPES[shape]
-    rows = gamma_rows(n, seed=seed, **rows_kw)  # type: ignore[arg-type]
     cfg = SweepConfig(instances, instances, ttft_slo_s, 0.1)
-    workload = replace(WorkloadConfig(block_tokens=cfg.prefill.block_tokens), **workload_kw)
-    reqs = build_requests(rows, workload, seed)
+    rows, reqs = shape_requests(shape, seed, n, cfg.prefill.block_tokens)
     native = native_rate(rows)
     mean_prompt = sum(r.prompt_tokens for r in reqs) / len(reqs)
     start = starting_rate(reqs, cfg)
@@ -104,7 +115,7 @@ def one(shape: str, seed: int, n: int, instances: int, ttft_slo_s: float,
         if run:
             top = max(run, key=lambda k: caps[k])
             groups[group] = {"best": top, "dualmap_over": _ratio(caps[REFERENCE], caps[top])}
-    return {"shape": shape, "seed": seed, "held_out": shape not in TUNED and seed >= TUNED_SEEDS,
+    return {"shape": shape, "seed": seed, "held_out": held_out(shape, seed),
             "mean_prompt_tokens": round(mean_prompt), "capacity_rps": caps,
             "best_baseline": best, "dualmap_over_best": _ratio(caps[REFERENCE], base[best]),
             "groups": groups, "seconds": round(time.monotonic() - started, 1)}

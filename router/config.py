@@ -113,6 +113,10 @@ class RouterSettings:
     hold_prefills: bool = True
     """Adaptive paths may hold a request in the router until the answers its prefill would push
     past the TPOT SLO have finished (``router.policy.adaptive``, ``AdaptivePaths.defer``)."""
+    adaptive_window_s: float = 10.0
+    """How far back the adaptive split looks: the engines' prefill shares and the stall-sensitive
+    demand decay with this time constant (``AdaptivePaths.share_window_s``). Shorter follows a
+    shift in the load sooner and a burst's noise more."""
     expected_output_tokens: int = 128
     """Output length the adaptive decision assumes for a request without ``max_tokens``."""
     kv_events: bool = False
@@ -206,7 +210,7 @@ class RouterSettings:
             )
         for name in ("refresh_interval_s", "connect_timeout_s", "prefill_timeout_s",
                      "decode_timeout_s", "max_upstream_connections", "ttft_slo_s",
-                     "prefill_s_per_token", "tpot_slo_s"):
+                     "prefill_s_per_token", "tpot_slo_s", "adaptive_window_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("prefill_retries", "decode_retries", "failure_cooldown_s", "no_worker_wait_s",
@@ -303,6 +307,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="adaptive paths: hold a request until the answers its prefill would "
                    "push past the TPOT SLO have finished, instead of stalling them or moving "
                    "it P/D (PDSERVE_ROUTER_HOLD_PREFILLS, default on)")
+    p.add_argument("--adaptive-window-s", dest="adaptive_window_s", type=float,
+                   help="adaptive paths: the time constant the split's view of the load decays "
+                   "with (PDSERVE_ROUTER_ADAPTIVE_WINDOW_S, default 10)")
     p.add_argument("--expected-output-tokens", dest="expected_output_tokens", type=int,
                    help="output length assumed for requests without max_tokens "
                    "(PDSERVE_ROUTER_EXPECTED_OUTPUT_TOKENS, default 128)")
@@ -352,6 +359,7 @@ _ENV_NAMES = {
     "path_policy": "PATH_POLICY",
     "path_costs_file": "PATH_COSTS",
     "hold_prefills": "HOLD_PREFILLS",
+    "adaptive_window_s": "ADAPTIVE_WINDOW_S",
     "expected_output_tokens": "EXPECTED_OUTPUT_TOKENS",
     "kv_events": "KV_EVENTS",
 }

@@ -106,7 +106,8 @@ class RouterService:
             else PathCosts()
         self.adaptive = AdaptivePaths(costs, settings.ttft_slo_s, settings.tpot_slo_s,
                                       block_tokens=context.block_tokens,
-                                      defer=settings.hold_prefills)
+                                      defer=settings.hold_prefills,
+                                      share_window_s=settings.adaptive_window_s)
         """The per-request path decision (``--path-policy``; adaptive disaggregation)."""
         self.placement = Placement.create(settings.policy, settings.decode_policy, context,
                                           self.tracker, decode_observers=(self.disagg.observe,))

@@ -254,13 +254,14 @@ def test_without_holds_the_split_moves_the_path_mix(adaptive: Cluster,
     # 15 ms TPOT: a long prefill landing on an engine stalls its 16-token answers past it,
     # while the P/D hop (50 ms over 16 tokens) does not (a 4-token answer would miss by the
     # hop alone: P/D cannot save it)
-    with _router(adaptive, tpot_slo_s=0.015, ttft_slo_s=2.0, hold_prefills=False) as url:
+    with _router(adaptive, tpot_slo_s=0.015, ttft_slo_s=2.0, hold_prefills=False,
+                 adaptive_window_s=5.0) as url:
         before = _paths(url)
         codes = asyncio.run(_burst(url, long, max_tokens=16, concurrency=6))
         burst = _grew(before, _paths(url))
-        # the engines' prefill shares and the stall-sensitive demand decay (10 s window):
-        # 16 sensitive requests fall under the split's 2 after 10 x ln 8 = 21 s
-        time.sleep(25)
+        # the engines' prefill shares and the stall-sensitive demand decay (5 s window):
+        # 16 sensitive requests fall under the split's 2 after 5 x ln 8 = 10.4 s
+        time.sleep(13)
         middle = _paths(url)
         codes += asyncio.run(_burst(url, short, max_tokens=48, concurrency=1))
         calm = _grew(middle, _paths(url))

@@ -536,9 +536,8 @@ def test_autoscaler_grows_decode_to_two_and_back(cluster: Cluster, tmp_path: Pat
         trickle = Trickle(cluster.router_url, SERVED, lambda: cluster.containers("decode"))
         trickle.until([first], timeout_s=300)  # the highest-numbered replica went
         marks["back to 1"] = time.monotonic() - t0
-        # ... and the pool stays at one while the trickle goes on for two cooldowns: an interval
-        # with no arrival in it neither shrank it early nor grows it back (it once did).
-        trickle.hold([first])
+        # (that it then stays at one, no flap, is the autoscaler's rule whatever its actuator:
+        # tests/e2e/test_autoscale.py holds the trickle on `pdserve up`)
         assert results and all(results), f"{results.count(False)} of {len(results)} failed"
         assert trickle.results and all(trickle.results), \
             f"{trickle.results.count(False)} of {len(trickle.results)} failed"

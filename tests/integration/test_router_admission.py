@@ -87,7 +87,7 @@ def test_requests_sharing_a_client_id_leak_nothing_in_the_ledger(
     # one decode retry: a decode failing after every decode was tried also goes to a prefill
     # (any engine can finish a request), which would outlast the client's 30 s here
     url = start_router(policy="consistent_hash", prefill_retries=0, prefill_timeout_s=1.5,
-                       decode_retries=1)
+                       decode_retries=1, decode_timeout_s=2.0)
     statuses: list[int] = []
 
     def send(prompt: str) -> None:

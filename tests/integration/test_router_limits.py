@@ -47,8 +47,9 @@ def test_key_limits_count_per_client_and_release_on_leave() -> None:
 def test_a_key_past_its_concurrency_gets_429_and_other_keys_do_not(
         fakes: dict[str, FakeWorker], start_router: Callable[..., str],
         client: httpx.Client) -> None:
-    # the held request waits on a prefill that never answers, until the prefill timeout
-    url = start_router(api_keys=(KEY_A, KEY_B), max_concurrent_per_key=1, prefill_timeout_s=15)
+    # the held request waits on a prefill that never answers, until the prefill timeout (6 s:
+    # the checks below take well under a second, on the cores of a busy CI box a few)
+    url = start_router(api_keys=(KEY_A, KEY_B), max_concurrent_per_key=1, prefill_timeout_s=6)
     for fake in fakes.values():
         fake.mode = "stall"
     before = calls(fakes)

@@ -105,8 +105,10 @@ class Trickle(Generic[T]):
         eventually(self.step, lambda now: now == want, timeout_s=timeout_s, interval_s=0)
 
     def hold(self, want: T) -> None:
-        """Trickle for two cooldowns, the pool ``want`` after every request: the trickle is
-        within one worker's capacity, so no interval grows it back or flaps."""
-        hold_until = time.monotonic() + 2 * COOLDOWN_S
+        """Trickle for a cooldown, the pool ``want`` after every request: the trickle is within
+        one worker's capacity, so no interval grows it back or flaps. One cooldown is ten of
+        the autoscaler's intervals; the flap this guards against grew the pool back in the
+        first interval after the shrink (see :data:`COOLDOWN_S`)."""
+        hold_until = time.monotonic() + COOLDOWN_S
         while time.monotonic() < hold_until:
             assert self.step() == want

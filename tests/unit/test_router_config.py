@@ -38,10 +38,23 @@ def test_env_then_cli_precedence() -> None:
     ({"header_timeout_s": -1}, "header_timeout_s"),
     ({"body_timeout_s": -0.5}, "body_timeout_s"),
     ({"max_connections": -1}, "max_connections"),
+    ({"adaptive_window_s": 0}, "adaptive_window_s"),
 ])
 def test_invalid_settings(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         RouterSettings(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_adaptive_window_reaches_the_path_decision() -> None:
+    """``--adaptive-window-s`` (or its env var) is the split's decay constant; default 10 s."""
+    from router.api.app import create_app
+    from router.state.cluster import StaticCluster
+
+    assert load([], env={}).adaptive_window_s == 10.0
+    assert load([], env={"PDSERVE_ROUTER_ADAPTIVE_WINDOW_S": "4"}).adaptive_window_s == 4.0
+    s = load(["--adaptive-window-s", "2.5"], env={"PDSERVE_ROUTER_ADAPTIVE_WINDOW_S": "4"})
+    app = create_app(s, cluster=StaticCluster([]))
+    assert app.state.router.adaptive.share_window_s == 2.5
 
 
 def test_bad_env_value() -> None:
