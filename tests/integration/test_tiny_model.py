@@ -9,18 +9,22 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 
+from serve.tiny_model import build_tiny_model
+
 
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_build_is_deterministic_and_loadable(tmp_path: Path) -> None:
+    """One build by the CLI in its own process, one by the same function in this one (a second
+    process would only import torch again)."""
     outs = [tmp_path / "a", tmp_path / "b"]
-    for out in outs:
-        done = subprocess.run([sys.executable, "-m", "serve.cli", "model", "tiny", "--out",
-                               str(out)], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == str(out)
+    done = subprocess.run([sys.executable, "-m", "serve.cli", "model", "tiny", "--out",
+                           str(outs[0])], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(outs[0])
+    assert build_tiny_model(outs[1]) == outs[1]
     for name in ("model.safetensors", "tokenizer.json"):
         assert digest(outs[0] / name) == digest(outs[1] / name)
     config = AutoConfig.from_pretrained(outs[0])
