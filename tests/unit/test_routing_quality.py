@@ -16,6 +16,7 @@ from bench.routing_quality import (
     one,
     shape_requests,
 )
+from bench.sim.workload import WorkloadConfig
 from router.policy.registry import PREFILL_POLICIES
 
 
@@ -38,7 +39,8 @@ def test_held_out_rows_are_untuned_shapes_at_untuned_seeds() -> None:
 
 def test_shapes_differ_from_the_default_trace() -> None:
     """The shapes change the workload (were they ignored, the three means would be equal)."""
-    prompts = {s: statistics.mean(r.prompt_tokens for r in shape_requests(s, 0, 200, 16)[1])
+    block = WorkloadConfig().block_tokens
+    prompts = {s: statistics.mean(r.prompt_tokens for r in shape_requests(s, 0, 200, block)[1])
                for s in ("default", "long-prompts", "api-heavy")}
     assert prompts["long-prompts"] > prompts["default"] > prompts["api-heavy"]
     assert set(TUNED) <= set(SHAPES)
