@@ -55,7 +55,7 @@ def serve(settings: RouterSettings) -> None:
     from router.api.app import create_app
     from router.http_protocol import SlowClientLimits, protocol_class
 
-    app = create_app(settings)
+    app = create_app(settings, settle_heap=True)
     closed = app.state.router.metrics.connections_closed
     limits = SlowClientLimits(header_timeout_s=settings.header_timeout_s,
                               body_timeout_s=settings.body_timeout_s,

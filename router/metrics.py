@@ -115,6 +115,10 @@ class RouterMetrics:
             "50 ms at a time: what anything holding the loop (a parse, a large body) added "
             "to every stream the router relayed meanwhile.",
             buckets=_LOOP_LAG_BUCKETS_S, registry=r)
+        self.heap_frozen = Gauge(
+            "pdserve_router_heap_frozen_objects",
+            "Objects the router froze out of the collector's full passes after start-up and "
+            "each tokenizer load (router.heap); 0: never settled.", registry=r)
         self.paths = Counter(
             "pdserve_router_paths_total",
             "Requests by the path they took: pd_first_token (P/D, the prefill's token streamed "

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvtransfer.signing import Keyring, KeyringFile, keyring_source
 from kvtransfer.signing import current as current_keyring
+from router import heap
 from router.api import first_token
 from router.api.auth import ApiKeyMiddleware, ApiKeys, key_id, presented_key
 from router.api.cache_salt import FIELD as CACHE_SALT
@@ -78,11 +79,12 @@ logger = logging.getLogger(__name__)
 class RouterService:
     """Request handling shared by the endpoints; one per app (``app.state.router``)."""
 
-    def __init__(self, settings: RouterSettings, cluster: ClusterSource) -> None:
+    def __init__(self, settings: RouterSettings, cluster: ClusterSource, *,
+                 on_tokenizer_loaded: Callable[[], object] = lambda: None) -> None:
         self.settings = settings
         self.cluster = cluster
         self.metrics = RouterMetrics()
-        self.tokenizers = TokenizerCache()
+        self.tokenizers = TokenizerCache(on_tokenizer_loaded)
         self.tracker = LoadTracker(settings.failure_cooldown_s)
         self.tracer = RequestTracer(settings.otlp_traces_endpoint)
         self.client: httpx.AsyncClient | None = None
@@ -653,9 +655,12 @@ def _signed_by(source: KeyringFile | Keyring) -> Callable[[WorkerRecord], bool]:
     return trusted
 
 
-def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None) -> FastAPI:
+def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None,
+               settle_heap: bool = False) -> FastAPI:
     """Build the router app. Without ``cluster`` it reads membership from ``settings.redis_url``.
-    The app starts and closes the cluster view in its lifespan."""
+    The app starts and closes the cluster view in its lifespan. ``settle_heap`` (the router's
+    own process, ``router.main``): freeze the heap after start-up and after each tokenizer
+    load (``router.heap``), so the collector's full passes stop holding the event loop."""
     if cluster is None:
         # with a keyring, only registrations signed with the cluster secret are members:
         # Redis access alone cannot put a worker in front of the router's requests
@@ -663,11 +668,17 @@ def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None
         trust = None if source is None else _signed_by(source)
         registry = WorkerRegistry(settings.redis_url, prefix=settings.redis_prefix, trust=trust)
         cluster = ClusterView(registry, refresh_interval_s=settings.refresh_interval_s)
-    service = RouterService(settings, cluster)
+    def settle() -> None:
+        service.metrics.heap_frozen.set(heap.settle())
+
+    service = RouterService(settings, cluster,
+                            on_tokenizer_loaded=settle if settle_heap else lambda: None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await service.start()
+        if settle_heap:
+            settle()
         logger.info("router ready (policy=%s, decode_policy=%s)", settings.policy,
                     settings.decode_policy)
         try:

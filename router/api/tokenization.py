@@ -37,7 +37,9 @@ _PROBE = "Hello, world! Prefill and decode: 1,000 tokens of KV cache; \u00e9\u4e
 class TokenizerCache:
     """Each model's tokenizer, loaded once per ``model_path``."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_loaded: Callable[[], object] = lambda: None) -> None:
+        self._on_loaded = on_loaded
+        """Called after each tokenizer loaded (the router settles its heap: ``router.heap``)."""
         self._tokenizers: dict[str, Any] = {}
         self._encoders: dict[str, Callable[[str], list[int]]] = {}
         self._failed: set[str] = set()
@@ -86,6 +88,7 @@ class TokenizerCache:
                 return None
             self._encoders[model_path] = _encoder(tok)
             self._tokenizers[model_path] = tok
+            self._on_loaded()
             return tok
 
     async def count_completion(

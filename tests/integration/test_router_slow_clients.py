@@ -347,3 +347,11 @@ def test_past_max_connections_a_request_gets_503_and_reaches_no_worker(
             assert status == 200, payload
     finally:
         capped.stop()
+
+
+def test_the_router_process_froze_its_start_up_heap(
+        routers: tuple[RouterProcess, RouterProcess]) -> None:
+    """``python -m router.main`` settles its heap (``router.heap``): its start-up objects are
+    out of the collector's full passes, which would otherwise hold the loop for each of them."""
+    strict, _ = routers
+    assert value(scrape(strict.url), "pdserve_router_heap_frozen_objects") > 10_000
