@@ -27,10 +27,11 @@ def test_settle_freezes_what_exists_and_not_what_comes_after(thawed: None) -> No
     assert gc.get_freeze_count() == 0  # control: a fresh process freezes nothing by itself
     before = [object() for _ in range(1000)] + [[] for _ in range(1000)]  # tracked: the lists
     frozen = heap.settle()
-    assert frozen == gc.get_freeze_count() >= 1000 + len(before) // 2
+    assert frozen >= 1000 + len(before) // 2
     later = [[] for _ in range(5000)]
-    # what requests allocate afterwards is collected as before: not frozen
-    assert gc.get_freeze_count() == frozen
+    # what requests allocate afterwards is collected as before: not frozen (the count only
+    # drifts down, as frozen objects other threads held are freed)
+    assert gc.get_freeze_count() <= frozen
     del before, later
 
 
