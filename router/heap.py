@@ -5,8 +5,8 @@ goes from about 77,000 objects the collector tracks to about 398,000, all of the
 the process's life. CPython's oldest generation is collected whenever enough objects survived
 into it, and each such pass walks every tracked object with the event loop held: 360 ms for
 that heap on this box, measured alone, and one pass took 539 ms under load at 600 req/s (every
-stream the router relayed stood still meanwhile: that single pause was the run's whole p99,
-about 1.1 s against 2.75 ms direct). :func:`settle` moves everything allocated so far into
+stream the router relayed stood still meanwhile: the requests it held made that run's whole
+p99, about 1.1 s). :func:`settle` moves everything allocated so far into
 the permanent generation (:func:`gc.freeze`), which no pass walks; what requests allocate
 afterwards is collected as before.
 """

@@ -668,6 +668,7 @@ def create_app(settings: RouterSettings, *, cluster: ClusterSource | None = None
         trust = None if source is None else _signed_by(source)
         registry = WorkerRegistry(settings.redis_url, prefix=settings.redis_prefix, trust=trust)
         cluster = ClusterView(registry, refresh_interval_s=settings.refresh_interval_s)
+
     def settle() -> None:
         service.metrics.heap_frozen.set(heap.settle())
 

@@ -66,7 +66,9 @@ def test_the_app_settles_after_start_up_and_each_tokenizer_load_only_when_asked(
         async with app.router.lifespan_context(app):
             started = gc.get_freeze_count()
             await app.state.router.tokenizers.get(model_path)
-            return started, gc.get_freeze_count(), app.state.router.metrics.heap_frozen._value.get()
+            gauge = app.state.router.metrics.registry.get_sample_value(
+                "pdserve_router_heap_frozen_objects")
+            return started, gc.get_freeze_count(), gauge
 
     assert asyncio.run(run(False)) == (0, 0, 0.0)  # control: not asked, nothing frozen
     started, loaded, gauge = asyncio.run(run(True))
