@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -355,3 +356,15 @@ def test_the_router_process_froze_its_start_up_heap(
     out of the collector's full passes, which would otherwise hold the loop for each of them."""
     strict, _ = routers
     assert value(scrape(strict.url), "pdserve_router_heap_frozen_objects") > 10_000
+
+
+def test_the_router_process_tokenizes_without_torch(
+        routers: tuple[RouterProcess, RouterProcess]) -> None:
+    """The router loads its workers' tokenizer without importing torch (``router.api.
+    tokenization._named_class``). Control: the tokenizer's own native library is mapped, so
+    this is a process that loaded one."""
+    strict, _ = routers
+    assert strict.proc is not None
+    maps = Path(f"/proc/{strict.proc.pid}/maps")
+    assert eventually(lambda: "tokenizers.abi3" in maps.read_text(), bool, timeout_s=BOUND_S)
+    assert "libtorch" not in maps.read_text()

@@ -4,7 +4,11 @@ are encoded on the loop and long ones in a thread, with the same ids either way.
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +19,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from router.api import tokenization
 from router.api.tokenization import INLINE_CHARS, TokenizerCache, _encode, _encoder
 from serve.tiny_model import build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +163,62 @@ def test_without_a_tokenizer_texts_are_unknown_and_ids_stay(tmp_path: Any) -> No
                                                         ["some text", [1, 2]])
 
     assert asyncio.run(count()) == [None, [1, 2]]
+
+
+CHAT = [{"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Prefill and decode: which one holds the KV cache?"}]
+
+
+def test_the_named_class_loads_what_auto_tokenizer_loads(model_path: str, tokenizer: Any) -> None:
+    """The router loads the class ``tokenizer_config.json`` names, not through AutoTokenizer:
+    the same class, the same ids and the same chat rendering."""
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(model_path)
+    assert type(tokenizer) is type(auto)
+    for prompt in PROMPTS:
+        assert _encode(tokenizer, prompt) == _encode(auto, prompt)
+    assert tokenization._render_chat(tokenizer, CHAT, {}) == \
+        tokenization._render_chat(auto, CHAT, {})
+
+
+_LOAD_ALONE = """
+import json, sys
+from router.api.tokenization import _encode, _load
+tok = _load(sys.argv[1])
+print(json.dumps(["torch" in sys.modules, _encode(tok, "Hello, world")]))
+"""
+
+
+def test_loading_a_tokenizer_imports_no_torch(model_path: str, tokenizer: Any) -> None:
+    """A fresh process that loads the model's tokenizer as the router does has not imported
+    torch (AutoTokenizer's module would: seconds of CPU and a heap of objects in the router).
+    Control: that process did load the real tokenizer (its ids are this one's)."""
+    out = subprocess.run([sys.executable, "-c", _LOAD_ALONE, model_path], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=True)
+    torch_imported, ids = json.loads(out.stdout.strip().splitlines()[-1])
+    assert ids == _encode(tokenizer, "Hello, world")
+    assert torch_imported is False
+
+
+@pytest.mark.parametrize("config", [
+    None,  # no tokenizer_config.json
+    {"model_max_length": 4096},  # names no class
+    {"tokenizer_class": "NoSuchTokenizerClass"},  # a class this transformers lacks
+    {"tokenizer_class": "PretrainedConfig"},  # a transformers class, not a tokenizer
+    {"tokenizer_class": "TokenizersBackend", "auto_map": {"AutoTokenizer": ["x.Tok", None]}},
+])
+def test_what_names_no_usable_class_goes_through_auto_tokenizer(
+        tmp_path: Path, config: dict[str, Any] | None) -> None:
+    if config is not None:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert tokenization._named_class(str(tmp_path)) is None
+
+
+def test_a_named_tokenizer_class_is_used(tmp_path: Path) -> None:
+    """Control for the cases above: a config naming a tokenizer class gives that class."""
+    from transformers import TokenizersBackend
+
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "TokenizersBackend"}))
+    assert tokenization._named_class(str(tmp_path)) is TokenizersBackend
