@@ -28,7 +28,7 @@ rate are the same for every setup (same seed).
 Every setup is started, swept alone and stopped before the next; the pdserve setups' routers get
 the workload's SLOs. Each setup first serves a discarded warm-up replay. The table prints the
 highest passing rate, attainment at each rate tried, the path mix, where each process ran and
-the load average.
+the load average, and the machine's speed before and after each setup (``bench.box_speed``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ from typing import Any
 
 import httpx
 
-from bench import field_pd
+from bench import box_speed, field_pd
+from bench.box_speed import BoxSpeed
 from bench.goodput_workloads import (
     WORKLOADS,
     Workload,
@@ -209,10 +210,14 @@ def _paths(url: str) -> dict[str, float]:
         r'pdserve_router_paths_total\{path="(\w+)",reason="(\w+)"\} (\S+)', text)}
 
 
+def _box(reading: dict[str, float]) -> str:
+    return BoxSpeed(**reading).line()
+
+
 def run_one(setup: str, workload: Workload, warm_trace: Path, out: Path,
             args: argparse.Namespace) -> dict[str, Any]:
     """Start, warm up, sweep and stop ``setup`` on ``workload``; its result record."""
-    load0 = os.getloadavg()[0]
+    load0, box0 = os.getloadavg()[0], box_speed.measure()
     running = start(setup, workload, args.min_prefill_tokens, args.pdserve_arg)
     try:
         layout = " ".join(f"{name}:{cores}" for name, cores in
@@ -225,6 +230,7 @@ def run_one(setup: str, workload: Workload, warm_trace: Path, out: Path,
         running.stop()
     return {"max_rate_rps": doc["max_rate_rps"], "points": doc["points"], "layout": layout,
             "load_before": load0, "load_after": os.getloadavg()[0], "paths": paths,
+            "box_before": box0.as_dict(), "box_after": box_speed.measure().as_dict(),
             "note": running.note}
 
 
@@ -268,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_one(setup, workload, warm, out / wname / f"{setup}-{repeat}", args)
                 results[wname].setdefault(setup, []).append(res)
                 print(f"{wname:13s} {setup:10s} run {repeat + 1}: {res['max_rate_rps']} req/s "
-                      f"(load {res['load_before']:.2f} -> {res['load_after']:.2f}; "
+                      f"(load {res['load_before']:.2f} -> {res['load_after']:.2f}; box "
+                      f"{_box(res['box_before'])} -> {_box(res['box_after'])}; "
                       f"{res['layout']}) {res['paths'] or ''}", flush=True)
                 (out / "goodput.json").write_text(json.dumps(results, indent=2))
     print_table(results, args)

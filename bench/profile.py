@@ -11,7 +11,11 @@ autoscaler (``--profile``) read, :class:`router.autoscale.profile.InstanceProfil
 
     {"schema", "created", "url", "model",
      "prefill": {"fixed_s", "per_token_s", "points": [{"tokens", "ttft_s"}]},
-     "decode": {"points": [{"batch_size", "step_s"}], "output_tokens"}}
+     "decode": {"points": [{"batch_size", "step_s"}], "output_tokens"},
+     "box": {"copy_gbps", "loop_mops"}}
+
+``box`` is :mod:`bench.box_speed` read right after the measurement: how fast this machine was
+(read by people comparing profiles; the simulator and the autoscaler ignore it).
 
 Parameters (defaults): prompt_lengths=(32, 128, 512, 1024), batch_sizes=(1, 2, 4, 8, 16),
 repeats=3, decode_tokens=32, decode_prompt_tokens=16, skip=2.
@@ -25,6 +29,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from bench import box_speed
 from bench.client import ClientConfig, RequestSpec, run_open_loop
 from bench.prompts import PromptSynthesizer
 from router.autoscale.profile import PROFILE_SCHEMA, fit_line
@@ -66,7 +71,9 @@ async def profile(cfg: ClientConfig, prompts: PromptSynthesizer, *,
                                f"{[(r.error_type, r.error) for r in failed][:3]}")
         decode_points.append({"batch_size": b, "step_s": statistics.median(gaps)})
         logger.info("profile: decode batch %d -> %.4f s/step", b, decode_points[-1]["step_s"])
-    return profile_document(cfg.url, cfg.model, prefill_points, decode_points, decode_tokens)
+    doc = profile_document(cfg.url, cfg.model, prefill_points, decode_points, decode_tokens)
+    doc["box"] = box_speed.measure().as_dict()  # this machine's speed when it was measured
+    return doc
 
 
 def profile_document(url: str, model: str, prefill_points: Sequence[dict[str, float]],

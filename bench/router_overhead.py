@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import box_speed
 from bench.fake_openai import event_loop_runner
 from bench.lean_client import LeanClient, Timing, http_request
 from bench.overhead_stack import Layout, Stack, start
@@ -222,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"layout: {layout.describe()}; {args.tokens}-token {args.endpoint} streams, "
           f"{args.prompt_chars}-character prompts, Poisson arrivals, {args.duration_s:g} s per "
           f"point in {args.rounds} alternating rounds; model path {args.model_path}")
-    print(f"before: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n{_ps()}",
-          flush=True)
+    print(f"before: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; box "
+          f"{box_speed.measure().line()}\n{_ps()}", flush=True)
     stack = start(layout, model=args.model, model_path=args.model_path, setups=args.setups,
                   chunk_gap_ms=args.chunk_gap_ms, pdserve_args=args.pdserve_arg,
                   baseline_tree=args.baseline_tree)
@@ -233,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stack.stop()
     print(f"\n{table(points)}")
-    print(f"\nafter: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n{_ps()}")
+    print(f"\nafter: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; box "
+          f"{box_speed.measure().line()}\n{_ps()}")
     if args.out is not None:
         args.out.write_text(json.dumps([{
             "setup": p.setup, "rate_rps": p.rate_rps, "sent_rps": p.sent_rps,

@@ -160,7 +160,8 @@ ALIASES: dict[str, dict[str, str]] = {
     "decode": {"step_base_s": "step_s", "step_per_seq_s": "per_seq_s",
                "max_seqs": "max_running"},
 }
-_TOP_KEYS = {"schema", "created", "url", "model", "prefill", "decode"}
+_TOP_KEYS = {"schema", "created", "url", "model", "prefill", "decode", "box"}
+"""``box``: the machine's speed when profiled (``bench.box_speed``), kept for the reader."""
 _RECORDS = {"prefill": {"points"}, "decode": {"points", "output_tokens"}}
 """Measurements kept in the file beside the fitted fields (decode ``points`` are fitted)."""
 

@@ -17,6 +17,7 @@ import pytest
 from bench.cli import main
 from bench.synth import SynthConfig, synth_rows
 from bench.trace import TraceStats, read_trace, write_trace
+from router.autoscale.profile import InstanceProfile
 from serve.tiny_model import build_tiny_model
 from tests.support.cluster import SERVED_NAME, running_plain
 
@@ -115,3 +116,5 @@ def test_profile_against_vllm(vllm_url: str, tmp_path: Path) -> None:
     assert [p["batch_size"] for p in doc["decode"]["points"]] == [1, 4]
     assert all(p["step_s"] > 0 for p in doc["decode"]["points"])
     assert doc["prefill"]["per_token_s"] >= 0 and doc["prefill"]["fixed_s"] >= 0
+    assert doc["box"]["copy_gbps"] > 0 and doc["box"]["loop_mops"] > 0  # the machine's speed
+    assert InstanceProfile.load(out).decode.step_s > 0  # and what the simulator reads of it

@@ -41,6 +41,7 @@ def write(tmp_path: Path, doc: Any) -> Path:
 
 def test_reads_what_bench_profile_writes(tmp_path: Path) -> None:
     doc = profile_document("http://w:8000", "m", PREFILL_POINTS, DECODE_POINTS, 32)
+    doc["box"] = {"copy_gbps": 9.9, "loop_mops": 33.2}  # as `bench profile` adds it
     assert doc["schema"] == PROFILE_SCHEMA
     profile = InstanceProfile.load(write(tmp_path, doc))
     assert profile.prefill.overhead_s == pytest.approx(0.03)
