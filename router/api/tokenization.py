@@ -7,9 +7,8 @@ cost more than the encode: the encode holds the GIL most of its run (two threads
 1.15x faster than one here), so the thread bought little parallelism and cost a GIL hand-off
 per request. Longer requests go to a thread, where the loop still gets the GIL every switch
 interval.
-One tokenizer per ``model_path`` is loaded in a thread and cached (the class its
-``tokenizer_config.json`` names, loaded directly: ``AutoTokenizer``'s module would import torch
-into the router): ahead of traffic by
+One tokenizer per ``model_path`` is loaded in a thread and cached (without importing torch
+where ``router.api.tokenizer_class`` can tell the class): ahead of traffic by
 :meth:`TokenizerCache.warm` (the router's ``/health`` starts it for every registered model and
 says ``warming`` until it is done, so the first request after ready does not pay the 1-4 s
 load), else on first use. When a tokenizer cannot be loaded on the router host the context
@@ -20,12 +19,12 @@ for that path.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from router.api.tokenizer_class import lean_class
 from router.api.untrusted import TEMPLATE_CALL_KWARGS
 
 logger = logging.getLogger(__name__)
@@ -149,61 +148,17 @@ def approximate_ids(text: str) -> tuple[int, ...]:
 
 
 def _load(model_path: str) -> Any:
-    """``model_path``'s tokenizer: the class its ``tokenizer_config.json`` names, loaded
-    directly, else through ``AutoTokenizer``. A hub id is resolved from the local HF cache only:
-    the router never downloads weights."""
+    """``model_path``'s tokenizer: through the class ``AutoTokenizer`` would pick, imported
+    without torch when that can be told (``router.api.tokenizer_class``), else through
+    ``AutoTokenizer``. A hub id is resolved from the local HF cache only: the router never
+    downloads weights."""
     local_only = not os.path.isdir(model_path)
-    cls = _named_class(model_path)
+    cls = lean_class(model_path)
     if cls is not None:
         return cls.from_pretrained(model_path, local_files_only=local_only)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path, local_files_only=local_only)
-
-
-def _named_class(model_path: str) -> Any | None:
-    """The tokenizer class ``model_path``'s ``tokenizer_config.json`` names, or None when it
-    names none, asks for remote code (``auto_map``) or names one this ``transformers`` lacks.
-
-    ``AutoTokenizer`` resolves the same name, but its module imports torch (and triton): 5-6 s
-    of CPU and about 280,000 objects in a process that only tokenizes. Resolving the name on
-    the ``transformers`` package imports that class's module alone."""
-    config = _config_file(model_path)
-    if config is None:
-        return None
-    try:
-        with open(config, encoding="utf-8") as f:
-            found = json.load(f)
-    except (OSError, ValueError):
-        return None
-    name = found.get("tokenizer_class") if isinstance(found, dict) else None
-    if not isinstance(name, str) or not name.isidentifier() or "auto_map" in found:
-        return None
-    try:
-        import transformers
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-
-        cls = getattr(transformers, name, None)
-    except Exception as exc:  # a class whose module needs a missing optional package
-        logger.debug("tokenizer class %s not importable (%s): using AutoTokenizer", name, exc)
-        return None
-    if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase):
-        return cls
-    return None
-
-
-def _config_file(model_path: str) -> str | None:
-    """``tokenizer_config.json`` of a model directory, or of a hub id in the local HF cache."""
-    if os.path.isdir(model_path):
-        path = os.path.join(model_path, "tokenizer_config.json")
-        return path if os.path.isfile(path) else None
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(model_path, "tokenizer_config.json")
-    except Exception:  # not a valid repo id
-        return None
-    return cached if isinstance(cached, str) else None
 
 
 def _encode(tok: Any, prompt: str) -> list[int]:

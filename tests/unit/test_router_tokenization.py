@@ -170,8 +170,8 @@ CHAT = [{"role": "system", "content": "Answer briefly."},
 
 
 def test_the_named_class_loads_what_auto_tokenizer_loads(model_path: str, tokenizer: Any) -> None:
-    """The router loads the class ``tokenizer_config.json`` names, not through AutoTokenizer:
-    the same class, the same ids and the same chat rendering."""
+    """The router loads the tiny model's tokenizer without AutoTokenizer's module
+    (``router.api.tokenizer_class``): the same class, ids and chat rendering as through it."""
     from transformers import AutoTokenizer
 
     auto = AutoTokenizer.from_pretrained(model_path)
@@ -199,26 +199,3 @@ def test_loading_a_tokenizer_imports_no_torch(model_path: str, tokenizer: Any) -
     torch_imported, ids = json.loads(out.stdout.strip().splitlines()[-1])
     assert ids == _encode(tokenizer, "Hello, world")
     assert torch_imported is False
-
-
-@pytest.mark.parametrize("config", [
-    None,  # no tokenizer_config.json
-    {"model_max_length": 4096},  # names no class
-    {"tokenizer_class": "NoSuchTokenizerClass"},  # a class this transformers lacks
-    {"tokenizer_class": "PretrainedConfig"},  # a transformers class, not a tokenizer
-    {"tokenizer_class": "TokenizersBackend", "auto_map": {"AutoTokenizer": ["x.Tok", None]}},
-])
-def test_what_names_no_usable_class_goes_through_auto_tokenizer(
-        tmp_path: Path, config: dict[str, Any] | None) -> None:
-    if config is not None:
-        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    assert tokenization._named_class(str(tmp_path)) is None
-
-
-def test_a_named_tokenizer_class_is_used(tmp_path: Path) -> None:
-    """Control for the cases above: a config naming a tokenizer class gives that class."""
-    from transformers import TokenizersBackend
-
-    (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "TokenizersBackend"}))
-    assert tokenization._named_class(str(tmp_path)) is TokenizersBackend
