@@ -1,17 +1,15 @@
-"""How fast this machine is right now: memory copy bandwidth and the interpreter's loop speed.
+"""Three readings of this machine right now: memory copy bandwidth, the interpreter's loop speed
+and a cross-core wake.
 
     python -m bench.box_speed [--json]
 
 The project's VM changes speed under us, and the load average does not see it. On 2026-11-30
 one plain vLLM engine, alone (``pdserve bench profile``), decoded a step in 6.3 ms at 09:13,
-18.3 ms at 15:48 and 9.2 ms at 16:13; a 256 MiB tensor copy, one thread, ran at 1.4 GB/s at
-15:50 and 7.3 GB/s at 16:13, while a single-thread 1024 x 1024 matmul ran at 70-120 GFLOP/s
-in the slow hour (near the core's peak).
-The benchmarks print this probe beside their figures (``bench.pd_goodput`` before and after
-each setup, ``bench.router_overhead`` before and after its run, ``pdserve bench profile`` in its
-document), so a figure taken on a slow machine can be told from a slow change. It does not
-see everything: at 16:22 it read 10 GB/s and 35 M loops/s while that engine prefilled at 166 us
-per token against 97 us at 09:13.
+18.3 ms at 15:48 and 6.5 ms at 17:19. The benchmarks print this probe beside their figures
+(``bench.pd_goodput`` before and after each setup, ``bench.router_overhead`` before and after
+its run, ``pdserve bench profile`` in its document). It is a record of the machine, not a
+verdict on it: it read a 1.4 GB/s copy in the slow hour, but the same 10 GB/s and 35-36 M
+loops/s at 16:22 and at 17:19, while that engine prefilled at 166 and at 77 us per token.
 
 Three numbers, about a second together, in the calling process on its allowed cores:
 - ``copy_gbps``: bytes read plus written per second copying a 64 MiB float32 array into another
