@@ -1,5 +1,4 @@
-"""Three readings of this machine right now: memory copy bandwidth, the interpreter's loop speed
-and a cross-core wake.
+"""Three readings of this machine now: memory copy speed, Python loop speed, cross-core wake.
 
     python -m bench.box_speed [--json]
 
