@@ -12,7 +12,7 @@ autoscaler (``--profile``) read, :class:`router.autoscale.profile.InstanceProfil
     {"schema", "created", "url", "model",
      "prefill": {"fixed_s", "per_token_s", "points": [{"tokens", "ttft_s"}]},
      "decode": {"points": [{"batch_size", "step_s"}], "output_tokens"},
-     "box": {"copy_gbps", "loop_mops"}}
+     "box": {"copy_gbps", "loop_mops", "wake_us"}}
 
 ``box`` is :mod:`bench.box_speed` read right after the measurement: how fast this machine was
 (read by people comparing profiles; the simulator and the autoscaler ignore it).

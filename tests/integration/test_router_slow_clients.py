@@ -361,7 +361,7 @@ def test_the_router_process_froze_its_start_up_heap(
 def test_the_router_process_tokenizes_without_torch(
         routers: tuple[RouterProcess, RouterProcess]) -> None:
     """The router loads its workers' tokenizer without importing torch (``router.api.
-    tokenization._named_class``). Control: the tokenizer's own native library is mapped, so
+    tokenizer_class.lean_class``). Control: the tokenizer's own native library is mapped, so
     this is a process that loaded one."""
     strict, _ = routers
     assert strict.proc is not None
