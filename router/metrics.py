@@ -178,6 +178,11 @@ class RouterMetrics:
             "pdserve_router_warm_tokens_total",
             "Prompt tokens of those warm requests that were answered, by the worker's role.",
             ["role"], registry=r)
+        self.warming_workers = Gauge(
+            "pdserve_router_warming_workers",
+            "Workers that joined and are being warmed now (router.api.warm): placement counts "
+            "the warm requests as their load, so they take less traffic until this is 0.",
+            ["role"], registry=r)
         self.migrations_refused = Counter(
             "pdserve_router_migrations_refused_total",
             "Client streams that ended with an error event although their worker failed "

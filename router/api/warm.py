@@ -15,13 +15,16 @@ through placement like any request: while the worker warms, the load it carries 
 Requests with a ``cache_salt`` are never used: their blocks belong to one key's cache.
 
 Counted in ``pdserve_router_warm_requests_total{role,outcome}`` and
-``pdserve_router_warm_tokens_total{role}``; logged as ``warm: worker W took N prefixes (T
-tokens) in S s``. A warm request that fails is counted and dropped (the worker serves cold).
+``pdserve_router_warm_tokens_total{role}``; ``pdserve_router_warming_workers{role}`` is the
+workers warming now (a client that needs a settled fleet waits for 0); logged as ``warm:
+worker W took N prefixes (T tokens) in S s``. A warm request that fails is counted and
+dropped (the worker serves cold).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -38,6 +41,8 @@ from router.policy.warm import WarmPrefix, plan_warm
 from router.state.registry import WorkerRecord
 
 if TYPE_CHECKING:
+    from prometheus_client import Gauge
+
     from router.api.proxy import PDProxy
 
 logger = logging.getLogger(__name__)
@@ -137,7 +142,13 @@ class Warmer:
                 task = asyncio.get_running_loop().create_task(
                     self._warm(role, record, prefixes), name=f"pdserve-warm-{record.worker_id}")
                 self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                warming = self.proxy.metrics.warming_workers.labels(role=record.role)
+                warming.inc()  # in the membership update that adds it: never seen idle first
+                task.add_done_callback(functools.partial(self._ended, warming))
+
+    def _ended(self, warming: Gauge, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        warming.dec()
 
     async def _warm(self, role: str, record: WorkerRecord, prefixes: list[WarmPrefix]) -> None:
         started = time.monotonic()

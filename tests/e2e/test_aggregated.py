@@ -122,6 +122,10 @@ def test_mixed_fleet_routes_each_request_to_a_complete_path(
     with _joined_as_aggregated(cluster, plain, tiny_model_dir):
         eventually(lambda: httpx.get(f"{cluster.url}/health").json()["aggregated_workers"],
                    lambda n: n == 1, timeout_s=15)
+        # while the router warms it with the session's earlier prompts, placement counts the
+        # warm requests as its load and sends every request P/D (a CI run saw 12 of 12)
+        eventually(lambda: value(scrape(cluster.url), "pdserve_router_warming_workers"),
+                   lambda n: n == 0, timeout_s=120, interval_s=0.25)
         before = _paths(cluster.url)
         prompts = make_prompts(tiny_model_dir, [100 + 37 * i for i in range(12)], seed=12,
                                tag="mixed")

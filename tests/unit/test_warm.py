@@ -86,6 +86,24 @@ async def test_a_joining_prefill_worker_gets_the_prompts_placement_now_sends_it(
     assert counted(rig, "pdserve_router_warm_tokens_total") == 64 * len(calls)
 
 
+@pytest.mark.parametrize(("joins", "warms"), [("p2", True), ("d2", False)])  # control: decode
+async def test_a_joining_worker_is_counted_as_warming_until_its_warm_ends(
+        rig_of: Callable[..., Rig], joins: str, warms: bool) -> None:
+    """``pdserve_router_warming_workers`` is 1 from the membership update that adds the worker
+    (a client that sees it joined never sees it idle before its warm) and 0 once it ends."""
+    rig = rig_of({"policy": "dualmap"}, p1=[], p2=[ANSWER] * len(PROMPTS), d1=[], d2=[])
+    warmer = Warmer(rig.proxy, 16384)
+    warmer.start()
+    newcomer = next(r for r in rig.cluster.records if r.worker_id == joins)
+    rig.cluster.records.remove(newcomer)
+    serve_on_p1(rig, warmer)
+    rig.cluster.join(newcomer)
+    assert counted(rig, "pdserve_router_warming_workers") == (1 if warms else 0)
+    await warmer.settled()
+    assert counted(rig, "pdserve_router_warming_workers") == 0
+    assert bool(rig.workers.calls) == warms
+
+
 async def test_the_budget_bounds_the_warm_tokens(rig_of: Callable[..., Rig]) -> None:
     rig = rig_of({"policy": "dualmap"}, p1=[], p2=[ANSWER] * len(PROMPTS), d1=[])
     warmer = Warmer(rig.proxy, 128)  # two prompts' worth
