@@ -48,9 +48,12 @@ class Host:
 
         `unshare --kill-child`: when the wrapper dies its child is SIGKILLed, and the child is
         pid 1 of the new pid namespace, so everything it started dies with it.
+        `--mount-proc`: the namespace's own /proc, so `/proc/<getpid()>` is the caller (vLLM's
+        CPU worker reads its own `/proc/{pid}/status`; under the machine's /proc that path is
+        another process, or none, and the engine failed to start).
         """
         return [_ip(), "netns", "exec", self.netns, _unshare(), "--pid", "--fork",
-                "--kill-child", *argv]
+                "--mount-proc", "--kill-child", *argv]
 
 
 def _ip() -> str:

@@ -207,3 +207,18 @@ def test_pd_across_hosts_matches_plain(hosts: tuple[Host, Host], tiny_model_dir:
     assert by_source[decode, "local_cache_hit"] < 128, why  # less than one KV block
     assert by_source[decode, "external_kv_transfer"] + by_source[decode, "local_cache_hit"] \
         >= prompt_tokens - n, why
+
+
+def test_a_process_on_a_host_reads_its_own_proc_entry(hosts: tuple[Host, Host]) -> None:
+    """vLLM's CPU worker reads ``/proc/{getpid()}/status``: inside a host's pid namespace that
+    must be the process itself. Under the machine's /proc (no ``--mount-proc``) it was another
+    process, or none, and the decode engine failed to start (CI, 2026-11-30). The process is
+    pid 1 of its namespace, so the check is its name, not the pid (the machine's pid 1 is not
+    Python: checked here as the control)."""
+    code = ("import os; s = open(f'/proc/{os.getpid()}/status').read();"
+            "print(os.getpid(), s.split()[1])")
+    out = subprocess.run(hosts[0].wrap([sys.executable, "-c", code]), capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    assert out[0] == "1" and out[1].startswith("python"), out
+    with open("/proc/1/status") as f:
+        assert not f.read().split()[1].startswith("python")  # control: the machine's pid 1
