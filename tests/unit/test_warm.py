@@ -94,14 +94,12 @@ async def test_a_joining_worker_is_counted_as_warming_until_its_warm_ends(
     rig = rig_of({"policy": "dualmap"}, p1=[], p2=[ANSWER] * len(PROMPTS), d1=[], d2=[])
     warmer = Warmer(rig.proxy, 16384)
     warmer.start()
-    newcomer = next(r for r in rig.cluster.records if r.worker_id == joins)
-    rig.cluster.records.remove(newcomer)
-    serve_on_p1(rig, warmer)
-    rig.cluster.join(newcomer)
-    assert counted(rig, "pdserve_router_warming_workers") == (1 if warms else 0)
-    await warmer.settled()
+    at_join: list[float] = []  # told after the warmer, in the same membership update
+    rig.cluster.on_join(lambda _: at_join.append(counted(rig, "pdserve_router_warming_workers")))
+    calls = await served_then_join(rig, warmer, joins=joins)
+    assert at_join == [1 if warms else 0]
     assert counted(rig, "pdserve_router_warming_workers") == 0
-    assert bool(rig.workers.calls) == warms
+    assert bool(calls) == warms
 
 
 async def test_the_budget_bounds_the_warm_tokens(rig_of: Callable[..., Rig]) -> None:
