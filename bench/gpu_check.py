@@ -16,8 +16,10 @@ bytes on the same device (the limit). Variants:
   cuda-poll     cuda-auto with the progress thread polling instead of sleeping on UCX's event
                 fd (PDSERVE_UCX_WAKEUP=0), in case the CUDA transports raise no events.
 Each decode runs with UCX_PROTO_INFO=y, and the protocol lines UCX prints (which transport
-carried the GETs) go into the JSON. Then the CUDA-specific tests (`tests/gpu`) run under
-pytest. Everything goes to `OUT/gpu_check.json` and `OUT/gpu_check.log`; a table is printed.
+carried the GETs) go into the JSON; cuda-auto, cuda-ipc and cuda-poll fail unless their
+GETs into CUDA memory went by cuda_ipc (`GET_TRANSPORT`), not by message emulation over tcp.
+Then the CUDA-specific tests (`tests/gpu`) run under pytest. Everything goes to
+`OUT/gpu_check.json` and `OUT/gpu_check.log`; a table is printed.
 
 Exit status: 0 when a GPU was found and every check passed; 3 when there is no CUDA GPU (the
 host variant still runs and its bytes are checked); 1 when a check failed.
@@ -52,6 +54,10 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
 }
 """name -> (device, environment of both sides)."""
 PROTO_WORDS = ("cuda_ipc", "cuda_copy", "tcp/", "rndv", "ucp_get", "zero-copy", "copy-in")
+GET_TRANSPORT = {"cuda-auto": "cuda_ipc", "cuda-ipc": "cuda_ipc", "cuda-poll": "cuda_ipc"}
+"""Variants whose device-to-device GETs must be carried by this UCX transport (every row of the
+protocol UCX chose for them names it); a variant whose GETs fell back to active-message
+emulation over tcp fails. `cuda-staged` has no expectation: emulation is what it measures."""
 
 
 def gbps(nbytes: int, seconds: list[float]) -> float:
@@ -132,18 +138,44 @@ def run_variant(name: str, spec: dict[str, Any], logdir: Path,
             side.stop()
     result["seconds"] = round(time.monotonic() - t0, 1)
     result["env"] = env
+    if name in GET_TRANSPORT:
+        result["expected_get_transport"] = GET_TRANSPORT[name]
     decode_log = logdir / f"{name}-decode.log"
     if decode_log.exists():
         lines = decode_log.read_text(errors="replace").splitlines()
         result["ucx_protocols"] = [ln.strip() for ln in lines
                                    if any(w in ln for w in PROTO_WORDS)][:40]
+        result["get_protocols"] = get_protocols(lines)
     return result
 
 
+def get_protocols(lines: list[str]) -> list[str]:
+    """The rows ("description | transport") of every protocol table UCX printed
+    (UCX_PROTO_INFO=y) for GETs into CUDA memory, e.g. "zero-copy | cuda_ipc/cuda" or
+    "software emulation | tcp/lo"."""
+    rows: list[str] = []
+    in_table = False
+    for line in lines:
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) == 1:  # a table's title line
+            in_table = "remote memory read by ucp_get" in cells[0] and "into cuda" in cells[0]
+        elif in_table and len(cells) >= 3 and cells[0] != "Range":
+            rows.append(" | ".join(cells[1:]))
+    return rows
+
+
+def get_transport_ok(result: dict[str, Any]) -> bool:
+    """The variant's GETs used the transport `GET_TRANSPORT` expects (True when none is)."""
+    want = result.get("expected_get_transport")
+    rows = result.get("get_protocols") or []
+    return not want or (bool(rows) and all(want in row for row in rows))
+
+
 def passed(result: dict[str, Any]) -> bool:
-    """Every byte check of a variant passed (and it ran)."""
+    """Every byte check of a variant passed (and it ran), on the expected GET transport."""
     return ("error" not in result and bool(result.get("source_intact"))
-            and all(r["ok"] for r in result["rows"]) and bool(result["small"]["ok"]))
+            and all(r["ok"] for r in result["rows"]) and bool(result["small"]["ok"])
+            and get_transport_ok(result))
 
 
 def summarize(name: str, result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -288,8 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     failed = [n for n, r in results.items()
               if not passed(r) and not (VARIANTS[n][0] == "cuda" and not facts["cuda_available"])]
     tests_failed = bool(report.get("tests")) and report["tests"]["rc"] not in (0, 5)
+    for n, r in results.items():
+        if r.get("get_protocols"):
+            print(f"{n}: GETs into CUDA memory by {'; '.join(sorted(set(r['get_protocols'])))}")
     for n in failed:
-        print(f"FAILED: {n}: {results[n].get('error') or 'a byte check failed'}")
+        why = results[n].get("error") or ("a byte check failed" if get_transport_ok(results[n])
+                                          else f"GETs not carried by {GET_TRANSPORT[n]}")
+        print(f"FAILED: {n}: {why}")
     if tests_failed:
         print(f"FAILED: tests/gpu: {report['tests']['summary']}")
     if not facts["cuda_available"]:

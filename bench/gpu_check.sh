@@ -67,7 +67,7 @@ info="$SITE/libucx/bin/ucx_info"
 if [ -x "$info" ]; then
   step "UCX as the wheel sees this machine"
   LD_LIBRARY_PATH="$SITE/libucx/lib" "$info" -v 2>&1 | head -3
-  LD_LIBRARY_PATH="$SITE/libucx/lib" "$info" -d 2>&1 | grep -E "Memory domain|Transport|memory types|Device" | head -40
+  LD_LIBRARY_PATH="$SITE/libucx/lib" "$info" -d 2>&1 | grep -E "Memory domain|Transport|memory types" | head -80
 fi
 
 step "build the native extension"

@@ -88,7 +88,8 @@ def rdma_verdict(transports: list[str], modules: list[str]) -> str:
 def cuda_verdict(memory_types: list[str], modules: list[str]) -> str:
     """Whether UCX can register CUDA memory, and why not."""
     if "cuda" in memory_types:
-        return "yes (untested by pdserve: no GPU in its CI)"
+        return ("yes (pdserve's pull between two processes on one GPU ran in bench/gpu_check.sh; "
+                "no GPU in its CI)")
     if "uct_cuda" in modules:
         return "no: the cuda module is installed but found no GPU / CUDA driver"
     return "no: this UCX has no cuda module"

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+from bench.gpu_check import run_variant
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -96,3 +99,31 @@ def test_vllm_shaped_kv_registers_and_pulls_every_byte(ucx: type, layout: str) -
     assert torch.equal(d16.index_select(bdim, li), s16.index_select(bdim, ri))
     rest = torch.from_numpy(np.setdiff1d(np.arange(num_blocks), local)).cuda()
     assert bool((d16.index_select(bdim, rest) == 0x5A5A).all())  # nothing else was written
+
+
+
+@pytest.mark.parametrize("user_setting", [None, "n"])
+def test_gpu_kv_pulls_ride_cuda_ipc_unless_the_user_turns_its_gets_off(
+        user_setting: str | None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # UCX's own default turns cuda_ipc GETs off where NVML shows no NVLink (a single GPU, PCIe
+    # boxes), and the pull then falls back to active-message emulation over tcp; the engine's
+    # default keeps them on. Two processes (cuda_ipc never connects a process to itself).
+    # Control: with the user's "n" the GETs are emulated, so the table really was read.
+    from kvtransfer.transport.ucx import CUDA_IPC_GET_ENV
+
+    if user_setting is None:
+        monkeypatch.delenv(CUDA_IPC_GET_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CUDA_IPC_GET_ENV, user_setting)
+    spec = {"layers": 1, "sizes_mib": [1], "seed": 5, "num_blocks": 64,
+            "layouts": ["contiguous"], "repeats": 1, "small_repeats": 2, "pull_timeout_s": 30.0,
+            "slow_pull_s": 30.0, "native_build": os.environ.get("PDSERVE_NATIVE_BUILD") or None}
+    result = run_variant("cuda-auto", spec, tmp_path, timeout_s=90)
+    assert "error" not in result, result["error"]
+    assert all(r["ok"] for r in result["rows"]) and result["small"]["ok"]
+    rows = result["get_protocols"]
+    assert rows, "UCX printed no protocol table for the GETs into CUDA memory"
+    if user_setting is None:
+        assert all("cuda_ipc" in row for row in rows), rows
+    else:
+        assert not any("cuda_ipc" in row for row in rows), rows

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu_check import NO_GPU, passed, summarize
+from bench.gpu_check import NO_GPU, get_protocols, get_transport_ok, passed, summarize
 from bench.gpu_pull import block_sets, fill_pattern, fill_sentinel, make_kv, pulled_correctly
 from kvtransfer.blocks import coalesce_runs
 
@@ -71,9 +71,47 @@ def test_a_variant_passes_only_when_every_check_did() -> None:
     assert not passed({**good, "source_intact": False})
     assert not passed({**good, "rows": [{**row, "ok": False}]})
     assert not passed({"error": "boom"})
+    assert not passed({**good, "expected_get_transport": "cuda_ipc",
+                       "get_protocols": ["software emulation | tcp/lo"]})
     table = summarize("host", good)
     assert table[0]["ours_gbps"] == round(2**20 / 0.001 / 1e9, 2)
     assert table[0]["ours_over_torch"] == 0.5
+
+
+# UCX_PROTO_INFO's tables as the H200 run printed them (timestamps cut; a put table, then
+# the get table, its row a placeholder the test fills).
+_PUT_THEN_GET = """\
+[ts] [vm:770 :0] +--------+--------------------+----------------------------+
+[ts] [vm:770 :0] | gpu-check-decode intra-node cfg#1                        |
+[ts] [vm:770 :0] | remote memory write by ucp_put* from host memory to host |
+[ts] [vm:770 :0] +--------+--------------------+----------------------------+
+[ts] [vm:770 :0] | Range  |    Description     |           Config           |
+[ts] [vm:770 :0] +--------+--------------------+----------------------------+
+[ts] [vm:770 :0] | 0..inf | software emulation | tcp/lo                     |
+[ts] [vm:770 :0] +--------+--------------------+----------------------------+
+[ts] [vm:770 :0] +--------+--------------------+----------------------------------+
+[ts] [vm:770 :0] | gpu-check-decode intra-node cfg#1                              |
+[ts] [vm:770 :0] | remote memory read by ucp_get* into cuda/GPU0 from cuda/dev[0] |
+[ts] [vm:770 :0] +--------+--------------------+----------------------------------+
+[ts] [vm:770 :0] | Range  |    Description     |              Config              |
+[ts] [vm:770 :0] +--------+--------------------+----------------------------------+
+[ts] [vm:770 :0] | 0..inf | SOFTWARE            | TRANSPORT                        |
+[ts] [vm:770 :0] +--------+--------------------+----------------------------------+
+contiguous 1 MiB: ok=True pull 1.88 ms torch 0.05 ms
+"""
+
+
+def test_the_get_transport_is_read_from_ucx_tables_and_emulation_fails_a_cuda_ipc_variant() -> None:
+    emulated = _PUT_THEN_GET.replace("SOFTWARE           ", "software emulation").replace(
+        "TRANSPORT", "tcp/lo   ")
+    ipc = _PUT_THEN_GET.replace("SOFTWARE", "zero-copy").replace("TRANSPORT", "cuda_ipc/cuda")
+    assert get_protocols(emulated.splitlines()) == ["software emulation | tcp/lo"]  # not the put
+    assert get_protocols(ipc.splitlines()) == ["zero-copy | cuda_ipc/cuda"]
+    want = {"expected_get_transport": "cuda_ipc"}
+    assert get_transport_ok({**want, "get_protocols": get_protocols(ipc.splitlines())})
+    assert not get_transport_ok({**want, "get_protocols": get_protocols(emulated.splitlines())})
+    assert not get_transport_ok({**want, "get_protocols": []})  # no table seen: not proven
+    assert get_transport_ok({"get_protocols": get_protocols(emulated.splitlines())})  # staged
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU outcome")

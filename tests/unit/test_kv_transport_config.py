@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
 
@@ -49,3 +50,17 @@ def test_every_env_knob_is_a_field() -> None:
 def test_bad_knobs_are_config_errors(extra: dict[str, object], environ: dict[str, str]) -> None:
     with pytest.raises(ConfigError):
         ConnectorConfig.from_extra_config(extra, environ)
+
+
+def test_an_engine_lets_cuda_ipc_carry_gets_unless_the_user_said_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # UCX's "auto" turns cuda_ipc GETs off without NVLink, and a pull of GPU KV then crawls
+    # through tcp emulation (issue 28's H200 run); the engine turns them on before UCX reads it.
+    from kvtransfer.transport.ucx import CUDA_IPC_GET_ENV
+
+    monkeypatch.delenv(CUDA_IPC_GET_ENV, raising=False)
+    with UcxEngine(name="ipc-get-default"):
+        assert os.environ[CUDA_IPC_GET_ENV] == "y"
+    monkeypatch.setenv(CUDA_IPC_GET_ENV, "n")  # control: a user's choice is kept
+    with UcxEngine(name="ipc-get-user"):
+        assert os.environ[CUDA_IPC_GET_ENV] == "n"
