@@ -351,12 +351,22 @@ ucs_status_t ucx_engine_open(EngineObject *e, const char *name, const char **wha
     }
     char *info = ucx_context_info(e);
     e->has_cma = info != NULL && strstr(info, "-- cma/") != NULL;
+    /* UCX's CUDA_IPC_ENABLE_GET_ZCOPY=auto turns GETs over CUDA IPC off wherever NVML reports no
+     * NVLink (one GPU, PCIe boxes), and a pull of device memory then falls back to message
+     * emulation over tcp (0.5 GB/s on an H200, bench/gpu_check.sh).  A pull is all GETs, so
+     * unless the user chose, the cuda_ipc interface that ucp_worker_create opens reads "y".  Set
+     * only when this context has cuda_ipc (else UCX warns of an unused variable) and only around
+     * the worker's creation, so child processes do not inherit it. */
+    const int ipc_get = info != NULL && strstr(info, "-- cuda_ipc/") != NULL &&
+                        getenv(CUDA_IPC_GET_ENV) == NULL;
     free(info);
+    if (ipc_get) setenv(CUDA_IPC_GET_ENV, "y", 0);
     ucp_worker_params_t wp = {
         .field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
         .thread_mode = UCS_THREAD_MODE_MULTI,
     };
     st = ucp_worker_create(e->ctx, &wp, &e->worker);
+    if (ipc_get) unsetenv(CUDA_IPC_GET_ENV);
     *what = "ucp_worker_create";
     if (st != UCS_OK) {
         e->worker = NULL;

@@ -104,6 +104,8 @@ enum { XK_GET = 0, XK_REQUEST = 1, XK_CLOSE = 2 };
 enum { PATH_UCX = 0, PATH_PVM = 1 };
 enum { THP_OFF = 0, THP_ADVISE = 1, THP_COLLAPSE = 2 };
 
+/* UCX's switch for GETs over CUDA IPC; see ucx_engine_open. */
+#define CUDA_IPC_GET_ENV "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 #define NONCE_LEN 16
 #define LOC_MAGIC "PDSLOC1"
 

@@ -42,8 +42,10 @@ engine with no pull, no lease and no release in flight makes no NIXL call per de
 Memory. Host memory registers as ``DRAM``; a CUDA tensor passed as ``keepalive`` registers as
 ``VRAM`` on its device (untested: the GPU check carries no NIXL wheel, so only our UCX engine
 has pulled GPU memory). The memory type travels in the region's ``rkey`` field of our
-handshake. Like ``UcxEngine``, the agent opens with ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` unless
-the environment sets it (see ``kvtransfer.transport.ucx.CUDA_IPC_GET_ENV``).
+handshake. NIXL's READs are UCX GETs too: on one host they need
+``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` (``kvtransfer.transport.ucx.CUDA_IPC_GET_ENV``), which the
+GPU deployments set in the workers' environment (NIXL opens its own UCX, so the engine's
+default does not reach it).
 
 Aborts. ``Link.abort`` releases the link's posted READs (NIXL cancels what UCX can cancel)
 and removes the remote agent (its endpoints close). That is NIXL's strongest guarantee and is
@@ -75,7 +77,6 @@ import numpy as np
 from kernels.native.ucx_modules import efa_module_skipped, nixl_module_dir
 from kvtransfer.errors import PeerUnreachable, TransportError
 from kvtransfer.transport.base import TransferState
-from kvtransfer.transport.ucx import enable_cuda_ipc_get
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -378,7 +379,6 @@ class NixlEngine:
             config = api.nixl_agent_config(
                 enable_prog_thread=False, backends=["UCX"],
                 sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-            enable_cuda_ipc_get()  # NIXL's READs are UCX GETs too (llm-d sets the same)
             with efa_module_skipped(nixl_module_dir()):  # loads and initialises its UCX
                 self._agent: Any = api.nixl_agent(self.agent_name, config)
         except Exception as exc:  # nixl raises RuntimeError / its bindings' errors

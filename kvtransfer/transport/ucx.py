@@ -56,7 +56,8 @@ registered device (CUDA) memory advertises no locality and reads every peer over
 
 Knobs are `UcxEngine` arguments (the connector passes `ConnectorConfig.ucx_options()`); UCX's
 own configuration applies too: every `UCX_*` environment variable (e.g. `UCX_TLS`); the one
-default pdserve changes is `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y` (see `CUDA_IPC_GET_ENV`). Which UCX
+default pdserve changes is `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y` where cuda_ipc exists (see
+`CUDA_IPC_GET_ENV`). Which UCX
 runs is chosen when the extension is built (`python -m kernels.native.build --ucx ...`);
 `kernels.native.runtime_info()` reports it.
 """
@@ -64,7 +65,6 @@ runs is chosen when the extension is built (`python -m kernels.native.build --uc
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Literal
@@ -311,16 +311,11 @@ class IncomingRequest:
 
 CUDA_IPC_GET_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 """UCX's switch for GETs over CUDA IPC. Its default ("auto") turns them off on a machine where
-NVML reports no NVLink, and a pull of device memory then falls back to active-message emulation
-over tcp (measured on one H200: 0.5-0.6 GB/s, a 4 MiB pull in 8.7 ms, where cuda_ipc moves it at
-device-copy speed). A pull-based transfer needs the GET, so `UcxEngine` sets it to "y" unless
-the environment already says otherwise."""
-
-
-def enable_cuda_ipc_get() -> None:
-    """Let UCX's cuda_ipc transport carry GETs (`CUDA_IPC_GET_ENV`), unless the user set it;
-    read by UCX when an engine opens its worker, so this runs before every engine opens."""
-    os.environ.setdefault(CUDA_IPC_GET_ENV, "y")
+NVML reports no NVLink, and a pull of device memory then falls back to message emulation over
+tcp (measured on one H200: 0.5-0.6 GB/s, a 16-block pull in 8.7 ms, where cuda_ipc moves 1 GiB
+at 1.3-1.9 TB/s). A pull is all GETs, so the engine opens its worker with it set to "y" when
+the context has cuda_ipc and the environment does not set it (`kernels/native/ucx_core.c`,
+`ucx_engine_open`; unset again after, so child processes do not inherit it)."""
 
 
 def _close_quietly(c: Any) -> None:
@@ -347,7 +342,6 @@ class UcxEngine:
         spin_us: the progress thread keeps polling this long after the last event.
         """
         native = _load_native()
-        enable_cuda_ipc_get()
         try:
             self._c = native.Engine(name, same_host=same_host, pvm_threads=pvm_threads,
                                     pvm_chunk_kib=pvm_chunk_kib, thp=thp, wakeup=wakeup,

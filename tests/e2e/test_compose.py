@@ -210,7 +210,7 @@ def test_prometheus_and_grafana_provisioning_parse() -> None:
 
 
 def test_gpu_profile_reserves_nvidia_gpus_with_the_cuda_image() -> None:
-    """Structure only: no GPU on this project's machines (README: GPU quick start)."""
+    """Structure only: vLLM has not run on a GPU here (README: GPU quick start)."""
     yaml = pytest.importorskip("yaml", reason="PyYAML not installed")
     compose = yaml.safe_load((c.DEPLOY / "docker-compose.yml").read_text())
     services = compose["services"]
@@ -228,6 +228,8 @@ def test_gpu_profile_reserves_nvidia_gpus_with_the_cuda_image() -> None:
         # --kv-cache-gib sizes the KV cache on GPU too (serve.worker.kv_cache_options)
         assert "PDSERVE_WORKER_KV_CACHE_GIB" in env
         assert not {k for k in env if k.startswith("VLLM_CPU_")}
+        # NIXL's reads of GPU KV on one host ride CUDA IPC only with this (README, GPU check)
+        assert env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "${UCX_CUDA_IPC_ENABLE_GET_ZCOPY:-y}"
     # the CPU workers stay in the default (profile-less) set
     assert not services["prefill"].get("profiles") and not services["decode"].get("profiles")
     assert "hf-cache" in compose["volumes"]

@@ -168,7 +168,10 @@ def test_workers_probe_health_drain_and_advertise_pod_ip(
             # GPU pods move KV with NIXL (its UCX has cuda/verbs/efa); see the overlay's note
             assert env["PDSERVE_KV_TRANSPORT"]["value"] == "nixl"
             assert env["PDSERVE_WORKER_KV_CACHE_GIB"]["value"] == "8"
+            # NIXL's reads of GPU KV on one node ride CUDA IPC only with this (README, GPU check)
+            assert env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"]["value"] == "y"
         else:
+            assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in env  # unused there: UCX would warn
             # pods share the cluster network: the sealed tcp wire, not UCX's software RMA
             assert env["PDSERVE_KV_TRANSPORT"]["value"] == "tcp"
             assert "nvidia.com/gpu" not in limits
