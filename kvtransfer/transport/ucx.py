@@ -57,9 +57,8 @@ registered device (CUDA) memory advertises no locality and reads every peer over
 Knobs are `UcxEngine` arguments (the connector passes `ConnectorConfig.ucx_options()`); UCX's
 own configuration applies too: every `UCX_*` environment variable (e.g. `UCX_TLS`); the one
 default pdserve changes is `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y` where cuda_ipc exists (see
-`CUDA_IPC_GET_ENV`). Which UCX
-runs is chosen when the extension is built (`python -m kernels.native.build --ucx ...`);
-`kernels.native.runtime_info()` reports it.
+`CUDA_IPC_GET_ENV`). Which UCX runs is chosen when the extension is built
+(`python -m kernels.native.build --ucx ...`); `kernels.native.runtime_info()` reports it.
 """
 
 from __future__ import annotations

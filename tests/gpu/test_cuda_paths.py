@@ -101,7 +101,6 @@ def test_vllm_shaped_kv_registers_and_pulls_every_byte(ucx: type, layout: str) -
     assert bool((d16.index_select(bdim, rest) == 0x5A5A).all())  # nothing else was written
 
 
-
 @pytest.mark.parametrize("user_setting", [None, "n"])
 def test_gpu_kv_pulls_ride_cuda_ipc_unless_the_user_turns_its_gets_off(
         user_setting: str | None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -54,7 +54,6 @@ def test_bad_knobs_are_config_errors(extra: dict[str, object], environ: dict[str
         ConnectorConfig.from_extra_config(extra, environ)
 
 
-
 @pytest.mark.parametrize("extra_env", [{}, {"UCX_PDSERVE_NO_SUCH_SETTING": "1"}])
 def test_opening_an_engine_without_cuda_ipc_leaves_ucx_quiet(extra_env: dict[str, str]) -> None:
     # The engine sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY only where the context has cuda_ipc (the GPU
