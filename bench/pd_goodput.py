@@ -10,8 +10,10 @@ ascending order until one fails, then bisection to 5 %, ``bench.sweep``) on this
 turn. Every rate point replays its own trace lasting ``--point-s`` wall seconds at that rate
 (``rate * point_s`` requests; ``pdserve bench replay --rate``), so a rate passes only if the
 setup sustains it: a fixed number of requests would shrink to a burst of a second or two at
-high rates, which queues absorb, and would overstate what a setup sustains. The traces of a
-rate are the same for every setup (same seed).
+high rates, which queues absorb, and would overstate what a setup sustains. The trace and the
+prompts of a rate are the same for every setup (same seed); no two points of a run share a
+prompt (``goodput_workloads.prompt_seed``), so no point is served from the caches an earlier
+one filled.
 
   plain       one plain vLLM server on all cores (``pdserve worker --role aggregated``, no
               router): a different deployment, the single-engine reference;
@@ -53,9 +55,11 @@ import httpx
 from bench import box_speed, field_pd
 from bench.box_speed import BoxSpeed
 from bench.goodput_workloads import (
+    WARMUP,
     WORKLOADS,
     Workload,
     build_trace,
+    prompt_seed,
     rate_point_trace,
     sustained_rate,
 )
@@ -158,6 +162,7 @@ def warm_up(url: str, trace: Path, out: Path, args: argparse.Namespace) -> None:
     (tokenizer loaded, vLLM's first long-prompt shapes compiled, connections open)."""
     subprocess.run(pdserve_command("bench", "replay", "--url", url, "--trace", str(trace),
                                    "--rate", "1", "--max-requests", str(args.warmup_requests),
+                                   "--seed", str(prompt_seed(args.seed, WARMUP)),
                                    "--out", str(out), "--no-progress", "--no-plots",
                                    "--no-sessions"),
                    check=True, stdout=subprocess.DEVNULL)
@@ -173,6 +178,7 @@ def replay_point(url: str, workload: Workload, rate: float, out: Path,
     subprocess.run(pdserve_command("bench", "replay", "--url", url, "--trace", str(trace),
                                    "--rate", str(rate), "--ttft-slo-s", str(workload.ttft_slo_s),
                                    "--tpot-slo-s", str(workload.tpot_slo_s), "--out", str(out),
+                                   "--seed", str(prompt_seed(args.seed, rate)),
                                    "--no-progress", "--no-plots",
                                    *(() if workload.sessions else ("--no-sessions",))),
                    check=True, stdout=subprocess.DEVNULL)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.goodput_workloads import WORKLOADS, phase_count, rate_point_trace
-from bench.trace import read_trace
+from bench.trace import TraceRow, read_trace
 
 
 @pytest.mark.parametrize("rate", [4.0, 16.0])
@@ -44,3 +44,34 @@ def test_switching_changes_phase_every_phase_s_at_any_rate(tmp_path: Path) -> No
 def test_phase_count_never_drops_below_two() -> None:
     assert phase_count(WORKLOADS["switching"], 5.0) == 2
     assert phase_count(WORKLOADS["switching"], 90.0) == 6
+
+
+def test_each_rate_point_sends_its_own_prompts(tmp_path: Path) -> None:
+    """A longer trace of one seed starts with a shorter one's rows: with one prompt seed for
+    every point, those rows were sent again word for word and served from the caches the
+    point before filled. Each point's prompt seed is its own, the same for every setup."""
+    from bench.goodput_workloads import WARMUP, prompt_seed
+    from bench.prompts import PromptSynthesizer, load_tokenizer
+    from serve.tiny_model import build_tiny_model
+
+    workload = WORKLOADS["prefill_heavy"]
+    low = list(read_trace(rate_point_trace(workload, tmp_path / "a.csv", 1.0, 20.0, seed=2)))
+    high = list(read_trace(rate_point_trace(workload, tmp_path / "b.csv", 2.0, 20.0, seed=2)))
+    shared = 3
+    # the rows themselves repeat: what each point sends must not
+    assert [r.request_tokens for r in low[:shared]] == [r.request_tokens for r in high[:shared]]
+    tokenizer = load_tokenizer(str(build_tiny_model()))
+
+    def prompts(rows: list[TraceRow], seed: int) -> list[str]:
+        synth = PromptSynthesizer(tokenizer, seed=seed)
+        return [synth.prompt(r.request_tokens).text for r in rows[:shared]]
+
+    seeds = {prompt_seed(2, 1.0), prompt_seed(2, 2.0), prompt_seed(2, WARMUP),
+             prompt_seed(3, 1.0)}
+    assert len(seeds) == 4
+    assert prompt_seed(2, 2.0) == prompt_seed(2, 2)  # a pure function of (seed, rate)
+    a, b = prompts(low, prompt_seed(2, 1.0)), prompts(high, prompt_seed(2, 2.0))
+    # not even a first block in common: no prefix of one point is cached for the next
+    assert all(x.split()[:16] != y.split()[:16] for x, y in zip(a, b, strict=True))
+    # negative control: one seed for both points sends the same prompts again
+    assert prompts(low, 0) == prompts(high, 0)
