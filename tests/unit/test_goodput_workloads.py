@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.goodput_workloads import WORKLOADS, phase_count, rate_point_trace
+from bench.goodput_workloads import WARMUP, WORKLOADS, phase_count, prompt_seed, rate_point_trace
+from bench.prompts import PromptSynthesizer, load_tokenizer
 from bench.trace import TraceRow, read_trace
+from serve.tiny_model import build_tiny_model
 
 
 @pytest.mark.parametrize("rate", [4.0, 16.0])
@@ -50,10 +52,6 @@ def test_each_rate_point_sends_its_own_prompts(tmp_path: Path) -> None:
     """A longer trace of one seed starts with a shorter one's rows: with one prompt seed for
     every point, those rows were sent again word for word and served from the caches the
     point before filled. Each point's prompt seed is its own, the same for every setup."""
-    from bench.goodput_workloads import WARMUP, prompt_seed
-    from bench.prompts import PromptSynthesizer, load_tokenizer
-    from serve.tiny_model import build_tiny_model
-
     workload = WORKLOADS["prefill_heavy"]
     low = list(read_trace(rate_point_trace(workload, tmp_path / "a.csv", 1.0, 20.0, seed=2)))
     high = list(read_trace(rate_point_trace(workload, tmp_path / "b.csv", 2.0, 20.0, seed=2)))
