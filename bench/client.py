@@ -9,9 +9,12 @@ a request whose time has come waits for a slot, and that wait is recorded as its
 
 Each request streams SSE from ``/v1/completions`` (or ``/v1/chat/completions``) with
 ``max_tokens`` = the trace's response tokens and ``ignore_eos``; the arrival time of every
-content chunk is recorded. Timeouts, HTTP errors and error events are recorded on the result,
-never raised. Schedule lag (actual send - scheduled time - slot wait) is
-recorded per request so a run can show the client was not the bottleneck.
+content chunk is recorded. A response whose tokens all decode to no text streams no content
+chunk, only its finish chunk; when the server's usage counts tokens, that chunk's arrival is
+its token time (a late bound on its first token), not a failure. Timeouts, HTTP errors and
+error events are recorded on the result, never raised. Schedule lag (actual send - scheduled
+time - slot wait) is recorded per request so a run can show the client was not the
+bottleneck.
 
 Times are ``time.perf_counter()`` seconds relative to the run start.
 """
@@ -169,6 +172,7 @@ async def _send(client: httpx.AsyncClient, cfg: ClientConfig, path: str, content
     res.lag_s = res.sent_s - spec.at_s - res.queue_s
     times = res.token_times_s
     chunks = 0
+    finished_at: float | None = None
     usage: dict[str, Any] | None = None
     try:
         async with asyncio.timeout(cfg.timeout_s):
@@ -195,6 +199,8 @@ async def _send(client: httpx.AsyncClient, cfg: ClientConfig, path: str, content
                     if choices and _chunk_has_content(choices[0]):
                         times.append(now - sent)
                         chunks += 1
+                    elif choices and choices[0].get("finish_reason"):
+                        finished_at = now - sent
                     if event.get("usage"):
                         usage = event["usage"]
         if usage:
@@ -202,6 +208,8 @@ async def _send(client: httpx.AsyncClient, cfg: ClientConfig, path: str, content
             res.server_prompt_tokens = usage.get("prompt_tokens")
         else:
             res.output_tokens = chunks
+        if not times and finished_at is not None and res.output_tokens > 0:
+            times.append(finished_at)
         if not times:
             res.error_type, res.error = "no_output", "stream ended without a token"
             return

@@ -9,7 +9,9 @@ Reports the achieved send rate, completions/s and schedule lag percentiles. Targ
 with schedule lag p99 < 5 ms.
 
 The fake server also serves the client tests: a prompt containing ``FAIL500`` gets a 500,
-``HANG`` never gets an answer, ``ERREVENT`` gets an error event mid-stream.
+``HANG`` never gets an answer, ``ERREVENT`` gets an error event mid-stream, ``NOTEXT`` streams
+only a text-less finish chunk whose usage counts its ``max_tokens`` (tokens that decode to no
+text), ``NOTOKEN`` the same finish chunk with no token counted.
 """
 
 from __future__ import annotations
@@ -48,6 +50,15 @@ def _sse(tokens: int, prompt_tokens: int) -> bytes:
     parts.append(b"data: " + json.dumps(usage).encode() + b"\n\n")
     parts.append(b"data: [DONE]\n\n")
     return b"".join(parts)
+
+
+def _finish_only(tokens: int) -> bytes:
+    finish = {"id": "x", "object": "text_completion", "choices": [
+        {"index": 0, "text": "", "finish_reason": "length"}]}
+    usage = {"id": "x", "choices": [], "usage": {"prompt_tokens": 8,
+                                                 "completion_tokens": tokens}}
+    return b"".join(b"data: " + json.dumps(ev).encode() + b"\n\n" for ev in (finish, usage)) \
+        + b"data: [DONE]\n\n"
 
 
 def _response(status: str, ctype: str, body: bytes) -> bytes:
@@ -102,6 +113,10 @@ class _Proto(asyncio.Protocol):
         tokens = self.tokens
         with contextlib.suppress(ValueError):
             tokens = int(json.loads(body).get("max_tokens", tokens))
+        if b"NOTEXT" in body or b"NOTOKEN" in body:
+            payload = _finish_only(0 if b"NOTOKEN" in body else tokens)
+            self.transport.write(_response("200 OK", "text/event-stream", payload))
+            return
         self.transport.write(_response("200 OK", "text/event-stream", _sse(tokens, 8)))
 
 

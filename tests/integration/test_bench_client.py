@@ -54,6 +54,17 @@ async def test_failures_are_recorded_not_raised(fake_url: str) -> None:
     assert "worker died" in run.results[2].error
 
 
+async def test_tokens_without_text_are_served_not_failed(fake_url: str) -> None:
+    """A response whose tokens decode to no text (the server streams only its finish chunk)
+    counts as served, timed at that chunk; with no token counted it stays a failure."""
+    specs = [RequestSpec(0, 0.0, "NOTEXT", 1, 2), RequestSpec(1, 0.0, "NOTOKEN", 1, 2)]
+    run = await run_open_loop(specs, ClientConfig(url=fake_url, model="fake"))
+    served, empty = run.results
+    assert served.ok and served.output_tokens == 2 and len(served.token_times_s) == 1
+    assert served.ttft_s is not None and served.ttft_s > 0
+    assert not empty.ok and empty.error_type == "no_output" and empty.ttft_s is None
+
+
 async def test_connection_refused_is_recorded() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     run = await run_open_loop([RequestSpec(0, 0.0, "x", 1, 1)], ClientConfig(url=url, model="m"))
