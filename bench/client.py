@@ -9,12 +9,12 @@ a request whose time has come waits for a slot, and that wait is recorded as its
 
 Each request streams SSE from ``/v1/completions`` (or ``/v1/chat/completions``) with
 ``max_tokens`` = the trace's response tokens and ``ignore_eos``; the arrival time of every
-content chunk is recorded. A response whose tokens all decode to no text streams no content
-chunk, only its finish chunk; when the server's usage counts tokens, that chunk's arrival is
-its token time (a late bound on its first token), not a failure. Timeouts, HTTP errors and
-error events are recorded on the result, never raised. Schedule lag (actual send - scheduled
-time - slot wait) is recorded per request so a run can show the client was not the
-bottleneck.
+content chunk is recorded. A response whose tokens all decode to no text (on the tiny model, a
+lone byte of a multi-byte character, which the server holds back) streams no content chunk,
+only its finish chunk; when the server's usage counts tokens, that chunk's arrival is its
+token time (a late bound on its first token), not a failure. Timeouts, HTTP errors and error
+events are recorded on the result, never raised. Schedule lag (actual send - scheduled time -
+slot wait) is recorded per request so a run can show the client was not the bottleneck.
 
 Times are ``time.perf_counter()`` seconds relative to the run start.
 """
