@@ -39,25 +39,19 @@ _MODELS = json.dumps({"object": "list", "data": [
     {"id": "fake", "object": "model", "root": None, "max_model_len": 4096}]}).encode()
 
 
-def _sse(tokens: int, prompt_tokens: int) -> bytes:
-    parts = []
-    for i in range(tokens):
-        ev = {"id": "x", "object": "text_completion", "choices": [
-            {"index": 0, "text": f" t{i}", "finish_reason": None}]}
-        parts.append(b"data: " + json.dumps(ev).encode() + b"\n\n")
-    usage = {"id": "x", "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                 "completion_tokens": tokens}}
-    parts.append(b"data: " + json.dumps(usage).encode() + b"\n\n")
-    parts.append(b"data: [DONE]\n\n")
-    return b"".join(parts)
-
-
-def _finish_only(tokens: int) -> bytes:
-    finish = {"id": "x", "object": "text_completion", "choices": [
-        {"index": 0, "text": "", "finish_reason": "length"}]}
-    usage = {"id": "x", "choices": [], "usage": {"prompt_tokens": 8,
-                                                 "completion_tokens": tokens}}
-    return b"".join(b"data: " + json.dumps(ev).encode() + b"\n\n" for ev in (finish, usage)) \
+def _sse(tokens: int, prompt_tokens: int, *, with_text: bool = True) -> bytes:
+    """A completion stream of ``tokens`` tokens, one text chunk each, then the usage event;
+    without ``with_text``, one text-less finish chunk in their place (tokens that decode to
+    no text)."""
+    if with_text:
+        choices = [{"index": 0, "text": f" t{i}", "finish_reason": None} for i in range(tokens)]
+    else:
+        choices = [{"index": 0, "text": "", "finish_reason": "length"}]
+    events: list[dict[str, Any]] = [
+        {"id": "x", "object": "text_completion", "choices": [c]} for c in choices]
+    events.append({"id": "x", "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                       "completion_tokens": tokens}})
+    return b"".join(b"data: " + json.dumps(ev).encode() + b"\n\n" for ev in events) \
         + b"data: [DONE]\n\n"
 
 
@@ -114,7 +108,7 @@ class _Proto(asyncio.Protocol):
         with contextlib.suppress(ValueError):
             tokens = int(json.loads(body).get("max_tokens", tokens))
         if b"NOTEXT" in body or b"NOTOKEN" in body:
-            payload = _finish_only(0 if b"NOTOKEN" in body else tokens)
+            payload = _sse(0 if b"NOTOKEN" in body else tokens, 8, with_text=False)
             self.transport.write(_response("200 OK", "text/event-stream", payload))
             return
         self.transport.write(_response("200 OK", "text/event-stream", _sse(tokens, 8)))
