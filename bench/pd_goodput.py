@@ -30,7 +30,9 @@ one filled.
 Every setup is started, swept alone and stopped before the next; the pdserve setups' routers get
 the workload's SLOs. Each setup first serves a discarded warm-up replay. The table prints the
 highest passing rate, attainment at each rate tried, the path mix, where each process ran and
-the load average, and the machine's speed before and after each setup (``bench.box_speed``).
+the load average, the machine's speed before and after each setup (``bench.box_speed``) and
+during each point (``bench.box_watch``: each core's loop speed and steal, medians of samples
+taken every 2 s beside the run; ``--no-box-watch`` to leave it out).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from typing import Any
 
 import httpx
 
-from bench import box_speed, field_pd
+from bench import box_speed, box_watch, field_pd
 from bench.box_speed import BoxSpeed
 from bench.goodput_workloads import (
     WARMUP,
@@ -169,10 +171,12 @@ def warm_up(url: str, trace: Path, out: Path, args: argparse.Namespace) -> None:
 
 
 def replay_point(url: str, workload: Workload, rate: float, out: Path,
-                 args: argparse.Namespace) -> dict[str, Any]:
+                 args: argparse.Namespace, watch_file: Path | None = None) -> dict[str, Any]:
     """Replay ``workload`` at ``rate`` req/s for its point length against ``url``; the run's
-    summary (``slo_attainment`` and the latency percentiles)."""
+    summary (``slo_attainment`` and the latency percentiles, and ``box_during``: the
+    ``watch_file`` samples taken while it ran, per core)."""
     span = workload.point_s(args.point_s)
+    started = time.time()
     out.mkdir(parents=True, exist_ok=True)
     trace = rate_point_trace(workload, out / "trace.csv", rate, span, args.seed)
     subprocess.run(pdserve_command("bench", "replay", "--url", url, "--trace", str(trace),
@@ -184,21 +188,25 @@ def replay_point(url: str, workload: Workload, rate: float, out: Path,
                    check=True, stdout=subprocess.DEVNULL)
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     summary["load_avg_1m"] = os.getloadavg()[0]
+    if watch_file is not None and watch_file.exists():
+        summary["box_during"] = box_watch.summarize(box_watch.load(watch_file), started,
+                                                    time.time())
     return summary
 
 
-def sweep(url: str, out: Path, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+def sweep(url: str, out: Path, workload: Workload, args: argparse.Namespace,
+          watch_file: Path | None = None) -> dict[str, Any]:
     """The highest rate ``url`` sustains within ``workload``'s SLOs (``bench.sweep``: the
     listed rates, then bisection) and every point tried."""
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
 
     async def run_at(rate: float) -> dict[str, Any]:
         return await asyncio.to_thread(replay_point, url, workload, rate,
-                                       out / f"rate_{rate:.4g}", args)
+                                       out / f"rate_{rate:.4g}", args, watch_file)
 
     res = asyncio.run(bisect_rates(run_at, rates, bisect_steps=args.bisect_steps))
     keep = ("requests_completed", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90",
-            "load_avg_1m")
+            "load_avg_1m", "box_during")
     points = [{"rate": p["rate"], "slo_attainment": p["slo_attainment"], "passed": p["passed"],
                **{k: p["summary"].get(k) for k in keep}} for p in res.points]
     doc = {"max_rate_rps": res.max_rate, "points": points}
@@ -220,20 +228,46 @@ def _box(reading: dict[str, float]) -> str:
     return BoxSpeed(**reading).line()
 
 
+def during_line(points: Sequence[dict[str, Any]]) -> str:
+    """``core 0 24.1-27.9, core 1 22.0-26.3 M loops/s, steal <= 0.0 %``: the range, over the
+    points, of each core's median speed while the point ran (empty without samples)."""
+    by_core: dict[str, list[dict[str, float]]] = {}
+    for point in points:
+        for core, reading in (point.get("box_during") or {}).items():
+            by_core.setdefault(core, []).append(reading)
+    if not by_core:
+        return ""
+    cores = ", ".join(f"core {core} {min(r['cpu_mops'] for r in rs):.1f}-"
+                      f"{max(r['cpu_mops'] for r in rs):.1f}" for core, rs in by_core.items())
+    steal = max(r["steal_pct"] for rs in by_core.values() for r in rs)
+    return f"{cores} M loops/s, steal <= {steal:.1f} %"
+
+
 def run_one(setup: str, workload: Workload, warm_trace: Path, out: Path,
             args: argparse.Namespace) -> dict[str, Any]:
     """Start, warm up, sweep and stop ``setup`` on ``workload``; its result record."""
     load0, box0 = os.getloadavg()[0], box_speed.measure()
-    running = start(setup, workload, args.min_prefill_tokens, args.pdserve_arg)
+    out.mkdir(parents=True, exist_ok=True)
+    watch_file = out / "box-watch.jsonl"
+    watcher = None if args.no_box_watch else subprocess.Popen(
+        [sys.executable, "-m", "bench.box_watch", "--out", str(watch_file)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        layout = " ".join(f"{name}:{cores}" for name, cores in
-                          placement_of(children(running.pid)).items())
-        if args.warmup_requests:
-            warm_up(running.url, warm_trace, out / "warmup", args)
-        doc = sweep(running.url, out / "sweep", workload, args)
-        paths = _paths(running.url)
+        running = start(setup, workload, args.min_prefill_tokens, args.pdserve_arg)
+        try:
+            layout = " ".join(f"{name}:{cores}" for name, cores in
+                              placement_of(children(running.pid)).items())
+            if args.warmup_requests:
+                warm_up(running.url, warm_trace, out / "warmup", args)
+            doc = sweep(running.url, out / "sweep", workload, args,
+                        None if watcher is None else watch_file)
+            paths = _paths(running.url)
+        finally:
+            running.stop()
     finally:
-        running.stop()
+        if watcher is not None:
+            watcher.terminate()
+            watcher.wait()
     return {"max_rate_rps": doc["max_rate_rps"], "points": doc["points"], "layout": layout,
             "load_before": load0, "load_after": os.getloadavg()[0], "paths": paths,
             "box_before": box0.as_dict(), "box_after": box_speed.measure().as_dict(),
@@ -255,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-requests", type=int, default=10,
                         help="requests replayed (and discarded) before each sweep; 0 = none")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-box-watch", action="store_true",
+                        help="do not sample the cores' speed during the points (bench.box_watch)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--pdserve-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for the pdserve setups' `pdserve up` (repeat), "
@@ -281,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
                 results[wname].setdefault(setup, []).append(res)
                 print(f"{wname:13s} {setup:10s} run {repeat + 1}: {res['max_rate_rps']} req/s "
                       f"(load {res['load_before']:.2f} -> {res['load_after']:.2f}; box "
-                      f"{_box(res['box_before'])} -> {_box(res['box_after'])}; "
-                      f"{res['layout']}) {res['paths'] or ''}", flush=True)
+                      f"{_box(res['box_before'])} -> {_box(res['box_after'])}; during the "
+                      f"points {during_line(res['points']) or '-'}; {res['layout']}) "
+                      f"{res['paths'] or ''}", flush=True)
                 (out / "goodput.json").write_text(json.dumps(results, indent=2))
     print_table(results, args)
     print(f"\nwritten: {out / 'goodput.json'}")
