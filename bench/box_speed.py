@@ -57,6 +57,15 @@ class BoxSpeed:
         return {k: round(v, 3) for k, v in asdict(self).items()}
 
 
+def python_loop(n: int) -> int:
+    """``n`` iterations of a plain Python ``for`` loop adding integers (the unit of
+    ``loop_mops`` here and in ``bench.box_watch``); their sum."""
+    total = 0
+    for i in range(n):
+        total += i
+    return total
+
+
 def measure(timer: Callable[[], float] = time.perf_counter, copy_mib: int = COPY_MIB,
             repeats: int = REPEATS) -> BoxSpeed:
     """Read the probe now (``timer`` is the clock; tests pass their own)."""
@@ -73,9 +82,7 @@ def measure(timer: Callable[[], float] = time.perf_counter, copy_mib: int = COPY
     loops = []
     for _ in range(repeats):
         start = timer()
-        total = 0
-        for i in range(LOOP_N):
-            total += i
+        python_loop(LOOP_N)
         loops.append(timer() - start)
     moved = 2 * src.nbytes
     return BoxSpeed(copy_gbps=moved / statistics.median(copies) / 1e9,

@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.box_speed import python_loop
+
 LOOP_N = 20_000
 """Iterations per sample: about 1 ms of one core at this box's 20-30 M loops/s."""
 
@@ -78,9 +80,7 @@ def loop_on(core: int, n: int = LOOP_N) -> tuple[float, float]:
     os.sched_setaffinity(0, {core})
     try:
         wall0, cpu0 = time.perf_counter(), time.thread_time()
-        total = 0
-        for i in range(n):
-            total += i
+        python_loop(n)
         return time.thread_time() - cpu0, time.perf_counter() - wall0
     finally:
         os.sched_setaffinity(0, allowed)
