@@ -10,8 +10,9 @@ samples it cheaply enough to run beside the benchmark (about 1 ms of work per co
 ``interval_s``) and writes one JSON line per sample and core:
 
 - ``cpu_mops``: millions of loop iterations per second of the watcher's *own CPU time* on that
-  core: the core's speed for Python code, whoever else runs on it (a host that slows or shares
-  the core lowers it; a busy neighbour process on the same core does not);
+  core: the core's speed for Python code, meant to be blind to whoever else runs on it (core
+  0 read 30.0-30.9 with a busy process on either core or both against 30.6 idle, 20 s each,
+  2026-12-01; core 1 read 25.1 with both busy against 30.8 idle, which is load or drift);
 - ``wait``: wall time over CPU time of the same loop, minus 1: how long it waited for the core
   once started (about 0.01 here whatever else runs: the scheduler runs a woken sampler at
   once, so this is not a load measure);
