@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.sim.sweep import SweepConfig, effective_capacity, starting_rate
+from bench.sim.sweep import SweepConfig, effective_capacity, reuse_ceiling, starting_rate
 from bench.sim.workload import SimRequest, WorkloadConfig, build_requests
 from bench.synth import gamma_rows
 from bench.trace import TraceRow, native_rate
@@ -104,6 +104,7 @@ def one(shape: str, seed: int, n: int, instances: int, ttft_slo_s: float,
     native = native_rate(rows)
     mean_prompt = sum(r.prompt_tokens for r in reqs) / len(reqs)
     start = starting_rate(reqs, cfg)
+    ceiling = reuse_ceiling(reqs, cfg)
     started = time.monotonic()
     caps = {name: effective_capacity(name, reqs, cfg, native, start)[0]
             for name in (policies or tuple(PREFILL_POLICIES))}
@@ -114,42 +115,48 @@ def one(shape: str, seed: int, n: int, instances: int, ttft_slo_s: float,
         run = [m for m in members if m in caps]
         if run:
             top = max(run, key=lambda k: caps[k])
-            groups[group] = {"best": top, "dualmap_over": _ratio(caps[REFERENCE], caps[top])}
+            groups[group] = {"best": top, "dualmap_over": _ratio(caps[REFERENCE], caps[top]),
+                             "ceiling_over": _ratio(ceiling, caps[top])}
     return {"shape": shape, "seed": seed, "held_out": held_out(shape, seed),
             "mean_prompt_tokens": round(mean_prompt), "capacity_rps": caps,
+            "ceiling_rps": ceiling,
             "best_baseline": best, "dualmap_over_best": _ratio(caps[REFERENCE], base[best]),
             "groups": groups, "seconds": round(time.monotonic() - started, 1)}
 
 
 def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    """One line per shape and seed (DualMap over the best baseline and over the best peer),
-    then the held-out and tuned summaries per group."""
+    """One line per shape and seed (DualMap over the best baseline and over the best peer,
+    and the reuse ceiling over each), then the held-out and tuned summaries per group."""
     names = list(rows[0]["capacity_rps"]) if rows else []
     groups = [g for g in GROUPS if rows and g in rows[0]["groups"]]
     short = {"baselines": "base", "peers": "peer"}
     print(f"# {args.instances}+{args.instances} instances, {args.requests} requests per trace, "
           f"TTFT SLO {args.ttft_slo_s:g} s, effective capacity (req/s at 90 % within the SLO); "
-          f"load {os.getloadavg()[0]:.2f}")
+          f"ceiling: every reusable prefix found, work spread perfectly "
+          f"(bench.sim.sweep.reuse_ceiling); load {os.getloadavg()[0]:.2f}")
     print(f"{'shape':<19}{'seed':>4}{'held':>5}{'prompt':>7} "
-          + " ".join(f"{n[:11]:>11}" for n in names)
-          + "".join(f" {'DM/' + short[g]:>8}" for g in groups)
+          + " ".join(f"{n[:11]:>11}" for n in names) + f" {'ceiling':>8}"
+          + "".join(f" {'DM/' + short[g]:>8} {'ceil/' + short[g]:>9}" for g in groups)
           + "".join(f" {'best ' + g[:-1]:<18}" for g in groups))
     for r in rows:
         caps = r["capacity_rps"]
         print(f"{r['shape']:<19}{r['seed']:>4}{'yes' if r['held_out'] else 'no':>5}"
               f"{r['mean_prompt_tokens']:>7} "
-              + " ".join(f"{caps[n]:>11.2f}" for n in names)
-              + "".join(f" {r['groups'][g]['dualmap_over']:>7.2f}x" for g in groups)
+              + " ".join(f"{caps[n]:>11.2f}" for n in names) + f" {r['ceiling_rps']:>8.1f}"
+              + "".join(f" {r['groups'][g]['dualmap_over']:>7.2f}x"
+                        f" {r['groups'][g]['ceiling_over']:>8.2f}x" for g in groups)
               + "".join(f" {r['groups'][g]['best']:<18}" for g in groups))
     for label, subset in (("held out", [r for r in rows if r["held_out"]]),
                           ("tuned", [r for r in rows if not r["held_out"]])):
         for g in groups:
             if subset:
                 ratios = [r["groups"][g]["dualmap_over"] for r in subset]
+                room = [r["groups"][g]["ceiling_over"] for r in subset]
                 behind = sum(x < 1.0 for x in ratios)
                 print(f"{label}: DualMap / best {g[:-1]} geometric mean "
                       f"{statistics.geometric_mean(ratios):.2f}x, min {min(ratios):.2f}x, "
-                      f"behind on {behind} of {len(ratios)}")
+                      f"behind on {behind} of {len(ratios)}; the ceiling / best {g[:-1]} "
+                      f"{statistics.geometric_mean(room):.2f}x (min {min(room):.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:

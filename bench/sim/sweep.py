@@ -71,6 +71,28 @@ def starting_rate(reqs: Sequence[SimRequest], cfg: SweepConfig) -> float:
     return cfg.n_prefill / (cfg.prefill.overhead_s + mean_prompt * cfg.prefill.per_token_s)
 
 
+def reuse_ceiling(reqs: Sequence[SimRequest], cfg: SweepConfig) -> float:
+    """The arrival rate (req/s) at which the prefill instances would be exactly busy if every
+    prompt reused the longest prefix any earlier prompt had (one unbounded cache, arrival
+    order) and the work were spread perfectly, batch overheads left out: what no placement
+    can sustain beyond. Over a short trace a policy can run above it for a while, by the
+    backlog its SLO lets build up, so it bounds sustained throughput, not one trace's
+    capacity. ``inf`` when nothing is left to compute."""
+    seen: set[int] = set()
+    busy_s = 0.0
+    bt = cfg.prefill.block_tokens
+    for r in reqs:
+        hashes = r.block_hashes
+        k = 0
+        while k < len(hashes) and hashes[k] in seen:
+            k += 1
+        cached = min(k * bt, r.prompt_tokens)
+        busy_s += ((r.prompt_tokens - cached) * cfg.prefill.per_token_s
+                   + cached * cfg.prefill.cached_token_s)
+        seen.update(hashes)
+    return cfg.n_prefill * len(reqs) / busy_s if busy_s else float("inf")
+
+
 def effective_capacity(name: str, reqs: Sequence[SimRequest], cfg: SweepConfig,
                        native_rps: float, start_rps: float,
                        progress: Callable[[str], None] | None = None

@@ -180,7 +180,7 @@ def test_autoscale_sim_runs_on_the_profile_it_is_given() -> None:
 def test_autoscale_sim_rebalances_the_policies_that_name_an_alternate() -> None:
     """The TTFT SLO is the rebalance threshold of every policy; the simulator moves queued
     requests only for a policy naming an alternate candidate (DualMap here)."""
-    reqs = make_trace(60.0, 30.0, seed=0)
+    reqs = make_trace(60.0, 45.0, seed=0)  # enough that queues pass the SLO
     static = AutoscaleSettings("static", 3, 3)
     assert run(reqs, "dualmap", static, 1.0, 0.1).migrations > 0
     assert run(reqs, "round_robin", static, 1.0, 0.1).migrations == 0

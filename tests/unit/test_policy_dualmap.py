@@ -166,8 +166,8 @@ def test_the_instance_holding_the_longest_prefix_is_a_third_candidate() -> None:
     assert decision.cached_tokens[holder] == 800
     choice = policy.choose(turn2, [Candidate(w) for w in workers])
     assert choice is not None and choice.reason == "cache_holder"
-    # control: without the option only the ring pair is considered
-    policy, turn2, holder, workers = _holder_setup(cache_holder=False)
+    # control: without the options only the ring pair is considered
+    policy, turn2, holder, workers = _holder_setup(cache_holder=False, least_loaded=False)
     decision = policy.decide(turn2, [Candidate(w) for w in workers])
     assert decision is not None and decision.chosen != holder and decision.holder is None
 
@@ -184,13 +184,42 @@ def test_a_loaded_holder_yields_to_the_slo_switch() -> None:
     assert policy.decide(turn2, pool).chosen == holder  # type: ignore[union-attr]
 
 
-def test_a_holder_that_holds_no_more_than_the_pair_is_not_a_candidate() -> None:
+def test_a_holder_that_holds_less_than_the_pair_is_not_a_candidate() -> None:
     policy, turn2, holder, workers = _holder_setup()
     a, b = policy.pair(turn2, [Candidate(w) for w in workers])
     assert a is not None
     policy.observe(Dispatched("r0", a, "m", turn2))  # the pair's a now holds all of turn 2
     decision = policy.decide(turn2, [Candidate(w) for w in workers])
     assert decision is not None and decision.holder is None and decision.chosen == a
+
+
+def test_of_equal_holders_the_less_loaded_one_is_the_candidate() -> None:
+    policy, turn2, first, workers = _holder_setup()
+    a, b = policy.pair(turn2, [Candidate(w) for w in workers])
+    second = next(w for w in workers if w not in (a, b, first))
+    policy.observe(Dispatched("r2", second, "m", _req(1, list(range(1000, 1800)))))
+    for busy, idle in ((first, second), (second, first)):
+        pool = [Candidate(w, pending_prefill_tokens=500 if w == busy else 0) for w in workers]
+        decision = policy.decide(turn2, pool)
+        assert decision is not None and decision.holder == decision.chosen == idle, busy
+
+
+def test_a_prompt_nobody_holds_goes_to_the_least_loaded_instance() -> None:
+    policy = DualMapPolicy(ttft_slo_s=2.0, per_token_s=1e-3)
+    workers = [f"w{i}" for i in range(6)]
+    policy.observe(Membership("m", tuple(workers)))
+    req = _req(0, list(range(160)))
+    a, b = policy.pair(req, [Candidate(w) for w in workers])
+    idle = next(w for w in workers if w not in (a, b))
+    pool = [Candidate(w, pending_prefill_tokens=0 if w == idle else 300) for w in workers]
+    decision = policy.decide(req, pool)
+    assert decision is not None and decision.chosen == decision.least == idle
+    assert decision.predicted_ttft_s[idle] == pytest.approx(0.16)
+    # control: without the option the choice stays on the ring pair
+    policy = DualMapPolicy(ttft_slo_s=2.0, per_token_s=1e-3, least_loaded=False)
+    policy.observe(Membership("m", tuple(workers)))
+    decision = policy.decide(req, pool)
+    assert decision is not None and decision.chosen in (a, b) and decision.least is None
 
 
 def test_select_is_pure_and_matches_decide() -> None:

@@ -16,7 +16,8 @@ from bench.routing_quality import (
     one,
     shape_requests,
 )
-from bench.sim.workload import WorkloadConfig
+from bench.sim.sweep import SweepConfig, reuse_ceiling
+from bench.sim.workload import SimRequest, WorkloadConfig
 from router.policy.registry import PREFILL_POLICIES
 
 
@@ -29,6 +30,21 @@ def test_one_row_measures_every_policy_and_compares_with_the_best_other() -> Non
     assert row["best_baseline"] == max(others, key=lambda k: others[k])
     assert row["dualmap_over_best"] == pytest.approx(caps["dualmap"] / max(others.values()))
     assert not row["held_out"]  # seed 0 was looked at when choosing the switch point
+    # the reuse ceiling: no policy sustains more than every reusable prefix found
+    assert row["ceiling_rps"] >= max(caps.values())
+    assert row["groups"]["peers"]["ceiling_over"] == pytest.approx(
+        row["ceiling_rps"] / caps[row["groups"]["peers"]["best"]])
+
+
+def test_reuse_ceiling_counts_only_prefixes_an_earlier_prompt_had() -> None:
+    cfg = SweepConfig(4, 4, 2.0, 0.1)  # 1e-4 s per uncached token
+    shared = SimRequest(0, 0.0, 48, 1, (1, 2, 3))
+    reqs = [shared, SimRequest(1, 0.1, 48, 1, (1, 2, 9)), SimRequest(2, 0.2, 40, 1, (7, 8))]
+    # uncached: 48 (first), 16 (two blocks reused), 40 (nothing shared) = 104 tokens
+    assert reuse_ceiling(reqs, cfg) == pytest.approx(4 * 3 / (104 * 1e-4))
+    # control: the same prompts with nothing shared cost every token
+    alone = [SimRequest(i, 0.0, 48, 1, (10 * i + 1, 10 * i + 2, 10 * i + 3)) for i in range(3)]
+    assert reuse_ceiling(alone, cfg) == pytest.approx(4 * 3 / (144 * 1e-4))
 
 
 def test_held_out_rows_are_untuned_shapes_at_untuned_seeds() -> None:

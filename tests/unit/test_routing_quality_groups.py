@@ -29,12 +29,15 @@ def test_table_reports_dualmap_over_the_best_of_each_group(
         capsys: pytest.CaptureFixture[str]) -> None:
     row = {"shape": "default", "seed": 4, "held_out": False, "mean_prompt_tokens": 900,
            "capacity_rps": {"dualmap": 30.0, "least_loaded": 20.0, "dynamo_kv": 25.0},
-           "best_baseline": "dynamo_kv", "dualmap_over_best": 1.2,
-           "groups": {"baselines": {"best": "least_loaded", "dualmap_over": 1.5},
-                      "peers": {"best": "dynamo_kv", "dualmap_over": 1.2}}}
+           "best_baseline": "dynamo_kv", "dualmap_over_best": 1.2, "ceiling_rps": 40.0,
+           "groups": {"baselines": {"best": "least_loaded", "dualmap_over": 1.5,
+                                    "ceiling_over": 2.0},
+                      "peers": {"best": "dynamo_kv", "dualmap_over": 1.2,
+                                "ceiling_over": 1.6}}}
     print_table([row], argparse.Namespace(instances=2, requests=300, ttft_slo_s=2.0))
     out = capsys.readouterr().out.splitlines()
     assert "DM/base" in out[1] and "DM/peer" in out[1]
     assert "1.50x" in out[2] and "1.20x" in out[2] and "least_loaded" in out[2]
+    assert "ceil/peer" in out[1] and "40.0" in out[2] and "1.60x" in out[2]
     assert any(line.startswith("tuned: DualMap / best peer geometric mean 1.20x")
-               for line in out)
+               and line.endswith("the ceiling / best peer 1.60x (min 1.60x)") for line in out)
