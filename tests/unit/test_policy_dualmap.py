@@ -184,6 +184,20 @@ def test_a_loaded_holder_yields_to_the_slo_switch() -> None:
     assert policy.decide(turn2, pool).chosen == holder  # type: ignore[union-attr]
 
 
+def test_no_switch_to_a_candidate_that_would_miss_the_slo_too() -> None:
+    policy, turn2, holder, workers = _holder_setup()
+    # holder: 160 uncached behind 2,100 pending = 2.26 s; every other instance: 960 uncached
+    # behind 1,100 = 2.06 s, lower but past the 2 s SLO as well: recomputing saves nothing
+    pool = [Candidate(w, pending_prefill_tokens=2100 if w == holder else 1100) for w in workers]
+    decision = policy.decide(turn2, pool)
+    assert decision is not None and decision.affine == holder
+    assert decision.chosen == holder and not decision.switched
+    # control: with the old rule it switches to the lower predicted TTFT
+    policy, turn2, holder, workers = _holder_setup(switch_must_meet_slo=False)
+    decision = policy.decide(turn2, pool)
+    assert decision is not None and decision.switched and decision.chosen != holder
+
+
 def test_a_holder_that_holds_less_than_the_pair_is_not_a_candidate() -> None:
     policy, turn2, holder, workers = _holder_setup()
     a, b = policy.pair(turn2, [Candidate(w) for w in workers])
