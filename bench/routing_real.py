@@ -39,7 +39,8 @@ with ``--enable-scale-out`` (otherwise 403), so the workers here are started wit
 vllm-router is among ``--routers`` (every router then meets the same workers), the route is
 checked once, and each vllm-router point records the router's own decision counts
 (``vllm_router_prefix_routing_decisions_total`` by outcome) and says when any went without
-tokens.
+tokens. A pdserve router's point records its own placement decisions by reason
+(``pdserve_router_routing_decisions_total``: for DualMap how often the SLO switch fired).
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ SCALE_OUT_ARG = "--enable-scale-out"
 """vLLM's flag that serves ``/v1/completions/render``, the tokenizing route vllm-router's
 ``cache_aware`` needs (vLLM 0.32 answers 403 without it)."""
 DECISIONS = "vllm_router_prefix_routing_decisions_total"
+PDSERVE_DECISIONS = "pdserve_router_routing_decisions_total"
+"""pdserve's placement decisions by reason (DualMap: cache_affinity, cache_holder, slo_switch,
+load, single_candidate; another policy: its name)."""
 COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
             "vllm:prompt_tokens_total")
 
@@ -162,20 +166,23 @@ class Router:
 
 
 def decisions(router: Router) -> dict[str, float] | None:
-    """vllm-router's prefix-routing decisions so far, by outcome (``prefix_hit``,
-    ``prefix_miss``, ``missing_tokens``, ...); None for a router without them."""
+    """The router's placement decisions so far: vllm-router's prefix-routing decisions by
+    outcome (``prefix_hit``, ``prefix_miss``, ``missing_tokens``, ...), pdserve's by reason
+    (``cache_affinity``, ``slo_switch``, ...); None for a router without them."""
     if router.metrics_url is None:
         return None
     return decision_counts(httpx.get(router.metrics_url, timeout=10).text)
 
 
 def decision_counts(exposition: str) -> dict[str, float]:
-    """:data:`DECISIONS` summed by outcome from a Prometheus text exposition."""
+    """:data:`DECISIONS` summed by outcome, or :data:`PDSERVE_DECISIONS` by reason, from a
+    Prometheus text exposition."""
     out: dict[str, float] = {}
     for (name, labels), value in parse_samples(exposition).items():
-        if name == DECISIONS:
-            outcome = dict(labels).get("outcome", "?")
-            out[outcome] = out.get(outcome, 0.0) + value
+        key = {DECISIONS: "outcome", PDSERVE_DECISIONS: "reason"}.get(name)
+        if key is not None:
+            label = dict(labels).get(key, "?")
+            out[label] = out.get(label, 0.0) + value
     return out
 
 
@@ -184,7 +191,7 @@ def start_router(name: str, cluster: Cluster, extra: Sequence[str] = ()) -> Rout
     arguments for a pdserve router (the later of two equal flags wins)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    metrics_url = None
+    metrics_url = f"{url}/metrics"
     if name.startswith("vllm-router:"):
         binary = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable),
                                                              "vllm-router")

@@ -154,6 +154,12 @@ def test_vllm_router_decisions_are_summed_by_outcome() -> None:
         'vllm_router_processed_requests_total{worker="http://w1"} 68\n')
     assert decision_counts(text) == {"prefix_hit": 65.0, "missing_tokens": 3.0}
     assert decision_counts("# TYPE other counter\nother_total 4\n") == {}  # control
+    pdserve = ("# TYPE pdserve_router_routing_decisions_total counter\n"
+               'pdserve_router_routing_decisions_total{role="aggregated",'
+               'reason="cache_affinity"} 40\n'
+               'pdserve_router_routing_decisions_total{role="aggregated",reason="slo_switch"} 2\n'
+               'pdserve_router_routing_decisions_total{role="decode",reason="slo_switch"} 1\n')
+    assert decision_counts(pdserve) == {"cache_affinity": 40.0, "slo_switch": 3.0}
 
 
 def test_rounds_are_averaged_per_router_and_judged_on_the_means() -> None:
