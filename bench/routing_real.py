@@ -94,6 +94,8 @@ DECISIONS = "vllm_router_prefix_routing_decisions_total"
 PDSERVE_DECISIONS = "pdserve_router_routing_decisions_total"
 """pdserve's placement decisions by reason (DualMap: cache_affinity, cache_holder, slo_switch,
 load, single_candidate; another policy: its name)."""
+_DECISION_LABEL = {DECISIONS: "outcome", PDSERVE_DECISIONS: "reason"}
+"""Which label each router's decision counter is summed by."""
 COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
             "vllm:prompt_tokens_total")
 
@@ -179,7 +181,7 @@ def decision_counts(exposition: str) -> dict[str, float]:
     Prometheus text exposition."""
     out: dict[str, float] = {}
     for (name, labels), value in parse_samples(exposition).items():
-        key = {DECISIONS: "outcome", PDSERVE_DECISIONS: "reason"}.get(name)
+        key = _DECISION_LABEL.get(name)
         if key is not None:
             label = dict(labels).get(key, "?")
             out[label] = out.get(label, 0.0) + value

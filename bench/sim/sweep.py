@@ -17,6 +17,7 @@ from bench.sim.engine import RunResult, simulate
 from bench.sim.workload import SimRequest
 from router.autoscale.profile import DecodePerf, PrefillPerf
 from router.policy.base import PlacementPolicy
+from router.policy.cache_model import leading_present
 from router.policy.context import PolicyContext
 from router.policy.registry import create_prefill_policy
 
@@ -82,14 +83,11 @@ def reuse_ceiling(reqs: Sequence[SimRequest], cfg: SweepConfig) -> float:
     busy_s = 0.0
     bt = cfg.prefill.block_tokens
     for r in reqs:
-        hashes = r.block_hashes
-        k = 0
-        while k < len(hashes) and hashes[k] in seen:
-            k += 1
-        cached = min(k * bt, r.prompt_tokens)
+        # every hash ever seen stays: what it holds of a chain is a prefix of it
+        cached = min(leading_present(r.block_hashes, seen) * bt, r.prompt_tokens)
         busy_s += ((r.prompt_tokens - cached) * cfg.prefill.per_token_s
                    + cached * cfg.prefill.cached_token_s)
-        seen.update(hashes)
+        seen.update(r.block_hashes)
     return cfg.n_prefill * len(reqs) / busy_s if busy_s else float("inf")
 
 

@@ -233,18 +233,18 @@ class DualMapPolicy:
             # announced ring shares no member with the offered candidates: pick by id
             a, b = min(allowed), None
         n = request.prompt_len
-        bt = self.config.block_tokens
         pair = [a] if b is None else [a, b]
         blocks = {w: self.cache.match(w, hashes) for w in pair}
         holder, least = self._scan(hashes, allowed, pair, max(blocks.values()), n)
         order = list(pair)
-        for extra in (holder, least):
-            if extra is not None and extra[0] not in blocks:
+        for extra in (holder, least):  # neither is in the pair, nor the other
+            if extra is not None:
                 blocks[extra[0]] = extra[1]
                 order.append(extra[0])
-        cached = {w: min(blocks[w] * bt, n) for w in order}
-        ttft = {w: self.load.ttft_s(index[w].pending_prefill_tokens, n - cached[w], cached[w])
-                for w in order}
+        cached: dict[str, int] = {}
+        ttft: dict[str, float] = {}
+        for w in order:
+            cached[w], ttft[w] = self._predict(index[w], blocks[w], n)
         # most cached, then lower predicted TTFT, then the order a, b, holder, least
         hi = min(order, key=lambda w: (-cached[w], ttft[w], order.index(w)))
         lo = min(order, key=lambda w: (ttft[w], w != hi, order.index(w)))
@@ -259,6 +259,12 @@ class DualMapPolicy:
         return Decision(chosen, other, hi, switched, ttft, cached,
                         holder[0] if holder else None, least[0] if least else None)
 
+    def _predict(self, candidate: Candidate, blocks: int, n: int) -> tuple[int, float]:
+        """(cached tokens, predicted TTFT) of an ``n``-token prompt on ``candidate`` when it
+        holds ``blocks`` of its leading blocks."""
+        cached = min(blocks * self.config.block_tokens, n)
+        return cached, self.load.ttft_s(candidate.pending_prefill_tokens, n - cached, cached)
+
     def _scan(self, hashes: Sequence[int], allowed: Mapping[str, Candidate],
               pair: Sequence[str], floor: int, n: int
               ) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
@@ -270,15 +276,13 @@ class DualMapPolicy:
         want_holder = self.config.cache_holder and bool(hashes)
         if not want_holder and not self.config.least_loaded:
             return None, None
-        bt = self.config.block_tokens
         holder: tuple[int, float, str] | None = None
         fast: list[tuple[float, str, int]] = []  # the two lowest predicted TTFTs
         for w, c in allowed.items():  # no sort on the request path: ties compare ids instead
             if w in pair:
                 continue
             blocks = self.cache.match(w, hashes) if hashes and w in self.cache else 0
-            cached = min(blocks * bt, n)
-            t = self.load.ttft_s(c.pending_prefill_tokens, n - cached, cached)
+            t = self._predict(c, blocks, n)[1]
             if want_holder and blocks >= max(floor, 1):
                 key = (-blocks, t, w)
                 if holder is None or key < holder:
