@@ -388,7 +388,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     cfg = ClientConfig(url=args.url, model=info.model, timeout_s=args.timeout,
                        api_key=args.api_key)
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
-    doc = asyncio.run(profile(cfg, synth, prompt_lengths=ints(args.prompt_lengths),
+    lengths = [n for n in ints(args.prompt_lengths)
+               if not info.max_model_len or n + 1 < info.max_model_len]
+    if len(lengths) < len(ints(args.prompt_lengths)):
+        print(f"profile: prompt lengths at or past the server's max_model_len "
+              f"({info.max_model_len}) skipped", file=sys.stderr)
+    if not lengths:
+        raise SystemExit("no --prompt-lengths fits the server's max_model_len")
+    doc = asyncio.run(profile(cfg, synth, prompt_lengths=lengths,
                               batch_sizes=ints(args.batch_sizes), repeats=args.repeats,
                               decode_tokens=args.decode_tokens))
     out = Path(args.out)
@@ -502,7 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="prefill s/token and decode step vs batch -> JSON")
     _add_target(p)
     p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--prompt-lengths", default="32,128,512,1024")
+    p.add_argument("--prompt-lengths", default="32,128,512,1024,2048,3072",
+                   help="prompt lengths of the prefill probes (those at or past the server's "
+                        "max_model_len are skipped)")
     p.add_argument("--batch-sizes", default="1,2,4,8,16")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode-tokens", type=int, default=32)

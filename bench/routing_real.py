@@ -64,6 +64,7 @@ import httpx
 from bench.goodput_workloads import Workload, build_trace
 from bench.pd_goodput import SERVED, pdserve_command, stop_session, wait_healthy
 from bench.placement import affinity, children, descendants
+from bench.proc_cpu import CpuWatch, core_shares
 from kvtransfer.signing import worker_api_key
 from router.samples import parse_samples, total
 from serve.redis_server import free_port
@@ -287,6 +288,19 @@ def layout(cluster: Cluster, router: Router) -> str:
     return " ".join([*parts, f"{router.name}:{'|'.join(cores)}"])
 
 
+def worker_processes(cluster: Cluster) -> dict[str, int]:
+    """``worker:<cores>`` -> pid of each worker's top process under the cluster."""
+    out = {}
+    for pid in children(cluster.proc.pid).values():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"worker" in argv:
+            out[f"worker:{affinity(pid)}"] = pid
+    return out
+
+
 def run_router(name: str, cluster: Cluster, workload: Workload, traces: Mapping[float, Path],
                out: Path, api_key: str | None, extra: Sequence[str] = ()
                ) -> list[dict[str, Any]]:
@@ -303,7 +317,12 @@ def run_router(name: str, cluster: Cluster, workload: Workload, traces: Mapping[
             where = layout(cluster, router)
             before = counters(cluster.workers)
             load0 = os.getloadavg()[0]
+            watch = CpuWatch(worker_processes(cluster), {"cluster": cluster.proc.pid,
+                                                         "router": router.proc.pid,
+                                                         "bench": os.getpid()})
+            watch.start()
             summary = replay(router.url, trace, workload, rate, out / f"rate_{rate:g}", api_key)
+            cpu = watch.stop()
             time.sleep(1.5)  # an engine's last counters ship with its next step or stats tick
             stats = cache_stats(before, counters(cluster.workers))
             routed = decisions(router)
@@ -315,13 +334,25 @@ def run_router(name: str, cluster: Cluster, workload: Workload, traces: Mapping[
                 "requests_completed", "requests_failed", "slo_attainment", "ttft_p50",
                 "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99")},
             "load_before": load0, "load_after": os.getloadavg()[0], "layout": where,
-            "router_decisions": routed})
+            "router_decisions": routed, "cpu": cpu})
         print(format_row(points[-1]), flush=True)
+        print(f"  cpu: {cpu_line(cpu)}", flush=True)
         if routed is not None:
             warn = (" -- WARNING: requests placed without tokens (no prefix routing)"
                     if routed.get("missing_tokens") else "")
             print(f"  {name} decisions: {routed}{warn}", flush=True)
     return points
+
+
+def cpu_line(cpu: Mapping[str, Any]) -> str:
+    """One point's CPU record in a line: each worker's engine and frontend CPU as a share of
+    wall time, the floating processes', and each engine's share of its core left to it."""
+    wall = cpu["wall_s"] or 1.0
+    shares = core_shares(cpu)
+    parts = [f"{w} engine {v['engine_s'] / wall:.2f} frontend {v['frontend_s'] / wall:.2f} "
+             f"(core left {shares[w]:.2f})" for w, v in cpu["workers"].items()]
+    parts += [f"{k} {v / wall:.2f}" for k, v in cpu["floating_s"].items()]
+    return "; ".join(parts) + f" (cores busy per wall second, over {wall:.0f} s)"
 
 
 def _ms(v: float | None) -> str:

@@ -39,6 +39,7 @@ from typing import Any
 
 from bench.cli import build_workload
 from bench.metrics import distribution
+from bench.proc_cpu import core_shares
 from bench.prompts import PromptSynthesizer, load_tokenizer
 from bench.sim.fleet import FleetResult, FleetSettings
 from bench.sim.paths import profile_settings
@@ -145,6 +146,9 @@ class Point:
     requests: list[SimRequest]
     real: dict[str, Any]
     slos: tuple[float, float]
+    core_share: float | None = None
+    """The engines' mean share of their cores over the point, measured
+    (:func:`bench.proc_cpu.core_shares` of the point's ``cpu`` record; None: not recorded)."""
 
     @property
     def load_ktok_s(self) -> float:
@@ -164,10 +168,12 @@ def load_points(real_dir: Path, tokenizer: Any, block_tokens: int) -> list[Point
             continue
         point_dir = real_dir / p["trace"] / p["router"].replace(":", "-") / f"rate_{p['rate']:g}"
         summary = json.loads((point_dir / "summary.json").read_text())
+        shares = core_shares(p["cpu"]) if p.get("cpu") else {}
         out.append(Point(p["trace"], p["rate"], p["router"], name,
                          rebuild(point_dir, tokenizer, block_tokens),
                          {k: summary[k] for k in METRICS},
-                         (summary["slo_ttft_s"], summary["slo_tpot_s"])))
+                         (summary["slo_ttft_s"], summary["slo_tpot_s"]),
+                         statistics.fmean(shares.values()) if shares else None))
     return out
 
 
@@ -178,9 +184,12 @@ def slowdown(a: float, b: float, point: Point) -> float:
 
 
 def simulate_point(point: Point, profile: InstanceProfile, base: FleetSettings,
-                   factor: float) -> dict[str, Any]:
-    """``point`` through the simulator with the profile's times ``factor`` x longer."""
-    settings = replace(base, costs=profile_settings(profile.scaled(factor)).costs)
+                   factor: float, decode_factor: float | None = None) -> dict[str, Any]:
+    """``point`` through the simulator with the profile's times ``factor`` x longer (its
+    decode steps ``decode_factor`` x longer when given)."""
+    slowed = InstanceProfile(profile.prefill.scaled(factor),
+                             profile.decode.scaled(decode_factor or factor))
+    settings = replace(base, costs=profile_settings(slowed).costs)
     context = PolicyContext(ttft_slo_s=ROUTER_SLO_S, per_token_s=ROUTER_S_PER_TOKEN)
     res = simulate_placed(point.requests, 2, create_prefill_policy(point.policy, context),
                           settings)
@@ -204,14 +213,51 @@ def fit_contention(points: Sequence[Point], profile: InstanceProfile, base: Flee
     return best[1], best[2]
 
 
+def fit_split(points: Sequence[Point], profile: InstanceProfile, base: FleetSettings,
+              a: float, b: float) -> tuple[float, float]:
+    """``(m_prefill, m_decode)``: the prefill and the decode factors of :func:`slowdown`'s
+    ``a + b x`` each multiplied by its own m (0.5-2 by 0.025), m_prefill minimising the
+    squared log error of the TTFT medians over ``points`` and m_decode that of the TPOT
+    medians (a decode step is short: per-step work beside the model, which the engines' idle
+    profile hardly sees, weighs on it more than on a prefill)."""
+    grid = [0.5 + i * 0.025 for i in range(61)]
+
+    def loss(key: str, mp: float, md: float) -> float:
+        total = 0.0
+        for p in points:
+            f = slowdown(a, b, p)
+            sim = simulate_point(p, profile, base, f * mp, f * md)
+            if sim[key] and p.real[key]:
+                total += math.log(sim[key] / p.real[key]) ** 2
+        return total
+
+    m_decode = min(grid, key=lambda m: loss("tpot_p50", 1.0, m))
+    m_prefill = min(grid, key=lambda m: loss("ttft_p50", m, m_decode))
+    return m_prefill, m_decode
+
+
+def measured_slowdown(point: Point) -> float:
+    """The contention model with nothing fitted: engines run ``1 / s`` times slower than
+    profiled alone, ``s`` their measured share of their cores (:attr:`Point.core_share`)."""
+    if point.core_share is None:
+        raise ValueError(f"{point.trace} {point.rate:g} {point.router}: no CPU record")
+    return 1.0 / point.core_share
+
+
 def compare(points: Sequence[Point], profile: InstanceProfile, base: FleetSettings,
-            a: float = 1.0, b: float = 0.0) -> list[dict[str, Any]]:
-    """One record per point: its real and simulated numbers and the error of each."""
+            a: float = 1.0, b: float = 0.0, measured: bool = False,
+            split: tuple[float, float] = (1.0, 1.0)) -> list[dict[str, Any]]:
+    """One record per point: its real and simulated numbers and the error of each; the
+    engines slowed by ``a + b x`` (:func:`slowdown`; prefill and decode each times its part
+    of ``split``) or, ``measured``, by their measured share of their cores
+    (:func:`measured_slowdown`)."""
     out = []
     for p in points:
-        sim = simulate_point(p, profile, base, slowdown(a, b, p))
+        factor = measured_slowdown(p) if measured else slowdown(a, b, p)
+        sim = simulate_point(p, profile, base, factor * split[0], factor * split[1])
         out.append({"trace": p.trace, "rate": p.rate, "router": p.router, "policy": p.policy,
                     "requests": len(p.requests), "load_ktok_s": p.load_ktok_s,
+                    "slowdown": round(factor, 4),
                     "real": p.real, "sim": sim,
                     "error": {k: error(p.real[k], sim[k]) for k in METRICS}})
     return out
@@ -292,6 +338,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = compare(points, profile, base)
     print(report(rows))
     docs["as_profiled"] = rows
+    if all(p.core_share is not None for p in points):
+        print("\n## With contention measured: each point's engines 1 / s times slower than "
+              "profiled, s their share of their cores left by their frontends and the floating "
+              "processes (nothing fitted; every point)\n")
+        rows = compare(points, profile, base, measured=True)
+        print(report(rows))
+        docs["measured"] = rows
+    else:
+        print("\n(no CPU record in the run's points: the measured contention model is skipped)")
     fit_on = [p for p in points if p.router in args.fit_on]
     if fit_on:
         a, b = fit_contention(fit_on, profile, base)
@@ -302,6 +357,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = compare(held, profile, base, a, b)
         print(report(rows))
         docs["contention"] = {"a": a, "b": b, "fit_on": args.fit_on, "rows": rows}
+        mp, md = fit_split(fit_on, profile, base, a, b)
+        print(f"\n## Prefill and decode apart: prefill {mp:.3f} x and decode steps {md:.3f} x "
+              f"the contention above, both fitted on {', '.join(args.fit_on)}; the table: the "
+              f"other {len(held)} points\n")
+        rows = compare(held, profile, base, a, b, split=(mp, md))
+        print(report(rows))
+        docs["split"] = {"a": a, "b": b, "m_prefill": mp, "m_decode": md,
+                         "fit_on": args.fit_on, "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(docs, indent=2))
     return 0

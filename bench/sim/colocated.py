@@ -2,8 +2,9 @@
 
 Each iteration decodes one token of every running sequence and carries up to ``chunk_tokens``
 of queued prefill (FIFO; a long prompt spans iterations). It lasts
-``costs.step_s(running)`` (when anything decodes) + ``costs.prefill_s(chunk)`` (when it carries
-prefill): the path cost model's own terms (:class:`router.policy.path_cost.PathCosts`), so a
+``costs.step_s(running)`` (when anything decodes) + the chunk's prefill (when it carries
+prefill: ``prefill_fixed_s`` once and each part's ``costs.compute_s`` after the context that
+part attends to): the path cost model's own terms (:class:`router.policy.path_cost.PathCosts`), so a
 prefill on an engine stalls every sequence it decodes. An engine that only decodes runs its
 iterations as one segment up to the earliest finish; new work (a prompt to prefill, a sequence
 to join) cuts the segment at the end of the step in progress. Sequences join at iteration
@@ -29,11 +30,14 @@ T = TypeVar("T")
 
 
 class _Prefill(Generic[T]):
-    __slots__ = ("item", "left")
+    __slots__ = ("item", "left", "done")
 
-    def __init__(self, item: T, left: int) -> None:
+    def __init__(self, item: T, left: int, done: int) -> None:
         self.item = item
         self.left = left
+        self.done = done
+        """Tokens of the sequence before the next chunk: its cached prefix and the chunks
+        computed so far (what the next chunk attends to)."""
 
 
 class ColocatedEngine(Generic[T]):
@@ -71,9 +75,12 @@ class ColocatedEngine(Generic[T]):
         """Sequences decoding or about to join the batch."""
         return len(self._decoding) + len(self._joining)
 
-    def add_prefill(self, item: T, uncached_tokens: int) -> None:
-        """Queue ``uncached_tokens`` of prefill for ``item`` (0: only its first token's step)."""
-        self._queue.append(_Prefill(item, max(uncached_tokens, 1)))
+    def add_prefill(self, item: T, uncached_tokens: int, context_tokens: int = 0) -> None:
+        """Queue ``uncached_tokens`` of prefill for ``item`` (0: only its first token's step)
+        after ``context_tokens`` it has cached (they cost attention, not compute)."""
+        left = max(uncached_tokens, 1)
+        self._queue.append(_Prefill(item, left, max(context_tokens - (left - uncached_tokens),
+                                                      0)))
 
     def add_decode(self, item: T, tokens: int) -> None:
         """``item`` decodes ``tokens`` (>= 1) more tokens here from the next boundary on."""
@@ -101,7 +108,10 @@ class ColocatedEngine(Generic[T]):
                 budget -= take
                 if budget == 0:
                     break
-            prefill = self.costs.prefill_s(sum(t for _, t in chunk))
+            costs = self.costs
+            prefill = costs.prefill_s(sum(t for _, t in chunk)) \
+                if not costs.prefill_s_per_token_sq else costs.prefill_fixed_s + sum(
+                    costs.compute_s(take, work.done) for work, take in chunk)
             self._chunk, self._steps = chunk, 1 if n else 0
             self._step_s = self.costs.step_s(n) if n else 0.0
             duration = prefill + self._step_s
@@ -125,6 +135,7 @@ class ColocatedEngine(Generic[T]):
         prefilled = []
         for work, take in self._chunk:
             work.left -= take
+            work.done += take
             if work.left == 0:
                 self._queue.popleft()
                 prefilled.append(work.item)

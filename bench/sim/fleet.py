@@ -183,7 +183,8 @@ class _Run:
         self.push(now + hold_limit_s(plan, self.s.ttft_slo_s), _SEND, held)
 
     def send(self, prefiller: ColocatedEngine[_Job], job: _Job, now: float) -> None:
-        prefiller.add_prefill(job, job.req.prompt_tokens - self.cached_tokens(prefiller, job.req))
+        cached = self.cached_tokens(prefiller, job.req)
+        prefiller.add_prefill(job, job.req.prompt_tokens - cached, cached)
         self.wake(prefiller, now)
 
     def release(self, held: _Held, now: float) -> None:

@@ -26,6 +26,7 @@ def profile_settings(profile: InstanceProfile, ttft_slo_s: float = 1.0,
     transfer per token, batch budget and cache; the P/D hop keeps its default."""
     pp, dp = profile.prefill, profile.decode
     costs = PathCosts(prefill_s_per_token=pp.per_token_s, prefill_fixed_s=pp.overhead_s,
+                      prefill_s_per_token_sq=pp.per_token_sq_s,
                       decode_step_s=dp.step_s + dp.per_seq_s, decode_step_s_per_seq=dp.per_seq_s,
                       pull_s_per_token=dp.kv_transfer_s_per_token)
     return FleetSettings(ttft_slo_s, tpot_slo_s, costs, chunk_tokens=pp.max_batch_tokens,

@@ -55,6 +55,12 @@ class PrefillPerf:
     """Time per uncached prompt token (seconds)."""
     cached_token_s: float = 0.0
     """Time per prompt token found in the prefix cache (seconds)."""
+    per_token_sq_s: float = 0.0
+    """Attention's share of a long prompt (seconds per token squared): computing tokens ``s``
+    to ``e`` of a prompt adds this x (e² - s²), so a token costs more the more context it
+    attends to (``pdserve bench profile`` fits it when the TTFT curve bends; 0: linear). The
+    simulator's colocated engines charge it (:meth:`PathCosts.prefill_s`); ``batch_s`` does
+    not."""
     max_batch_tokens: int = 8192
     """Most uncached tokens one batch holds (one longer prompt runs alone)."""
     cache_blocks: int = 20_000
@@ -70,7 +76,8 @@ class PrefillPerf:
         """The same instance with every time ``factor`` x longer."""
         return replace(self, overhead_s=self.overhead_s * factor,
                        per_token_s=self.per_token_s * factor,
-                       cached_token_s=self.cached_token_s * factor)
+                       cached_token_s=self.cached_token_s * factor,
+                       per_token_sq_s=self.per_token_sq_s * factor)
 
 
 @dataclass(frozen=True)
@@ -223,6 +230,47 @@ def _fill(perf: _Perf, values: dict[str, Any], where: str) -> _Perf:
         else:
             raise ConfigError(f"{where}.{key}: expected a time >= 0, got {value!r}")
     return replace(perf, **checked)
+
+
+def fit_quadratic(points: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """Least-squares ``(a, b, c)`` of ``y = a + b x + c x²`` with every coefficient >= 0:
+    the unconstrained fit when it has none negative, else the best fit among those that drop
+    the negative terms (``fit_line``, a line through the origin, a constant, ...)."""
+    if not points:
+        raise ValueError("no points to fit")
+    best: tuple[float, tuple[float, float, float]] | None = None
+    for terms in ((0, 1, 2), (0, 1), (1, 2), (0, 2), (1,), (2,), (0,)):
+        coef = _least_squares(points, terms)
+        if coef is None or min(coef) < 0:
+            continue
+        full = [0.0, 0.0, 0.0]
+        for k, v in zip(terms, coef, strict=True):
+            full[k] = v
+        err = sum((y - full[0] - full[1] * x - full[2] * x * x) ** 2 for x, y in points)
+        if best is None or err < best[0] - 1e-18:
+            best = (err, (full[0], full[1], full[2]))
+    return best[1] if best is not None else (0.0, 0.0, 0.0)
+
+
+def _least_squares(points: list[tuple[float, float]], terms: tuple[int, ...]
+                   ) -> list[float] | None:
+    """Coefficients of the powers ``terms`` of x fitted to ``points`` (None: underdetermined)."""
+    k = len(terms)
+    if len(points) < k:
+        return None
+    m = [[sum(x ** (i + j) for x, _ in points) for j in terms] for i in terms]
+    v = [sum(y * x ** i for x, y in points) for i in terms]
+    for col in range(k):  # Gaussian elimination with partial pivoting
+        piv = max(range(col, k), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-30:
+            return None
+        m[col], m[piv], v[col], v[piv] = m[piv], m[col], v[piv], v[col]
+        for r in range(k):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [a - f * b for a, b in zip(m[r], m[col], strict=True)]
+                v[r] -= f * v[col]
+    return [v[i] / m[i][i] for i in range(k)]
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:

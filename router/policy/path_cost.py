@@ -9,6 +9,8 @@ Costs (:class:`PathCosts`, defaults are this repo's tiny model on one CPU core; 
 profile`` measures them for a deployment, :meth:`PathCosts.from_profile` reads that file):
 
     prefill_s(t)  = prefill_fixed_s + t x prefill_s_per_token        (t uncached prompt tokens)
+                    + prefill_s_per_token_sq x ((c + t)² - c²)        (after c in context; the
+                    square term is 0 unless the profile fitted one; the plans here pass c = 0)
     step_s(n)     = decode_step_s + (n - 1) x decode_step_s_per_seq  (one decode step, n seqs)
 
 Per engine e (:class:`EngineLoad`): ``queued_s`` seconds of prefill already dispatched and not
@@ -85,17 +87,28 @@ class PathCosts:
     2-core box under the switching goodput trace at 2 req/s: p50 51 ms, p90 85 ms)."""
     pull_s_per_token: float = 2e-6
     """Seconds to pull one prompt token's KV."""
+    prefill_s_per_token_sq: float = 0.0
+    """Attention's share of a prefill: computing tokens ``s`` to ``e`` of a prompt adds this
+    x (e² - s²) seconds (the profile's ``per_token_sq_s``; 0: prefill is linear)."""
 
     def __post_init__(self) -> None:
         if self.prefill_s_per_token <= 0 or self.decode_step_s <= 0:
             raise ConfigError("prefill_s_per_token and decode_step_s must be > 0")
         if min(self.prefill_fixed_s, self.decode_step_s_per_seq, self.hop_s,
-               self.pull_s_per_token) < 0:
+               self.pull_s_per_token, self.prefill_s_per_token_sq) < 0:
             raise ConfigError("path costs must be >= 0")
 
-    def prefill_s(self, tokens: int) -> float:
-        """Seconds to prefill ``tokens`` uncached tokens (0 when there are none)."""
-        return self.prefill_fixed_s + tokens * self.prefill_s_per_token if tokens > 0 else 0.0
+    def prefill_s(self, tokens: int, context: int = 0) -> float:
+        """Seconds to prefill ``tokens`` uncached tokens after ``context`` tokens already in
+        the sequence (its cached prefix; 0 when there are none)."""
+        return self.prefill_fixed_s + self.compute_s(tokens, context) if tokens > 0 else 0.0
+
+    def compute_s(self, tokens: int, context: int = 0) -> float:
+        """The per-token part of :meth:`prefill_s`: ``tokens`` computed after ``context``
+        (what one part of a batched prefill chunk adds)."""
+        end = context + tokens
+        return tokens * self.prefill_s_per_token \
+            + self.prefill_s_per_token_sq * (end * end - context * context)
 
     def step_s(self, running: int) -> float:
         """Seconds of one decode step with ``running`` sequences (at least one)."""
@@ -111,6 +124,7 @@ class PathCosts:
         if prefill.get("per_token_s"):
             values["prefill_s_per_token"] = float(prefill["per_token_s"])
             values["prefill_fixed_s"] = float(prefill.get("fixed_s", 0.0))
+            values["prefill_s_per_token_sq"] = float(prefill.get("per_token_sq_s", 0.0))
         points = [(int(p["batch_size"]), float(p["step_s"]))
                   for p in (profile.get("decode") or {}).get("points", [])
                   if "batch_size" in p and "step_s" in p]
