@@ -24,6 +24,7 @@ import resource
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -102,7 +103,7 @@ class CpuWatch:
         """Take the window's first snapshot."""
         self._start = (time.monotonic(), all_procs(), _children_cpu_s())
 
-    def stop(self) -> dict[str, object]:
+    def stop(self) -> dict[str, Any]:
         """The window's record: ``wall_s``, per worker ``{"cores", "engine_s", "frontend_s"}``
         and per floating tree its CPU seconds."""
         if self._start is None:
@@ -146,20 +147,19 @@ def _cores(pid: int) -> list[int]:
         return []
 
 
-def core_shares(record: Mapping[str, object], cores: int | None = None) -> dict[str, float]:
-    """Each worker's engine share of its core over the window: 1 minus the fraction of the
-    worker's cores' time its frontend and its even part of the floating processes took
-    (floating processes may run on any of ``cores`` cores, default: every worker's cores
-    together). A worker with no pinned cores is given an even share of all of them."""
-    wall = float(record["wall_s"])  # type: ignore[arg-type]
-    workers: Mapping[str, Mapping[str, object]] = record["workers"]  # type: ignore[assignment]
-    floating: Mapping[str, float] = record["floating_s"]  # type: ignore[assignment]
-    pinned = {c for w in workers.values() for c in w["cores"]}  # type: ignore[attr-defined]
+def core_shares(record: Mapping[str, Any], cores: int | None = None) -> dict[str, float]:
+    """Each worker's engine share of its core over the window (a :meth:`CpuWatch.stop`
+    record): 1 minus the fraction of the worker's cores' time its frontend and its even part of
+    the floating processes took (floating processes may run on any of ``cores`` cores, default:
+    every worker's cores together). A worker with no pinned cores gets an even part of them."""
+    wall = float(record["wall_s"])
+    workers: Mapping[str, Mapping[str, Any]] = record["workers"]
+    pinned = {c for w in workers.values() for c in w["cores"]}
     n = cores or len(pinned) or 1
-    float_per_core = sum(floating.values()) / n
+    float_per_core = sum(record["floating_s"].values()) / n
     out = {}
     for name, w in workers.items():
-        own = len(w["cores"]) or n / max(1, len(workers))  # type: ignore[arg-type]
-        taken = float(w["frontend_s"]) + float_per_core * own  # type: ignore[arg-type]
+        own = len(w["cores"]) or n / max(1, len(workers))
+        taken = float(w["frontend_s"]) + float_per_core * own
         out[name] = max(0.05, 1.0 - taken / (wall * own)) if wall > 0 else 1.0
     return out

@@ -67,12 +67,12 @@ def test_splits_a_worker_into_engine_and_frontend(worker: subprocess.Popen[str],
     assert worker.stdout is not None
     assert worker.stdout.readline().strip() == "done"
     record = watch.stop()
-    used = record["workers"]["w"]  # type: ignore[index]
+    used = record["workers"]["w"]
     # the engine child's burn lands in engine, the parent's in frontend, each once
     assert abs(used["engine_s"] - ENGINE_S) < TOLERANCE_S + 0.1, used
     assert FRONTEND_S - 0.02 <= used["frontend_s"] < FRONTEND_S + TOLERANCE_S + 0.15, used
     # negative control: a process that only sleeps spent (next to) nothing
-    assert record["floating_s"]["idle"] < 0.02  # type: ignore[index]
+    assert record["floating_s"]["idle"] < 0.02
 
 
 def test_a_tree_is_counted_once_and_children_reaped_in_the_window_count_as_client(
@@ -89,8 +89,8 @@ def test_a_tree_is_counted_once_and_children_reaped_in_the_window_count_as_clien
     record = watch.stop()
     floating = record["floating_s"]
     # the worker's tree is under this process too, and is not counted again in "bench"
-    assert floating["bench"] < 0.2, floating  # type: ignore[index]
-    assert floating["client"] >= 0.2, floating  # type: ignore[index]
+    assert floating["bench"] < 0.2, floating
+    assert floating["client"] >= 0.2, floating
 
 
 def test_read_proc_names_this_process_and_none_for_a_gone_one(idle: subprocess.Popen[str]
