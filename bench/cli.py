@@ -80,10 +80,13 @@ def server_root(url: str) -> str:
     return root.removesuffix("/v1").rstrip("/") if root.endswith("/v1") else root
 
 
-def server_info(url: str, model: str | None = None, timeout_s: float = 10.0) -> ServerInfo:
-    """Served model name (the first one unless ``model`` is given), its path and context."""
+def server_info(url: str, model: str | None = None, timeout_s: float = 10.0,
+                api_key: str | None = None) -> ServerInfo:
+    """Served model name (the first one unless ``model`` is given), its path and context
+    (``api_key``: the server's bearer token, when it asks for one)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        resp = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=timeout_s)
+        resp = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=timeout_s, headers=headers)
         resp.raise_for_status()
         data = resp.json().get("data") or []
     except (httpx.HTTPError, ValueError) as exc:
@@ -383,7 +386,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from bench.profile import profile
 
-    info = server_info(args.url, args.model)
+    info = server_info(args.url, args.model, api_key=args.api_key)
     synth = PromptSynthesizer(tokenizer_for(args, info), seed=args.seed)
     cfg = ClientConfig(url=args.url, model=info.model, timeout_s=args.timeout,
                        api_key=args.api_key)
