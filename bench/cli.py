@@ -391,9 +391,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     cfg = ClientConfig(url=args.url, model=info.model, timeout_s=args.timeout,
                        api_key=args.api_key)
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
-    lengths = [n for n in ints(args.prompt_lengths)
-               if not info.max_model_len or n + 1 < info.max_model_len]
-    if len(lengths) < len(ints(args.prompt_lengths)):
+    asked = ints(args.prompt_lengths)
+    lengths = [n for n in asked if not info.max_model_len or n + 1 < info.max_model_len]
+    if len(lengths) < len(asked):
         print(f"profile: prompt lengths at or past the server's max_model_len "
               f"({info.max_model_len}) skipped", file=sys.stderr)
     if not lengths:

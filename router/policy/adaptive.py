@@ -634,13 +634,7 @@ class AdaptivePaths:
             self.prefill_scale = step(self.prefill_scale, predicted_ttft_s, observed_ttft_s)
         self.decode_scale = step(self.decode_scale, base_tpot_s, observed_tpot_s,
                                  MIN_LEARN_TPOT_S)
-        base = self.base_costs
-        self.costs = replace(base,
-                             prefill_s_per_token=base.prefill_s_per_token * self.prefill_scale,
-                             prefill_fixed_s=base.prefill_fixed_s * self.prefill_scale,
-                             decode_step_s=base.decode_step_s * self.decode_scale,
-                             decode_step_s_per_seq=base.decode_step_s_per_seq
-                             * self.decode_scale)
+        self.costs = self.base_costs.scaled(self.prefill_scale, self.decode_scale)
 
     def finished(self, request_id: str) -> None:
         """``request_id`` ended (answered, failed or re-planned): its engines stop counting it."""

@@ -110,6 +110,15 @@ class PathCosts:
         return tokens * self.prefill_s_per_token \
             + self.prefill_s_per_token_sq * (end * end - context * context)
 
+    def scaled(self, prefill: float, decode: float) -> PathCosts:
+        """The same engine with every prefill time ``prefill`` x longer and every decode step
+        ``decode`` x longer (the hop and the pull unchanged)."""
+        return replace(self, prefill_s_per_token=self.prefill_s_per_token * prefill,
+                       prefill_fixed_s=self.prefill_fixed_s * prefill,
+                       prefill_s_per_token_sq=self.prefill_s_per_token_sq * prefill,
+                       decode_step_s=self.decode_step_s * decode,
+                       decode_step_s_per_seq=self.decode_step_s_per_seq * decode)
+
     def step_s(self, running: int) -> float:
         """Seconds of one decode step with ``running`` sequences (at least one)."""
         return self.decode_step_s + max(running - 1, 0) * self.decode_step_s_per_seq

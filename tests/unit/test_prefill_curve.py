@@ -79,3 +79,11 @@ def test_the_colocated_engine_charges_each_chunk_after_its_context() -> None:
         A + B * 200 + C * (2200 ** 2 - 2000 ** 2))
     straight = PathCosts(prefill_s_per_token=B, prefill_fixed_s=A)  # control: context is free
     assert _prefill_time(straight, 200, 2000, 2048) == pytest.approx(A + B * 200)
+
+
+def test_scaling_the_costs_scales_every_prefill_term_and_every_decode_term() -> None:
+    bent = PathCosts(prefill_s_per_token=B, prefill_fixed_s=A, prefill_s_per_token_sq=C)
+    slow = bent.scaled(1.5, 2.0)
+    assert slow.prefill_s(300, context=1500) == pytest.approx(1.5 * bent.prefill_s(300, 1500))
+    assert slow.step_s(4) == pytest.approx(2.0 * bent.step_s(4))
+    assert (slow.hop_s, slow.pull_s_per_token) == (bent.hop_s, bent.pull_s_per_token)
