@@ -62,6 +62,8 @@ from typing import Any
 import httpx
 
 from bench.goodput_workloads import Workload, build_trace
+from bench.paired import RequestOutcome, read_outcomes
+from bench.paired import compare as paired_compare
 from bench.pd_goodput import SERVED, pdserve_command, stop_session, wait_healthy
 from bench.placement import affinity, children, descendants
 from bench.proc_cpu import CpuWatch, core_shares
@@ -442,6 +444,90 @@ def verdict(points: Sequence[Mapping[str, Any]], ours: str = "dualmap") -> list[
     return lines
 
 
+def requests_csv(out: Path, point: Mapping[str, Any], rounds: bool) -> Path:
+    """Where a point's per-request records are under a run's output directory."""
+    where = out / point["trace"] / point["router"].replace(":", "-")
+    if rounds:
+        where = where / f"round_{point.get('round', 0)}"
+    return where / f"rate_{point['rate']:g}" / "requests.csv"
+
+
+def _pooled_outcomes(points: Sequence[Mapping[str, Any]], out: Path, rounds: Mapping[str, bool]
+                     ) -> dict[tuple[str, int, int], RequestOutcome]:
+    """One router's requests at one point over its rounds (and runs), keyed by (run, round,
+    request index)."""
+    return {(p.get("run", ""), p.get("round", 0), i): o for p in points
+            for i, o in read_outcomes(requests_csv(Path(p.get("run") or out), p,
+                                                   rounds[p.get("run", "")])).items()}
+
+
+def _mean_hit(points: Sequence[Mapping[str, Any]]) -> float:
+    vals = [p["hit_rate"] for p in points if p["hit_rate"] is not None]
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def paired_verdict(points: Sequence[Mapping[str, Any]], out: Path, ours: str = "dualmap",
+                   alpha: float = 0.05) -> list[str]:
+    """Per trace and rate, ``ours`` against each other router on the same requests
+    (:mod:`bench.paired`; rounds, and runs of the same traces, pooled request by request; a
+    point's ``run``, when set, is the directory holding its records instead of ``out``):
+    behind or ahead on attainment (exact McNemar) and TTFT p99 (paired bootstrap) only beyond
+    chance at ``alpha``; the hit rate compared as measured (mean over rounds)."""
+    rounds: dict[str, bool] = {}
+    for p in points:  # whether the run kept its rounds apart in round_N directories
+        rounds[p.get("run", "")] = rounds.get(p.get("run", ""), False) or bool(p.get("round"))
+    lines = []
+    for trace, rate in sorted({(p["trace"], p["rate"]) for p in points}):
+        here = [p for p in points if (p["trace"], p["rate"]) == (trace, rate)]
+        by_router: dict[str, list[Mapping[str, Any]]] = {}
+        for p in here:
+            by_router.setdefault(p["router"], []).append(p)
+        if ours not in by_router:
+            continue
+
+        mine, my_hit = _pooled_outcomes(by_router[ours], out, rounds), _mean_hit(by_router[ours])
+        parts, behind_any = [], False
+        for peer in sorted(r for r in by_router if r != ours):
+            c = paired_compare(mine, _pooled_outcomes(by_router[peer], out, rounds),
+                               alpha=alpha)
+            hit = _mean_hit(by_router[peer])
+            behind = c.behind(alpha) + (["hit rate"] if hit > my_hit else [])
+            behind_any = behind_any or bool(behind)
+            ahead = c.ahead(alpha) + (["hit rate"] if my_hit > hit else [])
+            parts.append(
+                f"{peer}: hit rate {my_hit:.2%} vs {hit:.2%}; met by one only "
+                f"{c.only_ours_met} / {c.only_peer_met} (p {c.attainment_p:.2f}); TTFT p99 "
+                f"{c.ttft_p99_diff_s * 1000:+,.0f} ms [{c.ttft_p99_ci_s[0] * 1000:+,.0f}, "
+                f"{c.ttft_p99_ci_s[1] * 1000:+,.0f}]; behind on "
+                f"{', '.join(behind) or 'nothing'}, ahead on {', '.join(ahead) or 'nothing'}")
+        head = (f"{trace} @ {rate:g} req/s: {ours} "
+                + ("behind a peer" if behind_any else "meets the bar against every peer"))
+        lines.append(head + "\n" + "\n".join(f"  - {x}" for x in parts))
+    return lines
+
+
+def report(runs: Sequence[Path]) -> int:
+    """Print finished runs' table and both verdicts again from their ``points.json``; several
+    runs of the same traces (the same ``--seed``, ``--point-s`` and rates) are pooled as
+    rounds."""
+    points = []
+    for run in runs:
+        points += [{**p, "run": str(run)} for p in json.loads((run / "points.json").read_text())]
+    out = runs[0]
+    print(HEADER)
+    for p in sorted(points, key=lambda p: (p["trace"], p["rate"])):
+        print(format_row(p))
+    pooled = len(runs) > 1 or any(p.get("round", 0) for p in points)
+    print("\n" + "\n".join(verdict(aggregate(points) if pooled else points)))
+    print(f"\nrequest by request (alpha {PAIRED_ALPHA}; a figure is behind or ahead only "
+          "beyond chance):\n" + "\n".join(paired_verdict(points, out, alpha=PAIRED_ALPHA)))
+    return 0
+
+
+PAIRED_ALPHA = 0.05
+"""Two-sided level of the request-by-request verdict."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.routing_real",
                                      description=__doc__.split("\n")[0])
@@ -463,7 +549,12 @@ def main(argv: list[str] | None = None) -> int:
                              "with a fresh router and emptied caches; the summary gives the mean "
                              "and range per router and the verdict is taken on the means")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--report", type=Path, action="append", default=None, metavar="DIR",
+                        help="run nothing: print the tables and verdicts of the run in DIR "
+                             "(repeatable: runs of the same traces pooled)")
     args = parser.parse_args(argv)
+    if args.report is not None:
+        return report(args.report)
     out = args.out or Path(tempfile.mkdtemp(prefix="routing-real-"))
     out.mkdir(parents=True, exist_ok=True)
     routers = [r for r in args.routers.split(",") if r]
@@ -513,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + "\n".join(verdict(means)))
     else:
         print("\n" + "\n".join(verdict(points)))
+    print(f"\nrequest by request (alpha {PAIRED_ALPHA}; a figure is behind or ahead only "
+          "beyond chance):\n" + "\n".join(paired_verdict(points, out, alpha=PAIRED_ALPHA)))
     print(f"load average after: {os.getloadavg()}\nwritten: {out / 'points.json'}")
     return 0
 
