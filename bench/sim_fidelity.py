@@ -1,6 +1,7 @@
 """How far the simulator is from the real cluster: the same requests, the same placement policy.
 
     python -m bench.sim_fidelity --real DIR --calibration PROFILE.json [--engine-block-tokens 128]
+                                 [--repeat DIR2]
 
 ``DIR`` is a ``python -m bench.routing_real`` output (``points.json`` and each point's replay,
 ``TRACE/ROUTER/rate_R/{requests.csv,summary.json}``); ``PROFILE.json`` an instance profile of one
@@ -22,6 +23,11 @@ ktok/s) times slower than profiled, ``a`` and ``b`` fitted on the points of ``--
 Printed per point: real and simulated TTFT and TPOT p50/p90 and attainment with the relative
 error of each; then the mean absolute error per metric, and per trace and rate whether the
 simulator ranks the routers as the real cluster does (by attainment, then TTFT p90).
+
+``--repeat DIR2``, a second real run of the same points, says how much of that ranking the
+cluster itself repeats (Kendall tau between the two real runs, per point), and holds each model
+to the part that repeats: of the router pairs both real runs order alike, how many the
+simulator orders the same way.
 """
 
 from __future__ import annotations
@@ -133,6 +139,54 @@ def kendall_tau(a: Sequence[str], b: Sequence[str]) -> float | None:
     concordant = sum(1 if pos[a[i]] < pos[a[j]] else -1
                      for i in range(n) for j in range(i + 1, n))
     return concordant / (n * (n - 1) / 2)
+
+
+def settled_pairs(first: Sequence[Mapping[str, Any]], second: Sequence[Mapping[str, Any]]
+                  ) -> dict[tuple[str, float], list[tuple[str, str]]]:
+    """Per (trace, rate), the router pairs two real runs of the same points order alike
+    (:func:`ranking`), better first: the part of the ranking the cluster itself repeats."""
+    out: dict[tuple[str, float], list[tuple[str, str]]] = {}
+    for trace, rate in sorted({(p["trace"], p["rate"]) for p in first}):
+        a = {p["router"]: p for p in first if (p["trace"], p["rate"]) == (trace, rate)}
+        b = {p["router"]: p for p in second if (p["trace"], p["rate"]) == (trace, rate)}
+        common = sorted(set(a) & set(b))
+        pos_a = {r: i for i, r in enumerate(ranking({r: a[r] for r in common}))}
+        pos_b = {r: i for i, r in enumerate(ranking({r: b[r] for r in common}))}
+        out[(trace, rate)] = [(x, y) if pos_a[x] < pos_a[y] else (y, x)
+                              for i, x in enumerate(common) for y in common[i + 1:]
+                              if (pos_a[x] < pos_a[y]) == (pos_b[x] < pos_b[y])]
+    return out
+
+
+def settled_agreement(rows: Sequence[Mapping[str, Any]],
+                      settled: Mapping[tuple[str, float], Sequence[tuple[str, str]]]
+                      ) -> tuple[int, int]:
+    """(pairs the simulator orders as both real runs do, settled pairs it simulated)."""
+    agree = total = 0
+    for (trace, rate), pairs in settled.items():
+        sim = {r["router"]: r["sim"] for r in rows if (r["trace"], r["rate"]) == (trace, rate)}
+        pos = {r: i for i, r in enumerate(ranking(sim))}
+        for better, worse in pairs:
+            if better in pos and worse in pos:
+                total += 1
+                agree += pos[better] < pos[worse]
+    return agree, total
+
+
+def repeat_report(first: Sequence[Mapping[str, Any]], second: Sequence[Mapping[str, Any]]
+                  ) -> list[str]:
+    """How far two real runs of the same points rank the routers alike (Kendall tau per
+    point): the agreement a simulator's ranking can be held to."""
+    lines = []
+    for trace, rate in sorted({(p["trace"], p["rate"]) for p in first}):
+        a = {p["router"]: p for p in first if (p["trace"], p["rate"]) == (trace, rate)}
+        b = {p["router"]: p for p in second if (p["trace"], p["rate"]) == (trace, rate)}
+        common = set(a) & set(b)
+        ra, rb = ranking({r: a[r] for r in common}), ranking({r: b[r] for r in common})
+        tau = kendall_tau(ra, rb)
+        lines.append(f"{trace} @ {rate:g} req/s: run 1 {' > '.join(ra)}; run 2 "
+                     f"{' > '.join(rb)}; Kendall tau {'-' if tau is None else f'{tau:+.2f}'}")
+    return lines
 
 
 @dataclass(frozen=True)
@@ -299,6 +353,13 @@ def report(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _routers_by_point(points: Sequence[Mapping[str, Any]]) -> dict[tuple[str, float], list[str]]:
+    out: dict[tuple[str, float], list[str]] = {}
+    for p in points:
+        out.setdefault((p["trace"], p["rate"]), []).append(p["router"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.sim_fidelity",
                                      description=__doc__.split("\n")[0])
@@ -316,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit-on", default="round_robin",
                         help="routers whose points fit the contention model (comma-separated; "
                              "'' = none); the others are its held-out check")
+    parser.add_argument("--repeat", type=Path, default=None, metavar="DIR",
+                        help="a second bench.routing_real run of the same points: how far the "
+                             "two real runs rank alike, and the simulator's agreement on the "
+                             "pairs both order the same way")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
     args.fit_on = [r for r in args.fit_on.split(",") if r]
@@ -331,12 +396,28 @@ def main(argv: list[str] | None = None) -> int:
         / f"rate_{first['rate']:g}" / "summary.json"
     tokenizer = load_tokenizer(json.loads(sample.read_text())["config"]["tokenizer"])
     points = load_points(args.real, tokenizer, base.block_tokens)
+    settled = None
+    if args.repeat is not None:
+        first = json.loads((args.real / "points.json").read_text())
+        second = json.loads((args.repeat / "points.json").read_text())
+        settled = settled_pairs(first, second)
+        print(f"\n## The real cluster against itself: {args.real} and {args.repeat}\n")
+        print("\n".join(repeat_report(first, second)))
+        print(f"pairs both real runs order alike: {sum(map(len, settled.values()))} of "
+              f"{sum(len(p) * (len(p) - 1) // 2 for p in _routers_by_point(first).values())}")
+
+    def agreement(rows: Sequence[Mapping[str, Any]]) -> None:
+        if settled is not None:
+            agree, total = settled_agreement(rows, settled)
+            print(f"the simulator orders {agree} of the {total} settled pairs it simulated as "
+                  "both real runs do")
     print(f"simulated: 2 whole-serving engines, profile {profile_path} ({base.costs}), "
           f"prefill chunk {base.chunk_tokens} tokens, engine blocks {base.engine_block_tokens}")
     docs: dict[str, Any] = {}
     print("\n## As profiled (each engine alone, idle)\n")
     rows = compare(points, profile, base)
     print(report(rows))
+    agreement(rows)
     docs["as_profiled"] = rows
     if all(p.core_share is not None for p in points):
         print("\n## With contention measured: each point's engines 1 / s times slower than "
@@ -344,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
               "processes (nothing fitted; every point)\n")
         rows = compare(points, profile, base, measured=True)
         print(report(rows))
+        agreement(rows)
         docs["measured"] = rows
     else:
         print("\n(no CPU record in the run's points: the measured contention model is skipped)")
@@ -356,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({len(fit_on)} points); the table: the other {len(held)} points\n")
         rows = compare(held, profile, base, a, b)
         print(report(rows))
+        agreement(rows)
         docs["contention"] = {"a": a, "b": b, "fit_on": args.fit_on, "rows": rows}
         mp, md = fit_split(fit_on, profile, base, a, b)
         print(f"\n## Prefill and decode apart: prefill {mp:.3f} x and decode steps {md:.3f} x "
@@ -363,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
               f"other {len(held)} points\n")
         rows = compare(held, profile, base, a, b, split=(mp, md))
         print(report(rows))
+        agreement(rows)
         docs["split"] = {"a": a, "b": b, "m_prefill": mp, "m_decode": md,
                          "fit_on": args.fit_on, "rows": rows}
     if args.out:

@@ -11,7 +11,16 @@ from bench.routing_real import cache_stats, verdict
 from bench.sim.fleet import FleetSettings
 from bench.sim.placed import simulate_placed
 from bench.sim.workload import SimRequest
-from bench.sim_fidelity import error, kendall_tau, policy_for, ranking, sim_summary
+from bench.sim_fidelity import (
+    error,
+    kendall_tau,
+    policy_for,
+    ranking,
+    repeat_report,
+    settled_agreement,
+    settled_pairs,
+    sim_summary,
+)
 from router.policy.context import PolicyContext
 from router.policy.hashing import block_hashes
 from router.policy.registry import create_prefill_policy
@@ -181,3 +190,24 @@ def test_rounds_are_averaged_per_router_and_judged_on_the_means() -> None:
     assert "behind x" in verdict([dm, {**x, "slo_attainment": 0.99}])[0]  # control
     assert format_mean_row(dm) == ("| t | 6 | dualmap | 2 | 32.0% (30.0%-34.0%) | 200 (200-200) "
                                    "| 1,100 (1,000-1,200) | 0.950 (0.950-0.950) |")
+
+
+def _pt(router: str, att: float, p90: float, rate: float = 2.0) -> dict[str, object]:
+    return {"trace": "api", "rate": rate, "router": router, "slo_attainment": att,
+            "ttft_p90": p90}
+
+
+def test_settled_pairs_keep_only_what_both_real_runs_order_alike() -> None:
+    first = [_pt("a", 1.0, 0.1), _pt("b", 0.9, 0.2), _pt("c", 0.8, 0.3)]
+    second = [_pt("a", 1.0, 0.1), _pt("b", 0.7, 0.2), _pt("c", 0.8, 0.3)]  # b and c swap
+    settled = settled_pairs(first, second)
+    assert settled == {("api", 2.0): [("a", "b"), ("a", "c")]}
+    assert "Kendall tau +0.33" in repeat_report(first, second)[0]
+    # control: a run against itself settles every pair
+    assert len(settled_pairs(first, first)[("api", 2.0)]) == 3
+    rows = [{"trace": "api", "rate": 2.0, "router": r, "sim": s}
+            for r, s in (("a", {"slo_attainment": 0.95, "ttft_p90": 0.1}),
+                         ("b", {"slo_attainment": 0.99, "ttft_p90": 0.1}),
+                         ("c", {"slo_attainment": 0.90, "ttft_p90": 0.1}))]
+    # the simulator puts b above a (wrong on a settled pair) and a above c (right); b-c unsettled
+    assert settled_agreement(rows, settled) == (1, 2)
