@@ -323,7 +323,7 @@ def run_router(name: str, cluster: Cluster, workload: Workload, traces: Mapping[
                                                          "router": router.proc.pid,
                                                          "bench": os.getpid()})
             watch.start()
-            summary = replay(router.url, trace, workload, rate, out / f"rate_{rate:g}", api_key)
+            summary = replay(router.url, trace, workload, rate, rate_dir(out, rate), api_key)
             cpu = watch.stop()
             time.sleep(1.5)  # an engine's last counters ship with its next step or stats tick
             stats = cache_stats(before, counters(cluster.workers))
@@ -444,12 +444,27 @@ def verdict(points: Sequence[Mapping[str, Any]], ours: str = "dualmap") -> list[
     return lines
 
 
+def router_dir(out: Path, trace: str, router: str, round_: int | None = None) -> Path:
+    """Where a run keeps one router's points of one trace (``round_``: its round's, when the
+    run kept rounds apart)."""
+    where = out / trace / router.replace(":", "-")
+    return where if round_ is None else where / f"round_{round_}"
+
+
+def rate_dir(where: Path, rate: float) -> Path:
+    """One rate point's replay (``requests.csv``, ``summary.json``) under :func:`router_dir`."""
+    return where / f"rate_{rate:g}"
+
+
+def point_dir(out: Path, point: Mapping[str, Any], rounds: bool = False) -> Path:
+    """A recorded point's replay directory under a run's output directory."""
+    return rate_dir(router_dir(out, point["trace"], point["router"],
+                               point.get("round", 0) if rounds else None), point["rate"])
+
+
 def requests_csv(out: Path, point: Mapping[str, Any], rounds: bool) -> Path:
     """Where a point's per-request records are under a run's output directory."""
-    where = out / point["trace"] / point["router"].replace(":", "-")
-    if rounds:
-        where = where / f"round_{point.get('round', 0)}"
-    return where / f"rate_{point['rate']:g}" / "requests.csv"
+    return point_dir(out, point, rounds) / "requests.csv"
 
 
 def _pooled_outcomes(points: Sequence[Mapping[str, Any]], out: Path, rounds: Mapping[str, bool]
@@ -506,6 +521,16 @@ def paired_verdict(points: Sequence[Mapping[str, Any]], out: Path, ours: str = "
     return lines
 
 
+PAIRED_ALPHA = 0.05
+"""Two-sided level of the request-by-request verdict."""
+
+
+def paired_section(points: Sequence[Mapping[str, Any]], out: Path) -> str:
+    """The request-by-request verdict as printed after a run's tables."""
+    return (f"\nrequest by request (alpha {PAIRED_ALPHA}; a figure is behind or ahead only "
+            "beyond chance):\n" + "\n".join(paired_verdict(points, out, alpha=PAIRED_ALPHA)))
+
+
 def report(runs: Sequence[Path]) -> int:
     """Print finished runs' table and both verdicts again from their ``points.json``; several
     runs of the same traces (the same ``--seed``, ``--point-s`` and rates) are pooled as
@@ -519,13 +544,8 @@ def report(runs: Sequence[Path]) -> int:
         print(format_row(p))
     pooled = len(runs) > 1 or any(p.get("round", 0) for p in points)
     print("\n" + "\n".join(verdict(aggregate(points) if pooled else points)))
-    print(f"\nrequest by request (alpha {PAIRED_ALPHA}; a figure is behind or ahead only "
-          "beyond chance):\n" + "\n".join(paired_verdict(points, out, alpha=PAIRED_ALPHA)))
+    print(paired_section(points, out))
     return 0
-
-
-PAIRED_ALPHA = 0.05
-"""Two-sided level of the request-by-request verdict."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -585,10 +605,10 @@ def main(argv: list[str] | None = None) -> int:
             for round_ in range(args.repeats):
                 for name in routers:
                     key = cluster.worker_key if name.startswith("vllm-router:") else None
-                    where = out / tname / name.replace(":", "-")
-                    new = run_router(name, cluster, workload, traces,
-                                     where / f"round_{round_}" if args.repeats > 1 else where,
-                                     key, args.pdserve_arg)
+                    where = router_dir(out, tname, name,
+                                       round_ if args.repeats > 1 else None)
+                    new = run_router(name, cluster, workload, traces, where, key,
+                                     args.pdserve_arg)
                     points += [{**p, "round": round_} for p in new]
                     (out / "points.json").write_text(json.dumps(points, indent=2))
     finally:
@@ -604,8 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + "\n".join(verdict(means)))
     else:
         print("\n" + "\n".join(verdict(points)))
-    print(f"\nrequest by request (alpha {PAIRED_ALPHA}; a figure is behind or ahead only "
-          "beyond chance):\n" + "\n".join(paired_verdict(points, out, alpha=PAIRED_ALPHA)))
+    print(paired_section(points, out))
     print(f"load average after: {os.getloadavg()}\nwritten: {out / 'points.json'}")
     return 0
 

@@ -47,6 +47,7 @@ from bench.cli import build_workload
 from bench.metrics import distribution
 from bench.proc_cpu import core_shares
 from bench.prompts import PromptSynthesizer, load_tokenizer
+from bench.routing_real import point_dir
 from bench.sim.fleet import FleetResult, FleetSettings
 from bench.sim.paths import profile_settings
 from bench.sim.placed import simulate_placed
@@ -141,20 +142,29 @@ def kendall_tau(a: Sequence[str], b: Sequence[str]) -> float | None:
     return concordant / (n * (n - 1) / 2)
 
 
+def both_rankings(first: Sequence[Mapping[str, Any]], second: Sequence[Mapping[str, Any]]
+                  ) -> dict[tuple[str, float], tuple[list[str], list[str]]]:
+    """Per (trace, rate) of ``first``, the routers both real runs hold, ranked by each
+    (:func:`ranking`)."""
+    out = {}
+    for trace, rate in sorted({(p["trace"], p["rate"]) for p in first}):
+        a = {p["router"]: p for p in first if (p["trace"], p["rate"]) == (trace, rate)}
+        b = {p["router"]: p for p in second if (p["trace"], p["rate"]) == (trace, rate)}
+        common = sorted(set(a) & set(b))
+        out[(trace, rate)] = (ranking({r: a[r] for r in common}),
+                              ranking({r: b[r] for r in common}))
+    return out
+
+
 def settled_pairs(first: Sequence[Mapping[str, Any]], second: Sequence[Mapping[str, Any]]
                   ) -> dict[tuple[str, float], list[tuple[str, str]]]:
     """Per (trace, rate), the router pairs two real runs of the same points order alike
     (:func:`ranking`), better first: the part of the ranking the cluster itself repeats."""
     out: dict[tuple[str, float], list[tuple[str, str]]] = {}
-    for trace, rate in sorted({(p["trace"], p["rate"]) for p in first}):
-        a = {p["router"]: p for p in first if (p["trace"], p["rate"]) == (trace, rate)}
-        b = {p["router"]: p for p in second if (p["trace"], p["rate"]) == (trace, rate)}
-        common = sorted(set(a) & set(b))
-        pos_a = {r: i for i, r in enumerate(ranking({r: a[r] for r in common}))}
-        pos_b = {r: i for i, r in enumerate(ranking({r: b[r] for r in common}))}
-        out[(trace, rate)] = [(x, y) if pos_a[x] < pos_a[y] else (y, x)
-                              for i, x in enumerate(common) for y in common[i + 1:]
-                              if (pos_a[x] < pos_a[y]) == (pos_b[x] < pos_b[y])]
+    for key, (ra, rb) in both_rankings(first, second).items():
+        pos_b = {r: i for i, r in enumerate(rb)}
+        out[key] = [(x, y) for i, x in enumerate(ra) for y in ra[i + 1:]
+                    if pos_b[x] < pos_b[y]]
     return out
 
 
@@ -178,11 +188,7 @@ def repeat_report(first: Sequence[Mapping[str, Any]], second: Sequence[Mapping[s
     """How far two real runs of the same points rank the routers alike (Kendall tau per
     point): the agreement a simulator's ranking can be held to."""
     lines = []
-    for trace, rate in sorted({(p["trace"], p["rate"]) for p in first}):
-        a = {p["router"]: p for p in first if (p["trace"], p["rate"]) == (trace, rate)}
-        b = {p["router"]: p for p in second if (p["trace"], p["rate"]) == (trace, rate)}
-        common = set(a) & set(b)
-        ra, rb = ranking({r: a[r] for r in common}), ranking({r: b[r] for r in common})
+    for (trace, rate), (ra, rb) in both_rankings(first, second).items():
         tau = kendall_tau(ra, rb)
         lines.append(f"{trace} @ {rate:g} req/s: run 1 {' > '.join(ra)}; run 2 "
                      f"{' > '.join(rb)}; Kendall tau {'-' if tau is None else f'{tau:+.2f}'}")
@@ -220,11 +226,11 @@ def load_points(real_dir: Path, tokenizer: Any, block_tokens: int) -> list[Point
         name = policy_for(p["router"])
         if name is None:
             continue
-        point_dir = real_dir / p["trace"] / p["router"].replace(":", "-") / f"rate_{p['rate']:g}"
-        summary = json.loads((point_dir / "summary.json").read_text())
+        where = point_dir(real_dir, p)
+        summary = json.loads((where / "summary.json").read_text())
         shares = core_shares(p["cpu"]) if p.get("cpu") else {}
         out.append(Point(p["trace"], p["rate"], p["router"], name,
-                         rebuild(point_dir, tokenizer, block_tokens),
+                         rebuild(where, tokenizer, block_tokens),
                          {k: summary[k] for k in METRICS},
                          (summary["slo_ttft_s"], summary["slo_tpot_s"]),
                          statistics.fmean(shares.values()) if shares else None))
@@ -353,13 +359,6 @@ def report(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _routers_by_point(points: Sequence[Mapping[str, Any]]) -> dict[tuple[str, float], list[str]]:
-    out: dict[tuple[str, float], list[str]] = {}
-    for p in points:
-        out.setdefault((p["trace"], p["rate"]), []).append(p["router"])
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.sim_fidelity",
                                      description=__doc__.split("\n")[0])
@@ -391,20 +390,19 @@ def main(argv: list[str] | None = None) -> int:
     profile = InstanceProfile.load(profile_path)
     base = replace(profile_settings(profile), warmup_s=0.0, chunk_tokens=args.chunk_tokens,
                    engine_block_tokens=args.engine_block_tokens or None)
-    first = json.loads((args.real / "points.json").read_text())[0]
-    sample = args.real / first["trace"] / first["router"].replace(":", "-") \
-        / f"rate_{first['rate']:g}" / "summary.json"
+    real_points = json.loads((args.real / "points.json").read_text())
+    sample = point_dir(args.real, real_points[0]) / "summary.json"
     tokenizer = load_tokenizer(json.loads(sample.read_text())["config"]["tokenizer"])
     points = load_points(args.real, tokenizer, base.block_tokens)
     settled = None
     if args.repeat is not None:
-        first = json.loads((args.real / "points.json").read_text())
         second = json.loads((args.repeat / "points.json").read_text())
-        settled = settled_pairs(first, second)
+        settled = settled_pairs(real_points, second)
         print(f"\n## The real cluster against itself: {args.real} and {args.repeat}\n")
-        print("\n".join(repeat_report(first, second)))
-        print(f"pairs both real runs order alike: {sum(map(len, settled.values()))} of "
-              f"{sum(len(p) * (len(p) - 1) // 2 for p in _routers_by_point(first).values())}")
+        print("\n".join(repeat_report(real_points, second)))
+        pairs = sum(len(ra) * (len(ra) - 1) // 2
+                    for ra, _ in both_rankings(real_points, second).values())
+        print(f"pairs both real runs order alike: {sum(map(len, settled.values()))} of {pairs}")
 
     def agreement(rows: Sequence[Mapping[str, Any]]) -> None:
         if settled is not None:
