@@ -1,0 +1,202 @@
+"""Variants of a setup on the same requests, in rotated rounds, compared request by request.
+
+    python -m bench.pd_variants --workload decode_heavy --rate 6 --rounds 3 \\
+        --variant static=aggregated --variant-arg static=--router-arg=--path-policy=static \\
+        --variant held=aggregated --variant-arg held=--router-arg=--path-policy=adaptive \\
+        [--point-s 60] [--warmup-requests 40] [--seed 2] [--out DIR]
+
+Where ``bench.pd_goodput`` asks how fast each setup goes, this asks whether one change
+(a router flag, a worker argument) helps at one rate, on this box, beyond chance. Each variant is
+a ``bench.pd_goodput`` setup plus ``pdserve up`` arguments (``--variant-arg NAME=ARG``,
+repeatable). Every round starts, warms up, replays the rate point against and stops each
+variant in turn, alone on the box, the order rotated by one each round; every run replays the
+same requests (the same prompts at the same send times). The box's speed moves by tens of
+percent within minutes (one engine's TPOT at 8 streams read 6.9 and 11.9 ms a minute apart),
+so one run of each says little: rounds interleave the variants in time, and the report pools
+them request by request (:mod:`bench.paired`): for each pair, the requests only one met (exact
+McNemar p), the TTFT p99 difference with its 95 % interval, and the median paired TPOT
+difference, per round and pooled. Records: ``DIR/NAME-ROUND/point/requests.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.goodput_workloads import WORKLOADS, build_trace
+from bench.paired import RequestOutcome, compare, read_outcomes
+from bench.placement import children, placement_of
+from bench.report import read_requests_csv
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A named setup of ``bench.pd_goodput`` with more ``pdserve up`` arguments."""
+
+    name: str
+    setup: str
+    args: tuple[str, ...] = ()
+
+
+def parse_variants(specs: Sequence[str], arg_specs: Sequence[str]) -> list[Variant]:
+    """``NAME=SETUP`` specs and ``NAME=ARG`` arguments as variants, in the order given;
+    ValueError for a malformed spec, an unknown setup, a repeated name or an argument for no
+    variant."""
+    from bench.pd_goodput import SETUPS
+
+    names: dict[str, str] = {}
+    for spec in specs:
+        name, sep, setup = spec.partition("=")
+        if not sep or not name or not setup:
+            raise ValueError(f"--variant {spec!r}: expected NAME=SETUP")
+        if setup not in SETUPS:
+            raise ValueError(f"--variant {spec!r}: unknown setup; allowed: {', '.join(SETUPS)}")
+        if name in names:
+            raise ValueError(f"--variant {name!r} given twice")
+        names[name] = setup
+    args: dict[str, list[str]] = {name: [] for name in names}
+    for spec in arg_specs:
+        name, sep, arg = spec.partition("=")
+        if not sep or name not in args:
+            raise ValueError(f"--variant-arg {spec!r}: expected NAME=ARG for a --variant NAME")
+        args[name].append(arg)
+    if len(names) < 2:
+        raise ValueError("give at least two --variant")
+    return [Variant(n, s, tuple(args[n])) for n, s in names.items()]
+
+
+def round_order(variants: Sequence[Variant], round_: int) -> list[Variant]:
+    """The variants in the order round ``round_`` runs them: rotated by one each round."""
+    k = round_ % len(variants)
+    return [*variants[k:], *variants[:k]]
+
+
+def run_dir(out: Path, name: str, round_: int) -> Path:
+    """Where one variant's run of one round keeps its records."""
+    return out / f"{name}-{round_}"
+
+
+def _tpots(requests_csv: Path) -> dict[int, float]:
+    return {int(r["index"]): float(r["tpot_s"]) for r in read_requests_csv(requests_csv)
+            if r["ok"] == "1" and r["tpot_s"]}
+
+
+def pair_line(a: str, b: str, oa: Mapping[object, RequestOutcome],
+              ob: Mapping[object, RequestOutcome], ta: Mapping[object, float],
+              tb: Mapping[object, float]) -> str:
+    """``a`` against ``b`` on the requests both replays hold: met by one only (McNemar p),
+    TTFT p99 difference (a minus b) with its 95 % interval, median paired TPOT difference."""
+    c = compare(oa, ob)
+    diffs = [ta[k] - tb[k] for k in ta if k in tb]
+    tpot = (f"TPOT median paired diff {statistics.median(diffs) * 1e3:+.2f} ms, {a} slower on "
+            f"{sum(d > 0 for d in diffs)}/{len(diffs)}") if diffs else "TPOT: no pairs"
+    lo, hi = c.ttft_p99_ci_s
+    return (f"{a} only met {c.only_ours_met} / {b} only met {c.only_peer_met} "
+            f"(p {c.attainment_p:.3g}); TTFT p99 diff {c.ttft_p99_diff_s * 1e3:+.0f} ms "
+            f"[{lo * 1e3:+.0f}, {hi * 1e3:+.0f}]; {tpot}")
+
+
+def report(out: Path, names: Sequence[str], rounds: int) -> list[str]:
+    """Attainment of every run, then every pair of variants per round and pooled over the
+    rounds (requests keyed by (round, index)); runs without records are left out."""
+    outcomes: dict[str, dict[object, RequestOutcome]] = {n: {} for n in names}
+    tpots: dict[str, dict[object, float]] = {n: {} for n in names}
+    per_round: dict[tuple[str, int], tuple[dict[int, RequestOutcome], dict[int, float]]] = {}
+    lines = []
+    for name in names:
+        for r in range(rounds):
+            path = run_dir(out, name, r) / "point" / "requests.csv"
+            if not path.exists():
+                continue
+            o, t = read_outcomes(path), _tpots(path)
+            per_round[(name, r)] = (o, t)
+            outcomes[name].update({(r, i): v for i, v in o.items()})
+            tpots[name].update({(r, i): v for i, v in t.items()})
+            met = sum(v.met for v in o.values())
+            lines.append(f"{name} round {r}: attainment {met / max(len(o), 1):.3f} "
+                         f"({len(o) - met} of {len(o)} missed)")
+    for a, b in itertools.combinations(names, 2):
+        for r in range(rounds):
+            if (a, r) in per_round and (b, r) in per_round:
+                (oa, ta), (ob, tb) = per_round[(a, r)], per_round[(b, r)]
+                lines.append(f"round {r}: " + pair_line(a, b, oa, ob, ta, tb))  # type: ignore[arg-type]
+        if outcomes[a] and outcomes[b] and set(outcomes[a]) & set(outcomes[b]):
+            lines.append("pooled: " + pair_line(a, b, outcomes[a], outcomes[b], tpots[a],
+                                                tpots[b]))
+    return lines
+
+
+def run(variants: Sequence[Variant], args: argparse.Namespace, out: Path) -> None:
+    """Every round: each variant started, warmed up, replayed at the rate point and stopped."""
+    from bench.pd_goodput import replay_point, start, warm_up
+
+    workload = WORKLOADS[args.workload]
+    warm = build_trace(workload, out / "warmup.csv", 2.0 * max(args.warmup_requests, 20),
+                       args.seed + 1000, phases=2)
+    for r in range(args.rounds):
+        for v in round_order(variants, r):
+            where = run_dir(out, v.name, r)
+            load0 = os.getloadavg()[0]
+            running = start(v.setup, workload, args.min_prefill_tokens, v.args)
+            try:
+                layout = " ".join(f"{name}:{cores}" for name, cores in
+                                  placement_of(children(running.pid)).items())
+                if args.warmup_requests:
+                    warm_up(running.url, warm, where / "warmup", args)
+                summary = replay_point(running.url, workload, args.rate, where / "point", args)
+            finally:
+                running.stop()
+            print(f"round {r} {v.name}: attainment {summary['slo_attainment']:.3f} (load "
+                  f"{load0:.2f} -> {os.getloadavg()[0]:.2f}; {layout})", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.pd_variants",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    parser.add_argument("--rate", type=float, required=True, help="req/s of the point")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=SETUP")
+    parser.add_argument("--variant-arg", action="append", default=[], metavar="NAME=ARG",
+                        help="one more `pdserve up` argument for variant NAME (repeat)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--point-s", type=float, default=60.0)
+    parser.add_argument("--warmup-requests", type=int, default=40)
+    parser.add_argument("--min-prefill-tokens", type=int, default=512,
+                        help="selective disaggregation threshold of setup (selective)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--report", action="store_true",
+                        help="run nothing: report the runs already in --out")
+    args = parser.parse_args(argv)
+    try:
+        variants = parse_variants(args.variant, args.variant_arg)
+    except ValueError as exc:
+        print(f"pd_variants: {exc}", file=sys.stderr)
+        return 2
+    if args.rounds < 1:
+        print("pd_variants: --rounds must be >= 1", file=sys.stderr)
+        return 2
+    if args.report and args.out is None:
+        print("pd_variants: --report needs --out", file=sys.stderr)
+        return 2
+    out = args.out or Path(tempfile.mkdtemp(prefix="pd-variants-"))
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.report:
+        (out / "variants.json").write_text(json.dumps(
+            {"workload": args.workload, "rate": args.rate, "rounds": args.rounds,
+             "seed": args.seed, "variants": [vars(v) for v in variants]}, indent=2))
+        run(variants, args, out)
+    print("\n".join(report(out, [v.name for v in variants], args.rounds)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
