@@ -159,6 +159,18 @@ def start(setup: str, workload: Workload, min_prefill_tokens: int,
     return Running(url, lambda: stop_session(proc), proc.pid)
 
 
+def warmup_trace(workload: Workload, path: Path, args: argparse.Namespace) -> Path:
+    """The trace a warm-up replays the first ``--warmup-requests`` of (both phases of
+    switching), written to ``path``."""
+    return build_trace(workload, path, 2.0 * max(args.warmup_requests, 20), args.seed + 1000,
+                       phases=2)
+
+
+def layout_of(pid: int) -> str:
+    """``name[pid]:cores ...``: where each process under ``pid`` may run."""
+    return " ".join(f"{name}:{cores}" for name, cores in placement_of(children(pid)).items())
+
+
 def warm_up(url: str, trace: Path, out: Path, args: argparse.Namespace) -> None:
     """A discarded replay of the trace's first requests: every setup meets the sweep warm
     (tokenizer loaded, vLLM's first long-prompt shapes compiled, connections open)."""
@@ -255,8 +267,7 @@ def run_one(setup: str, workload: Workload, warm_trace: Path, out: Path,
     try:
         running = start(setup, workload, args.min_prefill_tokens, args.pdserve_arg)
         try:
-            layout = " ".join(f"{name}:{cores}" for name, cores in
-                              placement_of(children(running.pid)).items())
+            layout = layout_of(running.pid)
             if args.warmup_requests:
                 warm_up(running.url, warm_trace, out / "warmup", args)
             doc = sweep(running.url, out / "sweep", workload, args,
@@ -307,9 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         if wname not in WORKLOADS:
             raise SystemExit(f"unknown workload {wname!r}; allowed: {', '.join(WORKLOADS)}")
         workload = WORKLOADS[wname]
-        # the warm-up replays this trace's first --warmup-requests (both phases of switching)
-        warm = build_trace(workload, out / f"{wname}-warmup.csv",
-                           2.0 * max(args.warmup_requests, 20), args.seed + 1000, phases=2)
+        warm = warmup_trace(workload, out / f"{wname}-warmup.csv", args)
         results[wname] = {}
         for repeat in range(args.repeats):
             for setup in setups:

@@ -27,14 +27,17 @@ import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
-from bench.goodput_workloads import WORKLOADS, build_trace
+from bench.goodput_workloads import WORKLOADS
 from bench.paired import RequestOutcome, compare, read_outcomes
-from bench.placement import children, placement_of
 from bench.report import read_requests_csv
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -89,9 +92,8 @@ def _tpots(requests_csv: Path) -> dict[int, float]:
             if r["ok"] == "1" and r["tpot_s"]}
 
 
-def pair_line(a: str, b: str, oa: Mapping[object, RequestOutcome],
-              ob: Mapping[object, RequestOutcome], ta: Mapping[object, float],
-              tb: Mapping[object, float]) -> str:
+def pair_line(a: str, b: str, oa: Mapping[K, RequestOutcome], ob: Mapping[K, RequestOutcome],
+              ta: Mapping[K, float], tb: Mapping[K, float]) -> str:
     """``a`` against ``b`` on the requests both replays hold: met by one only (McNemar p),
     TTFT p99 difference (a minus b) with its 95 % interval, median paired TPOT difference."""
     c = compare(oa, ob)
@@ -104,51 +106,51 @@ def pair_line(a: str, b: str, oa: Mapping[object, RequestOutcome],
             f"[{lo * 1e3:+.0f}, {hi * 1e3:+.0f}]; {tpot}")
 
 
+def _pooled(per_round: Mapping[int, Mapping[int, V]]) -> dict[tuple[int, int], V]:
+    """One variant's requests over its rounds, keyed by (round, index)."""
+    return {(r, i): v for r, run in per_round.items() for i, v in run.items()}
+
+
 def report(out: Path, names: Sequence[str], rounds: int) -> list[str]:
     """Attainment of every run, then every pair of variants per round and pooled over the
     rounds (requests keyed by (round, index)); runs without records are left out."""
-    outcomes: dict[str, dict[object, RequestOutcome]] = {n: {} for n in names}
-    tpots: dict[str, dict[object, float]] = {n: {} for n in names}
-    per_round: dict[tuple[str, int], tuple[dict[int, RequestOutcome], dict[int, float]]] = {}
+    outcomes: dict[str, dict[int, dict[int, RequestOutcome]]] = {n: {} for n in names}
+    tpots: dict[str, dict[int, dict[int, float]]] = {n: {} for n in names}
     lines = []
     for name in names:
         for r in range(rounds):
             path = run_dir(out, name, r) / "point" / "requests.csv"
             if not path.exists():
                 continue
-            o, t = read_outcomes(path), _tpots(path)
-            per_round[(name, r)] = (o, t)
-            outcomes[name].update({(r, i): v for i, v in o.items()})
-            tpots[name].update({(r, i): v for i, v in t.items()})
+            o = outcomes[name][r] = read_outcomes(path)
+            tpots[name][r] = _tpots(path)
             met = sum(v.met for v in o.values())
             lines.append(f"{name} round {r}: attainment {met / max(len(o), 1):.3f} "
                          f"({len(o) - met} of {len(o)} missed)")
     for a, b in itertools.combinations(names, 2):
-        for r in range(rounds):
-            if (a, r) in per_round and (b, r) in per_round:
-                (oa, ta), (ob, tb) = per_round[(a, r)], per_round[(b, r)]
-                lines.append(f"round {r}: " + pair_line(a, b, oa, ob, ta, tb))  # type: ignore[arg-type]
-        if outcomes[a] and outcomes[b] and set(outcomes[a]) & set(outcomes[b]):
-            lines.append("pooled: " + pair_line(a, b, outcomes[a], outcomes[b], tpots[a],
-                                                tpots[b]))
+        both = [r for r in range(rounds) if r in outcomes[a] and r in outcomes[b]]
+        for r in both:
+            lines.append(f"round {r}: " + pair_line(a, b, outcomes[a][r], outcomes[b][r],
+                                                    tpots[a][r], tpots[b][r]))
+        if both:
+            lines.append("pooled: " + pair_line(a, b, _pooled(outcomes[a]), _pooled(outcomes[b]),
+                                                _pooled(tpots[a]), _pooled(tpots[b])))
     return lines
 
 
 def run(variants: Sequence[Variant], args: argparse.Namespace, out: Path) -> None:
     """Every round: each variant started, warmed up, replayed at the rate point and stopped."""
-    from bench.pd_goodput import replay_point, start, warm_up
+    from bench.pd_goodput import layout_of, replay_point, start, warm_up, warmup_trace
 
     workload = WORKLOADS[args.workload]
-    warm = build_trace(workload, out / "warmup.csv", 2.0 * max(args.warmup_requests, 20),
-                       args.seed + 1000, phases=2)
+    warm = warmup_trace(workload, out / "warmup.csv", args)
     for r in range(args.rounds):
         for v in round_order(variants, r):
             where = run_dir(out, v.name, r)
             load0 = os.getloadavg()[0]
             running = start(v.setup, workload, args.min_prefill_tokens, v.args)
             try:
-                layout = " ".join(f"{name}:{cores}" for name, cores in
-                                  placement_of(children(running.pid)).items())
+                layout = layout_of(running.pid)
                 if args.warmup_requests:
                     warm_up(running.url, warm, where / "warmup", args)
                 summary = replay_point(running.url, workload, args.rate, where / "point", args)
