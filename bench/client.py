@@ -176,7 +176,9 @@ async def _send(client: httpx.AsyncClient, cfg: ClientConfig, path: str, content
     usage: dict[str, Any] | None = None
     try:
         async with asyncio.timeout(cfg.timeout_s):
-            async with client.stream("POST", path, content=content, headers=_JSON) as resp:
+            async with client.stream("POST", path, content=content,
+                                     headers={**_JSON, "x-request-id": f"bench-{spec.index}"}
+                                     ) as resp:
                 res.status_code = resp.status_code
                 if resp.status_code >= 400:
                     text = (await resp.aread()).decode(errors="replace")

@@ -126,9 +126,11 @@ class Running:
 
 
 def start(setup: str, workload: Workload, min_prefill_tokens: int,
-          extra: Sequence[str] = ()) -> Running:
+          extra: Sequence[str] = (), tree: Path | None = None) -> Running:
     """Start ``setup`` (the pdserve ones through the pdserve CLI, with ``workload``'s SLOs;
-    ``extra``: more ``pdserve up`` arguments, e.g. ``--worker-arg=--timeline-file=F``)."""
+    ``extra``: more ``pdserve up`` arguments, e.g. ``--worker-arg=--timeline-file=F``;
+    ``tree``: run pdserve from that source tree, e.g. an earlier commit's, instead of this
+    one)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     if setup == "vllm_pd":
@@ -153,8 +155,9 @@ def start(setup: str, workload: Workload, min_prefill_tokens: int,
     else:
         cmd = pdserve_command("worker", "--role", "aggregated", "--port", str(port),
                               "--served-model-name", SERVED)
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, cwd=tree, env=env)
     wait_healthy(url, proc, ready)
     return Running(url, lambda: stop_session(proc), proc.pid)
 
@@ -227,7 +230,9 @@ def sweep(url: str, out: Path, workload: Workload, args: argparse.Namespace,
     return doc
 
 
-def _paths(url: str) -> dict[str, float]:
+def path_counts(url: str) -> dict[str, float]:
+    """The router's ``pdserve_router_paths_total`` counters at ``url``, by ``path/reason``
+    (empty when it cannot be read)."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
@@ -272,7 +277,7 @@ def run_one(setup: str, workload: Workload, warm_trace: Path, out: Path,
                 warm_up(running.url, warm_trace, out / "warmup", args)
             doc = sweep(running.url, out / "sweep", workload, args,
                         None if watcher is None else watch_file)
-            paths = _paths(running.url)
+            paths = path_counts(running.url)
         finally:
             running.stop()
     finally:

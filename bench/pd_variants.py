@@ -3,7 +3,7 @@
     python -m bench.pd_variants --workload decode_heavy --rate 6 --rounds 3 \\
         --variant static=aggregated --variant-arg static=--router-arg=--path-policy=static \\
         --variant held=aggregated --variant-arg held=--router-arg=--path-policy=adaptive \\
-        [--point-s 60] [--warmup-requests 40] [--seed 2] [--out DIR]
+        [--variant-tree held=DIR] [--point-s 60] [--warmup-requests 40] [--seed 2] [--out DIR]
 
 Where ``bench.pd_goodput`` asks how fast each setup goes, this asks whether one change
 (a router flag, a worker argument) helps at one rate, on this box, beyond chance. Each variant is
@@ -15,7 +15,11 @@ percent within minutes (one engine's TPOT at 8 streams read 6.9 and 11.9 ms a mi
 so one run of each says little: rounds interleave the variants in time, and the report pools
 them request by request (:mod:`bench.paired`): for each pair, the requests only one met (exact
 McNemar p), the TTFT p99 difference with its 95 % interval, and the median paired TPOT
-difference, per round and pooled. Records: ``DIR/NAME-ROUND/point/requests.csv``.
+difference, per round and pooled. Records: ``DIR/NAME-ROUND/point/requests.csv``, and for a
+setup behind pdserve's router its ``timeline.jsonl`` (the client names each request
+``bench-INDEX``) and ``paths.json`` (the point's ``pdserve_router_paths_total``). Where the
+router planned paths, the report adds the held requests and how far the plans' TPOT was off
+(:func:`plan_line`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from bench.paired import RequestOutcome, compare, read_outcomes
 from bench.report import read_requests_csv
 
 K = TypeVar("K", bound=Hashable)
+NOT_ROUTED = frozenset({"plain", "vllm_pd"})
+"""Setups without pdserve's router: no timeline, no path counts."""
 V = TypeVar("V")
 
 
@@ -47,12 +53,15 @@ class Variant:
     name: str
     setup: str
     args: tuple[str, ...] = ()
+    tree: str | None = None
+    """Run pdserve from this source tree (an earlier commit's, for before/after), not this one."""
 
 
-def parse_variants(specs: Sequence[str], arg_specs: Sequence[str]) -> list[Variant]:
-    """``NAME=SETUP`` specs and ``NAME=ARG`` arguments as variants, in the order given;
-    ValueError for a malformed spec, an unknown setup, a repeated name or an argument for no
-    variant."""
+def parse_variants(specs: Sequence[str], arg_specs: Sequence[str],
+                   tree_specs: Sequence[str] = ()) -> list[Variant]:
+    """``NAME=SETUP`` specs, ``NAME=ARG`` arguments and ``NAME=DIR`` source trees as variants,
+    in the order given; ValueError for a malformed spec, an unknown setup, a repeated name, an
+    argument or tree for no variant, or a tree without pdserve's sources."""
     from bench.pd_goodput import SETUPS
 
     names: dict[str, str] = {}
@@ -71,9 +80,18 @@ def parse_variants(specs: Sequence[str], arg_specs: Sequence[str]) -> list[Varia
         if not sep or name not in args:
             raise ValueError(f"--variant-arg {spec!r}: expected NAME=ARG for a --variant NAME")
         args[name].append(arg)
+    trees: dict[str, str] = {}
+    for spec in tree_specs:
+        name, sep, tree = spec.partition("=")
+        if not sep or name not in names or name in trees:
+            raise ValueError(f"--variant-tree {spec!r}: expected NAME=DIR, once, for a "
+                             "--variant NAME")
+        if not (Path(tree) / "serve" / "cli.py").is_file():
+            raise ValueError(f"--variant-tree {spec!r}: no pdserve sources (serve/cli.py) there")
+        trees[name] = str(Path(tree).resolve())
     if len(names) < 2:
         raise ValueError("give at least two --variant")
-    return [Variant(n, s, tuple(args[n])) for n, s in names.items()]
+    return [Variant(n, s, tuple(args[n]), trees.get(n)) for n, s in names.items()]
 
 
 def round_order(variants: Sequence[Variant], round_: int) -> list[Variant]:
@@ -111,6 +129,40 @@ def _pooled(per_round: Mapping[int, Mapping[int, V]]) -> dict[tuple[int, int], V
     return {(r, i): v for r, run in per_round.items() for i, v in run.items()}
 
 
+def plan_line(point: Path) -> str:
+    """``held 15 of 438 (met 12); TPOT observed / predicted p10 0.71, p50 1.32, p90 2.40``:
+    from the point's router timeline joined with the client's records by request id (empty
+    when no request was planned by the cost model)."""
+    timeline = point / "timeline.jsonl"
+    if not timeline.exists():
+        return ""
+    rows = {int(r["index"]): r for r in read_requests_csv(point / "requests.csv")}
+    plans: dict[int, dict[str, float]] = {}
+    for line in timeline.read_text().splitlines():
+        record = json.loads(line)
+        rid, plan = str(record.get("request_id", "")), record.get("plan")
+        index = rid.removeprefix("bench-")
+        if plan and rid.startswith("bench-") and index.isdigit() and int(index) in rows:
+            plans[int(index)] = plan
+    if not plans:
+        return ""
+    held = [i for i, p in plans.items() if float(p.get("hold_s") or 0) > 0]
+    met = sum(1 for i in held if _met(rows[i]))
+    ratios = sorted(float(rows[i]["tpot_s"]) / float(p["predicted_tpot_s"])
+                    for i, p in plans.items()
+                    if rows[i].get("tpot_s") and float(p.get("predicted_tpot_s") or 0) > 0)
+    line = f"held {len(held)} of {len(plans)} (met {met})"
+    if len(ratios) >= 10:
+        q = statistics.quantiles(ratios, n=10)
+        line += (f"; TPOT observed / predicted p10 {q[0]:.2f}, p50 {statistics.median(ratios):.2f}"
+                 f", p90 {q[-1]:.2f}")
+    return line
+
+
+def _met(row: Mapping[str, str]) -> bool:
+    return row.get("meets_slo", "").lower() in ("1", "true")
+
+
 def report(out: Path, names: Sequence[str], rounds: int) -> list[str]:
     """Attainment of every run, then every pair of variants per round and pooled over the
     rounds (requests keyed by (round, index)); runs without records are left out."""
@@ -125,8 +177,9 @@ def report(out: Path, names: Sequence[str], rounds: int) -> list[str]:
             o = outcomes[name][r] = read_outcomes(path)
             tpots[name][r] = _tpots(path)
             met = sum(v.met for v in o.values())
+            plans = plan_line(path.parent)
             lines.append(f"{name} round {r}: attainment {met / max(len(o), 1):.3f} "
-                         f"({len(o) - met} of {len(o)} missed)")
+                         f"({len(o) - met} of {len(o)} missed)" + (f"; {plans}" if plans else ""))
     for a, b in itertools.combinations(names, 2):
         both = [r for r in range(rounds) if r in outcomes[a] and r in outcomes[b]]
         for r in both:
@@ -140,20 +193,34 @@ def report(out: Path, names: Sequence[str], rounds: int) -> list[str]:
 
 def run(variants: Sequence[Variant], args: argparse.Namespace, out: Path) -> None:
     """Every round: each variant started, warmed up, replayed at the rate point and stopped."""
-    from bench.pd_goodput import layout_of, replay_point, start, warm_up, warmup_trace
+    from bench.pd_goodput import layout_of, path_counts, replay_point, start, warm_up, warmup_trace
 
     workload = WORKLOADS[args.workload]
     warm = warmup_trace(workload, out / "warmup.csv", args)
     for r in range(args.rounds):
         for v in round_order(variants, r):
             where = run_dir(out, v.name, r)
+            (where / "point").mkdir(parents=True, exist_ok=True)
+            timeline = where / "timeline.jsonl"
+            extra = v.args if v.setup in NOT_ROUTED else \
+                (*v.args, f"--router-arg=--timeline-file={timeline}")
             load0 = os.getloadavg()[0]
-            running = start(v.setup, workload, args.min_prefill_tokens, v.args)
+            running = start(v.setup, workload, args.min_prefill_tokens, extra,
+                            None if v.tree is None else Path(v.tree))
             try:
                 layout = layout_of(running.pid)
                 if args.warmup_requests:
                     warm_up(running.url, warm, where / "warmup", args)
+                if timeline.exists():  # the point's requests alone in point/timeline.jsonl
+                    (where / "warmup").mkdir(exist_ok=True)
+                    timeline.rename(where / "warmup" / "timeline.jsonl")
+                before = path_counts(running.url)
                 summary = replay_point(running.url, workload, args.rate, where / "point", args)
+                after = path_counts(running.url)
+                (where / "point" / "paths.json").write_text(json.dumps(
+                    {k: v_ - before.get(k, 0.0) for k, v_ in after.items()}, indent=2))
+                if timeline.exists():
+                    timeline.rename(where / "point" / "timeline.jsonl")
             finally:
                 running.stop()
             print(f"round {r} {v.name}: attainment {summary['slo_attainment']:.3f} (load "
@@ -168,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=SETUP")
     parser.add_argument("--variant-arg", action="append", default=[], metavar="NAME=ARG",
                         help="one more `pdserve up` argument for variant NAME (repeat)")
+    parser.add_argument("--variant-tree", action="append", default=[], metavar="NAME=DIR",
+                        help="run variant NAME's pdserve from source tree DIR (e.g. `git "
+                        "archive COMMIT | tar -x -C DIR`, with the built kernels/native copied "
+                        "in) for before/after in one run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--point-s", type=float, default=60.0)
     parser.add_argument("--warmup-requests", type=int, default=40)
@@ -179,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run nothing: report the runs already in --out")
     args = parser.parse_args(argv)
     try:
-        variants = parse_variants(args.variant, args.variant_arg)
+        variants = parse_variants(args.variant, args.variant_arg, args.variant_tree)
     except ValueError as exc:
         print(f"pd_variants: {exc}", file=sys.stderr)
         return 2

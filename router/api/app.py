@@ -207,13 +207,17 @@ class RouterService:
         if charge is not None:
             self.budgets.settle(charge, settled_output(charge.decode, clock.output_tokens,
                                                        clock.output_events, status == 200))
+        if clock.plan:  # what the learning below subtracts from the observed TPOT
+            clock.plan["stall_added_s"] = round(stall_s, 6)
         if clock.plan and status == 200 and clock.first_output is not None:
             self.adaptive.learn(
                 float(clock.plan["predicted_ttft_s"]),  # type: ignore[arg-type]
                 clock.first_output - clock.mono["validated"],
                 float(clock.plan["base_tpot_s"]),  # type: ignore[arg-type]
                 None if clock.tpot_s is None else clock.tpot_s - stall_s,
-                float(clock.plan.get("predicted_wait_s", 0.0)))  # type: ignore[arg-type]
+                float(clock.plan.get("predicted_wait_s", 0.0)),  # type: ignore[arg-type]
+                (float(clock.plan["prefill_scale"]),  # type: ignore[arg-type]
+                 float(clock.plan["decode_scale"])))  # type: ignore[arg-type]
             self.metrics.path_cost_scale.labels(part="prefill").set(self.adaptive.prefill_scale)
             self.metrics.path_cost_scale.labels(part="decode").set(self.adaptive.decode_scale)
         for phase, seconds in clock.phases().items():

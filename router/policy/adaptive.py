@@ -604,7 +604,8 @@ class AdaptivePaths:
 
     def learn(self, predicted_ttft_s: float, observed_ttft_s: float | None,
               base_tpot_s: float, observed_tpot_s: float | None,
-              predicted_wait_s: float = 0.0) -> None:
+              predicted_wait_s: float = 0.0,
+              planned_scales: tuple[float, float] | None = None) -> None:
         """Move the cost scales toward what one served request showed (online calibration
         from the router's own measurements: a deployment's engines need no profile to start
         right; a profile, ``PathCosts.from_profile``, only starts them closer). The prefill
@@ -618,22 +619,34 @@ class AdaptivePaths:
         it (:meth:`stall_added_s`), from :data:`MIN_LEARN_TPOT_S`. Against the predicted tail
         (a whole landing prefill that most answers never see), with TPOTs under 5 ms ignored,
         it fell to 0.3-0.5x on the box: the model's step was ~2.5 ms where 2-12-token answers
-        took 8.6 ms (p50), and answers were predicted to end 2-3x too soon."""
+        took 8.6 ms (p50), and answers were predicted to end 2-3x too soon.
+
+        ``planned_scales``: the (prefill, decode) scales the predictions were made with (None:
+        the current ones). A request's observed/predicted ratio says what the scale should
+        have been when it was planned, so the target is that scale times the ratio, not the
+        current one: an answer ends seconds after its plan, while tens of others have moved
+        the scale, and applied to the current scale every ratio counted the correction the
+        others already made (on the box the decode scale swung between 0.39 and 2.76 within
+        ten seconds of a 60 s run at 8 req/s)."""
         lo, hi = SCALE_LIMITS
 
-        def step(scale: float, predicted: float, observed: float | None,
+        planned_prefill, planned_decode = planned_scales or (self.prefill_scale,
+                                                             self.decode_scale)
+
+        def step(scale: float, planned: float, predicted: float, observed: float | None,
                  least: float = MIN_LEARN_S) -> float:
-            if observed is None or observed <= 0 or predicted < least:
+            if observed is None or observed <= 0 or predicted < least or planned <= 0:
                 return scale
             ratio = min(max(observed / predicted, 0.25), 4.0)  # one outlier moves it little
-            target = scale * ratio
+            target = min(max(planned * ratio, lo), hi)
             return min(max(math.exp((1 - LEARNING_RATE) * math.log(scale)
                                     + LEARNING_RATE * math.log(target)), lo), hi)
 
         if predicted_wait_s <= MAX_LEARN_WAIT * predicted_ttft_s:
-            self.prefill_scale = step(self.prefill_scale, predicted_ttft_s, observed_ttft_s)
-        self.decode_scale = step(self.decode_scale, base_tpot_s, observed_tpot_s,
-                                 MIN_LEARN_TPOT_S)
+            self.prefill_scale = step(self.prefill_scale, planned_prefill, predicted_ttft_s,
+                                      observed_ttft_s)
+        self.decode_scale = step(self.decode_scale, planned_decode, base_tpot_s,
+                                 observed_tpot_s, MIN_LEARN_TPOT_S)
         self.costs = self.base_costs.scaled(self.prefill_scale, self.decode_scale)
 
     def finished(self, request_id: str) -> None:

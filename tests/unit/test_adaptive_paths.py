@@ -354,6 +354,40 @@ def test_costs_are_learned_from_what_served_requests_showed() -> None:
     assert paths.prefill_scale <= before[0] * 4 ** 0.1 + 1e-9
 
 
+def _learn_delayed(paths: AdaptivePaths, truth: float, delay: int, planned: bool,
+                   n: int = 200) -> list[float]:
+    """Each request planned now and learned ``delay`` requests later (as an answer ends
+    seconds after its plan, while others end), on engines ``truth`` x slower to decode than
+    the model's defaults; the decode scale after every request."""
+    in_flight: list[tuple[float, float]] = []  # (predicted base TPOT, decode scale then)
+    scales = []
+    for _ in range(n):
+        plan = estimate_whole(paths.costs, 100, 64, EngineLoad("a"))
+        in_flight.append((plan.tpot_base_s, paths.decode_scale))
+        if len(in_flight) > delay:
+            base, scale = in_flight.pop(0)
+            observed = base / scale * truth  # what an engine of that speed showed
+            paths.learn(0.1, 0.1, base, observed,
+                        planned_scales=(1.0, scale) if planned else None)
+        scales.append(paths.decode_scale)
+    return scales
+
+
+def test_a_late_answer_teaches_the_scale_it_was_planned_with() -> None:
+    # the engines decode 2x slower than assumed; answers end 30 requests after their plans
+    fixed = _learn_delayed(_paths(), 2.0, 30, planned=True)
+    assert max(fixed) <= 2.0 + 1e-9  # it approaches the truth from below, no overshoot
+    assert fixed[-1] == pytest.approx(2.0, rel=0.02)
+    # control: each late ratio applied to the scale others have already moved counts their
+    # correction again; the scale overshoots the truth and keeps swinging around it
+    late = _learn_delayed(_paths(), 2.0, 30, planned=False)
+    assert max(late) > 3.0
+    assert max(late[-60:]) / min(late[-60:]) > 1.5
+    # with no delay, both agree
+    assert _learn_delayed(_paths(), 2.0, 0, planned=True) == pytest.approx(
+        _learn_delayed(_paths(), 2.0, 0, planned=False))
+
+
 def test_a_heard_prefill_end_resets_its_engine_queue() -> None:
     paths = _paths()
     cands = [("flex", Candidate("a")), ("flex", Candidate("b"))]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
 
-from bench.pd_variants import Variant, parse_variants, report, round_order, run_dir
+from bench.pd_variants import Variant, parse_variants, plan_line, report, round_order, run_dir
 
 
 def test_variants_parse_with_their_arguments_in_order() -> None:
@@ -78,3 +79,44 @@ def test_report_leaves_out_runs_without_records(tmp_path: Path) -> None:
     _write(tmp_path, "a", 0, set(), 0.010)
     lines = report(tmp_path, ["a", "b"], 2)
     assert lines == ["a round 0: attainment 1.000 (0 of 40 missed)"]
+
+
+def test_a_variant_may_run_from_another_source_tree(tmp_path: Path) -> None:
+    (tmp_path / "serve").mkdir()
+    (tmp_path / "serve" / "cli.py").write_text("")
+    got = parse_variants(["before=aggregated", "after=aggregated"], [],
+                         [f"before={tmp_path}"])
+    assert got == [Variant("before", "aggregated", (), str(tmp_path.resolve())),
+                   Variant("after", "aggregated")]
+    # control: a directory without pdserve's sources, a tree for no variant, or two for one
+    with pytest.raises(ValueError, match="no pdserve sources"):
+        parse_variants(["a=aggregated", "b=aggregated"], [], [f"a={tmp_path / 'serve'}"])
+    with pytest.raises(ValueError, match="for a --variant NAME"):
+        parse_variants(["a=aggregated", "b=aggregated"], [], [f"c={tmp_path}"])
+    with pytest.raises(ValueError, match="once"):
+        parse_variants(["a=aggregated", "b=aggregated"], [], [f"a={tmp_path}"] * 2)
+
+
+def _timeline(point: Path, plans: dict[int, dict[str, float]]) -> None:
+    with (point / "timeline.jsonl").open("w") as fh:
+        for i, plan in plans.items():
+            fh.write(json.dumps({"request_id": f"bench-{i}", "plan": plan}) + "\n")
+        fh.write(json.dumps({"request_id": "warm-1", "plan": {"hold_s": 1.0}}) + "\n")
+
+
+def test_plan_line_joins_the_router_timeline_with_the_client_records(tmp_path: Path) -> None:
+    _write(tmp_path, "a", 0, {1, 2}, 0.010)  # every request observed at 10 ms per token
+    point = run_dir(tmp_path, "a", 0) / "point"
+    # requests 0-9 held (1 and 2 missed); predicted TPOTs 5 ms for 0-19 and 20 ms for the rest
+    _timeline(point, {i: {"hold_s": 0.3 if i < 10 else 0.0,
+                          "predicted_tpot_s": 0.005 if i < 20 else 0.020} for i in range(40)})
+    line = plan_line(point)
+    assert line.startswith("held 10 of 40 (met 8); TPOT observed / predicted p10 0.50, ")
+    assert line.endswith(", p90 2.00")
+    assert any(ln.endswith(f"; {line}") for ln in report(tmp_path, ["a"], 1))
+    # controls: without a timeline (a setup without the router), or with no request of the
+    # point in it, there is nothing to say
+    (point / "timeline.jsonl").unlink()
+    assert plan_line(point) == ""
+    _timeline(point, {})
+    assert plan_line(point) == ""
