@@ -42,17 +42,13 @@ answer's risk away (with 0.1 landings expected the 0.9-quantile is 0, and one la
 misses); :meth:`PlanEstimate.expected_misses` adds it to the plan's certain misses.
 
 A plan meets its SLOs when TTFT <= the TTFT SLO, TPOT <= the TPOT SLO, and no engine it touches
-that already decodes is pushed past the TPOT SLO (:meth:`PlanEstimate.admitted_past`): that
-last term is where goodput comes from, a request must not buy its own SLO with other requests'.
-Where the engines' sequences are known one by one (``EngineLoad.admitted``), the expected misses
-count each one the plan pushes past the TPOT target (past it with the plan, within it without):
-a long prefill on a decoder under four short answers costs four misses, not one (counted once,
-it outweighed one request's TTFT miss whenever one of the four was already late), and an answer
-late anyway costs none (under overload, when most are, counting them made every plan miss and
-held requests wait for answers that missed whatever they did). Known only by the worst one
-(``harm_tpot_s``), the engine counts one miss when that one ends past the target. A prefill
-stalls only the sequences decoding by the time it ends: an answer still waiting for its own
-prefill on another engine is not stalled by it.
+that already decodes is pushed past the TPOT SLO (``harm_tpot_s``): that last term is where
+goodput comes from, a request must not buy its own SLO with other requests'. Where the engines'
+sequences are known one by one (``EngineLoad.admitted``), the expected misses count each one the
+plan leaves past the TPOT target: a long prefill on a decoder under four short answers costs
+four misses, not one (counted once, it outweighed one request's TTFT miss whenever one of the
+four was already late). A prefill stalls only the sequences decoding by the time it ends: an
+answer still waiting for its own prefill on another engine is not stalled by it.
 """
 
 from __future__ import annotations
@@ -236,8 +232,6 @@ class PlanEstimate:
     admitted_tpots_s: tuple[float, ...] = ()
     """Predicted TPOT of each sequence the engines it touches decode or will decode
     (``EngineLoad.admitted``), after it (empty: only ``harm_tpot_s``, the worst, is known)."""
-    admitted_before_s: tuple[float, ...] = ()
-    """The same sequences' predicted TPOT without it (same order; empty: not known)."""
     hold_s: float = 0.0
     """Seconds the router is expected to hold the request before sending it (a held plan: its
     prefill waits for the answers it would push past the TPOT to finish)."""
@@ -255,14 +249,10 @@ class PlanEstimate:
         return poisson_tail(self.landings_mean, hits)
 
     def admitted_past(self, tpot_slo_s: float) -> int:
-        """Admitted requests this plan pushes past ``tpot_slo_s``: past it after the plan and
-        within it without (1 for all of them when they are not known one by one). An answer
-        predicted past the SLO anyway is not counted: more stall costs it nothing the SLO
-        counts, and a plan held for it waited for nothing (under overload, most answers)."""
+        """Admitted requests past ``tpot_slo_s`` after this plan (1 for all of them when they
+        are not known one by one)."""
         if self.admitted_tpots_s:
-            before = self.admitted_before_s
-            return sum(1 for i, t in enumerate(self.admitted_tpots_s)
-                       if t > tpot_slo_s and (i >= len(before) or before[i] <= tpot_slo_s))
+            return sum(1 for t in self.admitted_tpots_s if t > tpot_slo_s)
         return 1 if self.harm_tpot_s > tpot_slo_s else 0
 
     def expected_misses(self, ttft_slo_s: float, tpot_slo_s: float) -> float:
@@ -273,10 +263,9 @@ class PlanEstimate:
         return own + self.admitted_past(tpot_slo_s)
 
     def meets(self, ttft_slo_s: float, tpot_slo_s: float) -> bool:
-        """Within both SLOs without pushing admitted requests past the TPOT SLO
-        (:meth:`admitted_past`)."""
+        """Within both SLOs without pushing admitted requests past the TPOT SLO."""
         return (self.ttft_s <= ttft_slo_s and self.tpot_s <= tpot_slo_s
-                and not self.admitted_past(tpot_slo_s))
+                and self.harm_tpot_s <= tpot_slo_s)
 
     def badness(self, ttft_slo_s: float, tpot_slo_s: float) -> float:
         """The worst of the three predictions as a multiple of its SLO (< 1: meets)."""
@@ -371,15 +360,6 @@ def _admitted_tpots(costs: PathCosts, engine: EngineLoad, stall_s: float) -> tup
                  for out, stall, starts_s in engine.admitted)
 
 
-def _admitted_before(costs: PathCosts, engine: EngineLoad) -> tuple[float, ...]:
-    """TPOT of each sequence ``engine`` decodes (``EngineLoad.admitted``) without a new
-    request: :func:`_admitted_tpots` with neither its prefill nor its decode."""
-    if not engine.running:
-        return ()
-    step = costs.step_s(engine.running)
-    return tuple(step + stall for _, stall, _ in engine.admitted)
-
-
 def estimate_whole(costs: PathCosts, prompt_tokens: int, output_tokens: int,
                    engine: EngineLoad) -> PlanEstimate:
     """The request served whole on ``engine``."""
@@ -389,7 +369,7 @@ def estimate_whole(costs: PathCosts, prompt_tokens: int, output_tokens: int,
     return PlanEstimate("whole", engine.worker_id, None, engine.queued_s + prefill,
                         stall.tpot_s(), _admitted_tpot(costs, engine, prefill), uncached,
                         stall.base_s, stall.landings_mean, stall.per_landing_s,
-                        _admitted_tpots(costs, engine, prefill), _admitted_before(costs, engine))
+                        _admitted_tpots(costs, engine, prefill))
 
 
 def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
@@ -410,25 +390,20 @@ def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
                         stall.tpot_s() + hop, harm, uncached, stall.base_s + hop,
                         stall.landings_mean, stall.per_landing_s,
                         _admitted_tpots(costs, prefill, prefill_s)
-                        + _admitted_tpots(costs, decode, 0.0),
-                        _admitted_before(costs, prefill) + _admitted_before(costs, decode))
+                        + _admitted_tpots(costs, decode, 0.0))
 
 
-def held_engine(engine: EngineLoad, admitted_tpots_s: tuple[float, ...], tpot_target_s: float,
-                admitted_before_s: tuple[float, ...] = ()
+def held_engine(engine: EngineLoad, admitted_tpots_s: tuple[float, ...], tpot_target_s: float
                 ) -> tuple[EngineLoad, float, tuple[str, ...]] | None:
     """``engine`` as it will be once the sequences a prefill there would push past
-    ``tpot_target_s`` (``admitted_tpots_s``: each one's TPOT after it, in ``admitted`` order;
-    ``admitted_before_s``: without it, when known: one past the target anyway is not waited
-    for) have sent their last token, the seconds until then and their ids (empty when
+    ``tpot_target_s`` (``admitted_tpots_s``: each one's TPOT after it, in ``admitted`` order)
+    have sent their last token, the seconds until then and their ids (empty when
     ``admitted_ids`` is); None when it pushes none, when their ends are unknown (or infinite:
     one outlived its predicted end), or when the engine's own queue outlasts them anyway."""
     ends = engine.admitted_ends_s
     if len(ends) != len(engine.admitted) or len(admitted_tpots_s) != len(ends):
         return None
-    before = admitted_before_s if len(admitted_before_s) == len(ends) else ()
-    harmed = [i for i, t in enumerate(admitted_tpots_s)
-              if t > tpot_target_s and (not before or before[i] <= tpot_target_s)]
+    harmed = [i for i, t in enumerate(admitted_tpots_s) if t > tpot_target_s]
     hold = max((ends[i] for i in harmed), default=0.0)
     if hold <= engine.queued_s or math.isinf(hold):
         return None
@@ -451,7 +426,7 @@ def estimate_whole_deferred(costs: PathCosts, prompt_tokens: int, output_tokens:
     of them (:func:`held_engine`; None when there is nothing to wait for). ``now``: the same
     plan sent now, when the caller has it."""
     now = now or estimate_whole(costs, prompt_tokens, output_tokens, engine)
-    held = held_engine(engine, now.admitted_tpots_s, tpot_target_s, now.admitted_before_s)
+    held = held_engine(engine, now.admitted_tpots_s, tpot_target_s)
     if held is None:
         return None
     later, hold, ids = held
@@ -466,9 +441,7 @@ def estimate_pd_deferred(costs: PathCosts, prompt_tokens: int, output_tokens: in
     ``tpot_target_s`` on ``prefill`` have finished (None when there is nothing to wait for).
     ``now``: the same plan sent now, when the caller has it."""
     now = now or estimate_pd(costs, prompt_tokens, output_tokens, prefill, decode)
-    n = len(prefill.admitted)
-    held = held_engine(prefill, now.admitted_tpots_s[:n], tpot_target_s,
-                       now.admitted_before_s[:n])
+    held = held_engine(prefill, now.admitted_tpots_s[:len(prefill.admitted)], tpot_target_s)
     if held is None:
         return None
     later, hold, ids = held

@@ -65,21 +65,6 @@ def test_a_prefill_that_would_stall_a_short_answer_waits_for_it_to_end() -> None
                                    TARGET) is None
 
 
-def test_no_hold_waits_for_an_answer_late_anyway() -> None:
-    # the answer's prefill stalls so far (70 ms per token) put it past the 40 ms target
-    # before this request: stalled or not, it misses; waiting for it saves nothing
-    late = EngineLoad("a", running=1, admitted=((4.0, 0.07, 0.0),), admitted_ends_s=(0.03,),
-                      admitted_ids=("a-answer",))
-    assert estimate_whole_deferred(COSTS, 2000, 64, late, TARGET) is None
-    now = AdaptivePaths(COSTS, 1.0, 0.05, defer=True).decide(_request(2000), 64, [late])
-    assert now is not None and now.plan.hold_s == 0.0
-    assert now.plan.admitted_past(TARGET) == 0 and now.reason == "whole_meets_slo"
-    # control: the same answer within the target until this prefill would stall it is waited for
-    held = AdaptivePaths(COSTS, 1.0, 0.05, defer=True).decide(_request(2000), 64,
-                                                               [_short_answer(0.03)])
-    assert held is not None and held.reason == "held" and held.plan.waits_for == ("a-answer",)
-
-
 def test_a_held_pd_plan_waits_only_for_its_prefiller() -> None:
     prefill, decode = _short_answer(0.03), _short_answer(0.5, worker="b")
     held = estimate_pd_deferred(COSTS, 2000, 64, prefill, decode, TARGET)
