@@ -41,9 +41,9 @@ from bench.paired import RequestOutcome, compare, read_outcomes
 from bench.report import read_requests_csv
 
 K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 NOT_ROUTED = frozenset({"plain", "vllm_pd"})
 """Setups without pdserve's router: no timeline, no path counts."""
-V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -129,38 +129,34 @@ def _pooled(per_round: Mapping[int, Mapping[int, V]]) -> dict[tuple[int, int], V
     return {(r, i): v for r, run in per_round.items() for i, v in run.items()}
 
 
-def plan_line(point: Path) -> str:
+def plan_line(point: Path, outcomes: Mapping[int, RequestOutcome],
+              tpots: Mapping[int, float]) -> str:
     """``held 15 of 438 (met 12); TPOT observed / predicted p10 0.71, p50 1.32, p90 2.40``:
-    from the point's router timeline joined with the client's records by request id (empty
-    when no request was planned by the cost model)."""
+    the point's router timeline joined by request id with the client's records (``outcomes``
+    and ``tpots`` by index, as the report read them; empty when no request was planned by the
+    cost model)."""
     timeline = point / "timeline.jsonl"
     if not timeline.exists():
         return ""
-    rows = {int(r["index"]): r for r in read_requests_csv(point / "requests.csv")}
     plans: dict[int, dict[str, float]] = {}
     for line in timeline.read_text().splitlines():
         record = json.loads(line)
         rid, plan = str(record.get("request_id", "")), record.get("plan")
         index = rid.removeprefix("bench-")
-        if plan and rid.startswith("bench-") and index.isdigit() and int(index) in rows:
+        if plan and rid.startswith("bench-") and index.isdigit() and int(index) in outcomes:
             plans[int(index)] = plan
     if not plans:
         return ""
     held = [i for i, p in plans.items() if float(p.get("hold_s") or 0) > 0]
-    met = sum(1 for i in held if _met(rows[i]))
-    ratios = sorted(float(rows[i]["tpot_s"]) / float(p["predicted_tpot_s"])
-                    for i, p in plans.items()
-                    if rows[i].get("tpot_s") and float(p.get("predicted_tpot_s") or 0) > 0)
+    met = sum(1 for i in held if outcomes[i].met)
+    ratios = sorted(tpots[i] / float(p["predicted_tpot_s"]) for i, p in plans.items()
+                    if i in tpots and float(p.get("predicted_tpot_s") or 0) > 0)
     line = f"held {len(held)} of {len(plans)} (met {met})"
     if len(ratios) >= 10:
         q = statistics.quantiles(ratios, n=10)
         line += (f"; TPOT observed / predicted p10 {q[0]:.2f}, p50 {statistics.median(ratios):.2f}"
                  f", p90 {q[-1]:.2f}")
     return line
-
-
-def _met(row: Mapping[str, str]) -> bool:
-    return row.get("meets_slo", "").lower() in ("1", "true")
 
 
 def report(out: Path, names: Sequence[str], rounds: int) -> list[str]:
@@ -175,9 +171,9 @@ def report(out: Path, names: Sequence[str], rounds: int) -> list[str]:
             if not path.exists():
                 continue
             o = outcomes[name][r] = read_outcomes(path)
-            tpots[name][r] = _tpots(path)
+            t = tpots[name][r] = _tpots(path)
             met = sum(v.met for v in o.values())
-            plans = plan_line(path.parent)
+            plans = plan_line(path.parent, o, t)
             lines.append(f"{name} round {r}: attainment {met / max(len(o), 1):.3f} "
                          f"({len(o) - met} of {len(o)} missed)" + (f"; {plans}" if plans else ""))
     for a, b in itertools.combinations(names, 2):

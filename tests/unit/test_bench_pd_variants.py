@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.paired import read_outcomes
 from bench.pd_variants import Variant, parse_variants, plan_line, report, round_order, run_dir
 
 
@@ -110,13 +111,15 @@ def test_plan_line_joins_the_router_timeline_with_the_client_records(tmp_path: P
     # requests 0-9 held (1 and 2 missed); predicted TPOTs 5 ms for 0-19 and 20 ms for the rest
     _timeline(point, {i: {"hold_s": 0.3 if i < 10 else 0.0,
                           "predicted_tpot_s": 0.005 if i < 20 else 0.020} for i in range(40)})
-    line = plan_line(point)
+    csv_path = point / "requests.csv"
+    outcomes, tpots = read_outcomes(csv_path), {i: 0.010 for i in range(40)}
+    line = plan_line(point, outcomes, tpots)
     assert line.startswith("held 10 of 40 (met 8); TPOT observed / predicted p10 0.50, ")
     assert line.endswith(", p90 2.00")
     assert any(ln.endswith(f"; {line}") for ln in report(tmp_path, ["a"], 1))
     # controls: without a timeline (a setup without the router), or with no request of the
     # point in it, there is nothing to say
     (point / "timeline.jsonl").unlink()
-    assert plan_line(point) == ""
+    assert plan_line(point, outcomes, tpots) == ""
     _timeline(point, {})
-    assert plan_line(point) == ""
+    assert plan_line(point, outcomes, tpots) == ""
