@@ -191,6 +191,7 @@ class _Run:
         """Send a held request (once: its last awaited answer ended, or its deadline came)."""
         if not held.sent:
             held.sent = True
+            self.paths.released(held.job.route.request_id, now)
             self.send(held.prefiller, held.job, now)
 
     def place(self, route: RouteRequest, req: SimRequest, now: float

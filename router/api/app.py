@@ -459,6 +459,7 @@ class RouterService:
         if plan.waits_for:  # its prefill waits for the answers it would stall to end
             limit_s = hold_limit_s(plan, self.settings.ttft_slo_s)
             clock.plan["held_s"] = round(await self.holds.wait(plan.waits_for, limit_s), 6)
+            self.adaptive.released(upstream_id, time.monotonic())
         worker = by_id[plan.worker]
         if plan.path == "whole":
             self._took(clock, "whole", decision.reason)

@@ -29,12 +29,16 @@ Costs start from :class:`~router.policy.path_cost.PathCosts` (defaults or a ``pd
 profile``) and are calibrated online: ``learn`` moves a prefill scale and a decode scale toward
 observed/predicted TTFT and TPOT of each streamed request (exponential average, weight 0.1).
 
-State, updated only through ``dispatched``/``finished``/``learn`` with the caller's clock and
-measurements (nothing here reads a clock): a virtual prefill queue per engine (busy-until time,
-the DualMap-style TTFT estimate), the decayed count and seconds of the prefills each engine was
-given (their rate and mean length over the last ``share_window_s``), the sequences each engine
-decodes with their expected output lengths and the prefill stall per token added to each since
-it started, and a prefix-cache estimate per engine (every prompt it prefilled or pulled).
+State, updated only through ``dispatched``/``prefilled``/``released``/``finished``/``learn``
+with the caller's clock and measurements (nothing here reads a clock): a virtual prefill queue
+per engine (the DualMap-style TTFT estimate), kept as a schedule of its booked prefills: the
+ones sent run in the order sent, each from the heard end of the one before; a held request's
+runs once it is sent and those before it have run, so a request sent meanwhile is planned
+behind the sent ones only (it reaches the engine first); the decayed count and seconds of the
+prefills each engine was given (their rate and mean length over the last ``share_window_s``),
+the sequences each engine decodes with their expected output lengths and the prefill stall per
+token added to each since it started, and a prefix-cache estimate per engine (every prompt it
+prefilled or pulled).
 
 Because the split is decided per request from this state, the share of the fleet prefilling and
 decoding follows the load: a burst of long prompts raises the engines' queues and prefill rates
@@ -120,8 +124,29 @@ class PathDecision:
 
 
 @dataclass
+class _Booking:
+    """One prefill booked on an engine: how long it runs, when it reaches the engine (a held
+    request: when the router is expected to send it) and, as last scheduled, its start and
+    end."""
+
+    seconds: float
+    release_s: float
+    released: bool
+    start_s: float = 0.0
+    end_s: float = 0.0
+
+
+@dataclass
 class _Engine:
+    booked: dict[str, _Booking] = field(default_factory=dict)
+    """Request id -> its prefill on this engine, until the router hears it ended
+    (:meth:`AdaptivePaths.prefilled`); the ones sent in the order they were sent."""
+    done_s: float = 0.0
+    """When the engine's last heard prefill ended: the earliest its next one starts."""
+    sent_until_s: float = 0.0
+    """When the prefills already sent to it end (as last scheduled)."""
     busy_until_s: float = 0.0
+    """When every booked prefill ends, the held ones included (as last scheduled)."""
     share_s: float = 0.0
     """Prefill seconds dispatched, decayed to ``share_at_s``."""
     count: float = 0.0
@@ -188,6 +213,15 @@ class AdaptivePaths:
         self.ttft_slo_s = ttft_slo_s
         self.tpot_slo_s = tpot_slo_s * tpot_margin
         """The TPOT the plans aim for: the SLO x ``tpot_margin``."""
+        self.material_s = tpot_slo_s - self.tpot_slo_s
+        """The least stall per token a prefill must add to an admitted answer to count against
+        it (to push it past the TPOT target, or to make a plan wait for it): the margin between
+        the SLO and the target. A smaller stall alone cannot take an answer that met the target
+        past the SLO, and waiting for such answers cost the waiting requests more than the
+        stall would have: on decode_heavy (150-token prompts, 13-256-token answers, a stall of
+        a few ms per token) held plans lost to DualMap's sent-at-once ones by 12 / 31 requests,
+        and never holding was level with it (README, "When does P/D pay"). A 1,500-token prompt
+        over a 12-token answer stalls it ~25 ms per token: that is still waited for."""
         self.share_window_s = share_window_s
         self.top_k = top_k
         self.capacity_blocks = capacity_blocks
@@ -245,12 +279,14 @@ class AdaptivePaths:
         for role, c in engines:
             whole, prefill, decode = CAPABILITIES[role]
             engine = self._engines.get(c.worker_id) or _Engine()
+            self._schedule(engine, now_s)
             decay = self._decay(engine.share_at_s, now_s)
             admitted = engine.decoding.values()
             step = self.costs.step_s(max(c.running, len(engine.decoding)))
             out.append(EngineLoad(
                 worker_id=c.worker_id, whole=whole, prefill=prefill, decode=decode,
-                queued_s=max(engine.busy_until_s - now_s, 0.0),
+                queued_s=max(engine.sent_until_s - now_s, 0.0),
+                booked_s=max(engine.busy_until_s - now_s, 0.0),
                 running=max(c.running, len(engine.decoding)),
                 # held plans: only the prefills sent past the answers they stall land on one
                 prefill_rate=(engine.pushing if self.defer else engine.count) * decay
@@ -332,7 +368,7 @@ class AdaptivePaths:
         n, out = request.prompt_len, output_tokens
         # reserved (quiet) decoders prefill nothing while another engine can
         open_ = [e for e in healthy if not e.reserved]
-        whole = [estimate_whole(self.costs, n, out, e)
+        whole = [estimate_whole(self.costs, n, out, e, self.material_s)
                  for e in ([e for e in open_ if e.whole] or [e for e in healthy if e.whole])]
         prefillers = [e for e in open_ if e.prefill] or [e for e in healthy if e.prefill]
         # prefillers by their TTFT, then by the decoding they would stall
@@ -342,7 +378,8 @@ class AdaptivePaths:
         by_tpot = sorted((e for e in healthy if e.decode),
                          key=lambda e: (decode_tpot(self.costs, e, out), e.worker_id)
                          )[:self.top_k]
-        pd = [estimate_pd(self.costs, n, out, p, d) for p in by_ttft for d in by_tpot
+        pd = [estimate_pd(self.costs, n, out, p, d, self.material_s)
+              for p in by_ttft for d in by_tpot
               if p.worker_id != d.worker_id]
         return whole, pd
 
@@ -354,9 +391,10 @@ class AdaptivePaths:
         quiet = [e for e in engines if e.reserved and not e.recently_failed]
         decoders = sorted((e for e in engines if e.decode and not e.recently_failed),
                           key=lambda e: (decode_tpot(self.costs, e, out), e.worker_id))
-        plans = [estimate_whole(self.costs, n, out, e) for e in quiet if e.whole]
+        plans = [estimate_whole(self.costs, n, out, e, self.material_s)
+                 for e in quiet if e.whole]
         for p in (e for e in quiet if e.prefill):
-            plans += [estimate_pd(self.costs, n, out, p, d)
+            plans += [estimate_pd(self.costs, n, out, p, d, self.material_s)
                       for d in [d for d in decoders if d.worker_id != p.worker_id][:self.top_k]]
         return plans
 
@@ -456,14 +494,14 @@ class AdaptivePaths:
         for e in engines:
             if e.whole and not e.recently_failed:
                 held = estimate_whole_deferred(self.costs, n, out, e, self.tpot_slo_s,
-                                               sent_now.get(e.worker_id))
+                                               sent_now.get(e.worker_id), self.material_s)
                 if held is not None:
                     plans.append(held)
         by_id = {e.worker_id: e for e in engines}
         for p in pd:
             assert p.prefill_worker is not None
             held = estimate_pd_deferred(self.costs, n, out, by_id[p.prefill_worker],
-                                        by_id[p.worker], self.tpot_slo_s, p)
+                                        by_id[p.worker], self.tpot_slo_s, p, self.material_s)
             if held is not None:
                 plans.append(held)
         ok = [p for p in plans if p.ttft_s <= self.ttft_slo_s and p.tpot_s <= self.tpot_slo_s
@@ -546,8 +584,14 @@ class AdaptivePaths:
         prefiller = plan.prefill_worker or plan.worker
         seconds = self.costs.prefill_s(plan.uncached_tokens)
         engine = self._engines.setdefault(prefiller, _Engine())
-        starts_s = max(engine.busy_until_s, now_s + plan.hold_s)
-        engine.busy_until_s = ends_s = starts_s + seconds
+        booking = engine.booked[request.request_id] = _Booking(
+            seconds, now_s + plan.hold_s, released=not plan.hold_s)
+        decoder = self._engines.setdefault(plan.worker, _Engine())
+        decoder.decoding[request.request_id] = [float(output_tokens), 0.0, 0.0]
+        self._prefilling[request.request_id] = prefiller
+        self._requests[request.request_id] = (plan.worker,)
+        self._schedule(engine, now_s)
+        starts_s, ends_s = booking.start_s, booking.end_s
         decay = self._decay(engine.share_at_s, now_s)
         engine.share_s = engine.share_s * decay + seconds
         engine.count = engine.count * decay + (1.0 if seconds > 0 else 0.0)
@@ -555,15 +599,13 @@ class AdaptivePaths:
             1.0 if seconds > 0 and plan.admitted_past(self.tpot_slo_s) else 0.0)
         engine.square_s = engine.square_s * decay + seconds * seconds
         engine.share_at_s = now_s
-        step = self.costs.step_s(len(engine.decoding))
-        for admitted in engine.decoding.values():  # the prefill stalls what it decodes by then
-            # (a held prefill waited for the ones it would stall: those ended by its start)
-            if admitted[2] < ends_s and (not plan.hold_s or _ends_s(admitted, step) > starts_s):
+        step = self.costs.step_s(len(engine.decoding) - (engine is decoder))
+        for rid, admitted in engine.decoding.items():  # the prefill stalls what it decodes
+            # by then (a held prefill waited for the ones it would stall: those ended by its
+            # start)
+            if rid != request.request_id and admitted[2] < ends_s \
+                    and (not plan.hold_s or _ends_s(admitted, step) > starts_s):
                 admitted[1] += seconds / token_intervals(admitted[0])
-        decoder = self._engines.setdefault(plan.worker, _Engine())
-        decoder.decoding[request.request_id] = [float(output_tokens), 0.0, ends_s]
-        self._prefilling[request.request_id] = prefiller
-        self._requests[request.request_id] = (plan.worker,)
         for worker in {prefiller, plan.worker}:
             cache = self._caches.get(worker)
             if cache is None:
@@ -572,23 +614,62 @@ class AdaptivePaths:
 
     def prefilled(self, request_id: str, now_s: float) -> None:
         """``request_id``'s prefill ended at ``now_s`` (the router saw its prefill's answer or
-        its first token): its engine's virtual queue is set by it. An engine runs its prefills
-        in order, so what was booked there after it ends as much earlier or later as it did,
-        and it starts decoding now. Without this the queue kept every error of the model until
-        the engine emptied (on the box, TTFTs predicted 2.7x the observed in a burst)."""
+        its first token): it starts decoding now, and its engine's next prefill starts now
+        (at the earliest): an engine runs the prefills sent to it in order, so what was booked
+        there after it ends as much earlier or later as it did, but a held one no earlier than
+        it is sent. Without this the queue kept every error of the model until the engine
+        emptied (on the box, TTFTs predicted 2.7x the observed in a burst)."""
         worker = self._prefilling.pop(request_id, None)
         admitted = self._decoding(request_id)
         if worker is None or admitted is None:
             return
-        predicted_end_s, admitted[2] = admitted[2], now_s
-        shift_s = now_s - predicted_end_s
+        admitted[2] = now_s
         engine = self._engines.get(worker)
-        if engine is not None and engine.busy_until_s >= predicted_end_s:
-            engine.busy_until_s = max(engine.busy_until_s + shift_s, now_s)
-        for other, where in self._prefilling.items():
-            queued = self._decoding(other) if where == worker else None
-            if queued is not None and queued[2] > predicted_end_s:
-                queued[2] = max(queued[2] + shift_s, now_s)
+        if engine is not None and engine.booked.pop(request_id, None) is not None:
+            engine.done_s = max(engine.done_s, now_s)
+            self._schedule(engine, now_s)
+
+    def released(self, request_id: str, now_s: float) -> None:
+        """The held ``request_id`` was sent at ``now_s`` (the answers it waited for ended, or
+        its wait's limit came): its prefill joins the engine's queue of sent prefills, behind
+        those sent before it and ahead of the ones still held."""
+        worker = self._prefilling.get(request_id)
+        engine = self._engines.get(worker) if worker is not None else None
+        booking = engine.booked.get(request_id) if engine is not None else None
+        if engine is None or booking is None or booking.released:
+            return
+        del engine.booked[request_id]  # re-inserted last: sent after every one sent so far
+        engine.booked[request_id] = replace(booking, release_s=now_s, released=True)
+        self._schedule(engine, now_s)
+
+    def _schedule(self, engine: _Engine, now_s: float) -> None:
+        """Lay out ``engine``'s booked prefills at ``now_s``: the sent ones one after another
+        in the order they were sent (the first from its last heard end), then the held ones by
+        when they are expected to be sent (none before ``now_s``: still held). A request sent
+        now therefore waits only for the prefills already sent, not for the slots of held ones
+        (those go after it); each request's decode starts at its prefill's end. A sent prefill
+        not heard to end by its predicted end is not assumed to run on: a non-streamed whole
+        request is heard only when it ends."""
+        t = engine.done_s
+        held: list[tuple[str, _Booking]] = []
+        for rid, booking in engine.booked.items():
+            if not booking.released:
+                held.append((rid, booking))
+                continue
+            booking.start_s = max(t, booking.release_s)
+            t = booking.end_s = booking.start_s + booking.seconds
+            self._starts_decoding(rid, t)
+        engine.sent_until_s = t
+        for rid, booking in sorted(held, key=lambda b: b[1].release_s):
+            booking.start_s = max(t, booking.release_s, now_s)
+            t = booking.end_s = booking.start_s + booking.seconds
+            self._starts_decoding(rid, t)
+        engine.busy_until_s = t
+
+    def _starts_decoding(self, request_id: str, at_s: float) -> None:
+        admitted = self._decoding(request_id)
+        if admitted is not None:
+            admitted[2] = at_s
 
     def _decoding(self, request_id: str) -> list[float] | None:
         """``request_id``'s entry in its decoding engine's ``_Engine.decoding`` (None: none)."""
@@ -651,7 +732,10 @@ class AdaptivePaths:
 
     def finished(self, request_id: str) -> None:
         """``request_id`` ended (answered, failed or re-planned): its engines stop counting it."""
-        self._prefilling.pop(request_id, None)
+        prefiller = self._prefilling.pop(request_id, None)
+        engine = self._engines.get(prefiller) if prefiller is not None else None
+        if engine is not None:  # ended before its prefill was heard: it books nothing more
+            engine.booked.pop(request_id, None)
         for worker in self._requests.pop(request_id, ()):
             engine = self._engines.get(worker)
             if engine is not None:

@@ -13,7 +13,7 @@ profile`` measures them for a deployment, :meth:`PathCosts.from_profile` reads t
                     square term is 0 unless the profile fitted one; the plans here pass c = 0)
     step_s(n)     = decode_step_s + (n - 1) x decode_step_s_per_seq  (one decode step, n seqs)
 
-Per engine e (:class:`EngineLoad`): ``queued_s`` seconds of prefill already dispatched and not
+Per engine e (:class:`EngineLoad`): ``queued_s`` seconds of prefill already sent to it and not
 done, ``running`` decoding sequences, the rate lambda_e and mean length P_e of the prefills it was
 given lately, ``cached_tokens`` of this prompt it holds, and of what it decodes: the shortest
 expected output L_a and the largest stall per token already added to one (S_a). With u = prompt -
@@ -178,7 +178,11 @@ class EngineLoad:
     decode: bool = True
     """Can pull and decode (flex and decode workers)."""
     queued_s: float = 0.0
-    """Seconds of prefill dispatched to it and not yet done."""
+    """Seconds of prefill sent to it and not yet done: what a request sent now waits for."""
+    booked_s: float = 0.0
+    """Seconds until every prefill booked on it ends, the held requests' (not yet sent)
+    included: what a request held now waits for at the least (below ``queued_s``: none
+    held)."""
     running: int = 0
     """Sequences it decodes now."""
     prefill_rate: float = 0.0
@@ -338,42 +342,54 @@ def decode_tpot(costs: PathCosts, engine: EngineLoad, output_tokens: int, extra:
     return decode_stall(costs, engine, output_tokens, extra).tpot_s()
 
 
-def _admitted_tpot(costs: PathCosts, engine: EngineLoad, stall_s: float) -> float:
+def material(stall_per_token_s: float, material_s: float) -> float:
+    """A prefill's stall per token of one answer, or 0 when it is under ``material_s``: a stall
+    the plans' TPOT margin absorbs alone is not counted against the answer (see
+    ``AdaptivePaths.material_s``)."""
+    return stall_per_token_s if stall_per_token_s >= material_s else 0.0
+
+
+def _admitted_tpot(costs: PathCosts, engine: EngineLoad, stall_s: float,
+                   material_s: float = 0.0) -> float:
     """TPOT of the worst-off sequence ``engine`` decodes after ``stall_s`` more prefill (0 when
-    it decodes none)."""
+    it decodes none; a stall per token under ``material_s`` is not counted)."""
     if not engine.running:
         return 0.0
     gaps = token_intervals(engine.admitted_output_tokens or 1.0)
-    return costs.step_s(engine.running + 1) + engine.admitted_stall_s + stall_s / gaps
+    return costs.step_s(engine.running + 1) + engine.admitted_stall_s \
+        + material(stall_s / gaps, material_s)
 
 
-def _admitted_tpots(costs: PathCosts, engine: EngineLoad, stall_s: float) -> tuple[float, ...]:
+def _admitted_tpots(costs: PathCosts, engine: EngineLoad, stall_s: float,
+                    material_s: float = 0.0) -> tuple[float, ...]:
     """TPOT of each sequence ``engine`` decodes (``EngineLoad.admitted``) after ``stall_s``
     more prefill, which runs after the engine's queue: a sequence whose own prefill ends after
-    that is not stalled by it."""
+    that is not stalled by it (nor one it stalls by under ``material_s`` per token)."""
     if not engine.running:
         return ()
     step = costs.step_s(engine.running + 1)
     ends_s = engine.queued_s + stall_s
-    return tuple(step + stall + (stall_s / token_intervals(out or 1.0) if starts_s < ends_s
-                                 else 0.0)
+    return tuple(step + stall + (material(stall_s / token_intervals(out or 1.0), material_s)
+                                 if starts_s < ends_s else 0.0)
                  for out, stall, starts_s in engine.admitted)
 
 
 def estimate_whole(costs: PathCosts, prompt_tokens: int, output_tokens: int,
-                   engine: EngineLoad) -> PlanEstimate:
-    """The request served whole on ``engine``."""
+                   engine: EngineLoad, material_s: float = 0.0) -> PlanEstimate:
+    """The request served whole on ``engine`` (``material_s``: the least stall per token
+    counted against an admitted answer)."""
     uncached = max(prompt_tokens - engine.cached_tokens, 0)
     prefill = costs.prefill_s(uncached)
     stall = decode_stall(costs, engine, output_tokens)
     return PlanEstimate("whole", engine.worker_id, None, engine.queued_s + prefill,
-                        stall.tpot_s(), _admitted_tpot(costs, engine, prefill), uncached,
-                        stall.base_s, stall.landings_mean, stall.per_landing_s,
-                        _admitted_tpots(costs, engine, prefill))
+                        stall.tpot_s(), _admitted_tpot(costs, engine, prefill, material_s),
+                        uncached, stall.base_s, stall.landings_mean, stall.per_landing_s,
+                        _admitted_tpots(costs, engine, prefill, material_s))
 
 
 def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
-                prefill: EngineLoad, decode: EngineLoad) -> PlanEstimate:
+                prefill: EngineLoad, decode: EngineLoad, material_s: float = 0.0
+                ) -> PlanEstimate:
     """The request prefilled on ``prefill`` and decoded on ``decode``. The hop also waits for
     the prefill ``decode`` still has queued when this prefill ends (an engine runs one forward
     at a time: its pull and first step come after). On the 2-engine box flex-to-flex handoffs
@@ -385,11 +401,12 @@ def estimate_pd(costs: PathCosts, prompt_tokens: int, output_tokens: int,
     wait_s = costs.hop_s + max(decode.queued_s - ready_s, 0.0)
     hop = (wait_s + prompt_tokens * costs.pull_s_per_token) / token_intervals(output_tokens)
     stall = decode_stall(costs, decode, output_tokens)
-    harm = max(_admitted_tpot(costs, prefill, prefill_s), _admitted_tpot(costs, decode, 0.0))
+    harm = max(_admitted_tpot(costs, prefill, prefill_s, material_s),
+               _admitted_tpot(costs, decode, 0.0))
     return PlanEstimate("pd", decode.worker_id, prefill.worker_id, ready_s + wait_s,
                         stall.tpot_s() + hop, harm, uncached, stall.base_s + hop,
                         stall.landings_mean, stall.per_landing_s,
-                        _admitted_tpots(costs, prefill, prefill_s)
+                        _admitted_tpots(costs, prefill, prefill_s, material_s)
                         + _admitted_tpots(costs, decode, 0.0))
 
 
@@ -399,7 +416,9 @@ def held_engine(engine: EngineLoad, admitted_tpots_s: tuple[float, ...], tpot_ta
     ``tpot_target_s`` (``admitted_tpots_s``: each one's TPOT after it, in ``admitted`` order)
     have sent their last token, the seconds until then and their ids (empty when
     ``admitted_ids`` is); None when it pushes none, when their ends are unknown (or infinite:
-    one outlived its predicted end), or when the engine's own queue outlasts them anyway."""
+    one outlived its predicted end), or when the engine's own queue outlasts them anyway. Its
+    prefill then starts once they have ended and the prefills held there before it have run
+    (``booked_s``)."""
     ends = engine.admitted_ends_s
     if len(ends) != len(engine.admitted) or len(admitted_tpots_s) != len(ends):
         return None
@@ -410,7 +429,8 @@ def held_engine(engine: EngineLoad, admitted_tpots_s: tuple[float, ...], tpot_ta
     left = [i for i, end in enumerate(ends) if end > hold]
     ids = engine.admitted_ids
     known = len(ids) == len(ends)
-    return replace(engine, queued_s=hold,
+    # held, it is sent behind the requests held there before it as well
+    return replace(engine, queued_s=max(hold, engine.booked_s),
                    running=max(engine.running - (len(ends) - len(left)), 0),
                    admitted=tuple(engine.admitted[i] for i in left),
                    admitted_ends_s=tuple(ends[i] for i in left),
@@ -420,30 +440,34 @@ def held_engine(engine: EngineLoad, admitted_tpots_s: tuple[float, ...], tpot_ta
 
 def estimate_whole_deferred(costs: PathCosts, prompt_tokens: int, output_tokens: int,
                             engine: EngineLoad, tpot_target_s: float,
-                            now: PlanEstimate | None = None) -> PlanEstimate | None:
+                            now: PlanEstimate | None = None, material_s: float = 0.0
+                            ) -> PlanEstimate | None:
     """The request served whole on ``engine`` once the answers its prefill would push past
     ``tpot_target_s`` have finished: held by the router until then, so its prefill stalls none
     of them (:func:`held_engine`; None when there is nothing to wait for). ``now``: the same
     plan sent now, when the caller has it."""
-    now = now or estimate_whole(costs, prompt_tokens, output_tokens, engine)
+    now = now or estimate_whole(costs, prompt_tokens, output_tokens, engine, material_s)
     held = held_engine(engine, now.admitted_tpots_s, tpot_target_s)
     if held is None:
         return None
     later, hold, ids = held
-    return replace(estimate_whole(costs, prompt_tokens, output_tokens, later), hold_s=hold,
+    return replace(estimate_whole(costs, prompt_tokens, output_tokens, later, material_s),
+                   hold_s=hold,
                    waits_for=ids)
 
 
 def estimate_pd_deferred(costs: PathCosts, prompt_tokens: int, output_tokens: int,
                          prefill: EngineLoad, decode: EngineLoad, tpot_target_s: float,
-                         now: PlanEstimate | None = None) -> PlanEstimate | None:
+                         now: PlanEstimate | None = None, material_s: float = 0.0
+                         ) -> PlanEstimate | None:
     """:func:`estimate_pd` held until the answers its prefill would push past
     ``tpot_target_s`` on ``prefill`` have finished (None when there is nothing to wait for).
     ``now``: the same plan sent now, when the caller has it."""
-    now = now or estimate_pd(costs, prompt_tokens, output_tokens, prefill, decode)
+    now = now or estimate_pd(costs, prompt_tokens, output_tokens, prefill, decode, material_s)
     held = held_engine(prefill, now.admitted_tpots_s[:len(prefill.admitted)], tpot_target_s)
     if held is None:
         return None
     later, hold, ids = held
-    return replace(estimate_pd(costs, prompt_tokens, output_tokens, later, decode), hold_s=hold,
+    return replace(estimate_pd(costs, prompt_tokens, output_tokens, later, decode, material_s),
+                   hold_s=hold,
                    waits_for=ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -24,7 +25,9 @@ from router.policy.hashing import block_hashes
 from router.policy.path_cost import (
     EngineLoad,
     PathCosts,
+    PlanEstimate,
     estimate_pd_deferred,
+    estimate_whole,
     estimate_whole_deferred,
 )
 
@@ -116,7 +119,8 @@ def test_a_held_prefill_is_booked_after_the_answers_it_waited_for() -> None:
         stalls = {out: stall for out, stall, _ in after.admitted}
         if defer:
             assert decision.plan.hold_s == pytest.approx(0.029)
-            assert after.queued_s == pytest.approx(0.04 + 0.2 - 0.012)
+            assert after.booked_s == pytest.approx(0.04 + 0.2 - 0.012)
+            assert after.queued_s == 0.0  # not sent yet: a request sent now goes first
             assert stalls[4.0] == 0.0  # it ended before the prefill started
             assert after.prefill_rate == 0.0  # no prefill landed on an answer here
         else:  # control: sent at once, the prefill stalls the short answer
@@ -203,3 +207,104 @@ def test_a_hold_is_bounded_by_its_prediction_and_by_the_ttft() -> None:
     assert hold_limit_s(held, 0.2) == pytest.approx(0.03)
     # between the two: until the moment its own TTFT would miss
     assert hold_limit_s(held, 0.3) == pytest.approx(0.3 - 0.2)
+
+
+def _booked(hold_s: float, tokens: int = 1000) -> PlanEstimate:
+    """A whole plan on engine a for ``tokens`` (0.1 s of prefill per 1,000), held ``hold_s``."""
+    return replace(estimate_whole(COSTS, tokens, 64, EngineLoad("a")), hold_s=hold_s)
+
+
+def _prompt(rid: str, first: int, tokens: int = 1000) -> RouteRequest:
+    """A request whose prompt shares no block with one starting elsewhere."""
+    ids = tuple(range(first, first + tokens))
+    return RouteRequest(request_id=rid, model="m", prompt_token_ids=ids,
+                        block_hashes=block_hashes(ids))
+
+
+def test_a_request_sent_while_another_is_held_waits_only_for_the_sent_prefills() -> None:
+    one = [("flex", Candidate("a", 0, False, 0, 0))]
+    paths = AdaptivePaths(COSTS, 1.0, 0.05, defer=True)
+    paths.dispatched(_prompt("sent", 0), _booked(0.0), 64, 0.0)  # runs 0-0.1 s
+    paths.dispatched(_prompt("held", 10_000), _booked(0.5), 64, 0.0)  # sent at 0.5: 0.5-0.6
+    nxt = _prompt("next", 20_000)
+    load = paths.loads(nxt, one, 0.05)[0]
+    assert load.queued_s == pytest.approx(0.05)  # behind "sent" only
+    assert load.booked_s == pytest.approx(0.55)  # a held one goes behind "held" too
+    now = paths.decide(nxt, 64, [load])
+    assert now is not None and now.reason == "whole_meets_slo"
+    assert now.plan.ttft_s == pytest.approx(0.15)
+    # it reaches the engine before "held" is sent: "held" runs after it, still from 0.5
+    paths.dispatched(nxt, now.plan, 64, 0.05)
+    later = paths.loads(_prompt("x", 30_000, 10), one, 0.05)[0]
+    assert later.queued_s == pytest.approx(0.15)
+    assert later.booked_s == pytest.approx(0.55)
+    starts = dict(zip(later.admitted_ids, (a[2] for a in later.admitted), strict=True))
+    assert starts == pytest.approx({"sent": 0.05, "held": 0.55, "next": 0.15})
+    # control: without the hold, "held" is sent at once and "next" queues behind it
+    eager = AdaptivePaths(COSTS, 1.0, 0.05, defer=True)
+    eager.dispatched(_prompt("sent", 0), _booked(0.0), 64, 0.0)
+    eager.dispatched(_prompt("held", 10_000), _booked(0.0), 64, 0.0)
+    assert eager.loads(nxt, one, 0.05)[0].queued_s == pytest.approx(0.15)
+
+
+def test_a_prefill_heard_early_does_not_bring_a_held_one_before_it_is_sent() -> None:
+    one = [("flex", Candidate("a", 0, False, 0, 0))]
+    paths = AdaptivePaths(COSTS, 1.0, 0.05, defer=True)
+    paths.dispatched(_prompt("r1", 0), _booked(0.0), 64, 0.0)  # 0-0.1
+    paths.dispatched(_prompt("r2", 10_000), _booked(0.3), 64, 0.0)  # held: 0.3-0.4
+    paths.dispatched(_prompt("r3", 20_000), _booked(0.0), 64, 0.0)  # sent: 0.1-0.2
+
+    def load(now: float) -> EngineLoad:
+        return paths.loads(_prompt("x", 30_000, 10), one, now)[0]
+
+    assert (load(0.0).queued_s, load(0.0).booked_s) == pytest.approx((0.2, 0.4))
+    paths.prefilled("r1", 0.02)  # 0.08 s early: r3 moves up, held r2 still waits for 0.3
+    assert (load(0.02).queued_s, load(0.02).booked_s) == pytest.approx((0.1, 0.38))
+    paths.prefilled("r3", 0.5)  # r3 ran 0.38 s late; r2, still held, goes after it
+    assert (load(0.5).queued_s, load(0.5).booked_s) == pytest.approx((0.0, 0.1))
+    paths.released("r2", 0.6)  # sent late (its answers outlived their predicted ends)
+    assert (load(0.6).queued_s, load(0.6).booked_s) == pytest.approx((0.1, 0.1))
+    paths.released("r2", 0.65)  # sent once: a second word changes nothing
+    assert load(0.6).queued_s == pytest.approx(0.1)
+    paths.finished("r2")  # it ended (failed) before its prefill was heard: nothing is booked
+    assert (load(0.6).queued_s, load(0.6).booked_s) == (0.0, 0.0)
+
+
+def test_the_simulated_fleet_tells_the_policy_when_it_sends_a_held_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = [SimRequest(0, 0.0, 100, 4, ()), SimRequest(1, 0.001, 100, 4, ()),
+             SimRequest(2, 0.03, 2000, 64, ())]
+    sent: list[str] = []
+    original = AdaptivePaths.released
+
+    def spy(self: AdaptivePaths, request_id: str, now_s: float) -> None:
+        sent.append(request_id)
+        original(self, request_id, now_s)
+
+    monkeypatch.setattr(AdaptivePaths, "released", spy)
+    held = simulate_fleet(trace, make_fleet(HELD_FLEET, 2), FleetSettings(1.0, 0.05,
+                                                                          warmup_s=0.0))
+    assert held.reasons["held"] == 1 and len(sent) == 1
+    # control: without holds nothing is sent late
+    sent.clear()
+    now = simulate_fleet(trace, make_fleet(NOW_FLEET, 2), FleetSettings(1.0, 0.05, warmup_s=0.0))
+    assert now.reasons["held"] == 0 and sent == []
+
+
+def test_a_stall_the_margin_absorbs_is_not_waited_for() -> None:
+    # an answer at 39 ms of a 40 ms target (13 tokens, 12 gaps, ending in 0.2 s)
+    answer = EngineLoad("a", running=1, admitted=((13.0, 0.028, 0.0),),
+                        admitted_ends_s=(0.2,), admitted_ids=("a-answer",))
+    paths = AdaptivePaths(COSTS, 1.0, 0.05, defer=True)
+    assert paths.material_s == pytest.approx(0.01)  # the SLO less the target
+    # 150 tokens: 15 ms of prefill, 1.25 ms per gap of the answer: past the target, not
+    # past the SLO: sent now, not held
+    short = paths.decide(_prompt("short", 0, 150), 64, [answer])
+    assert short is not None and short.reason == "whole_meets_slo" and short.plan.hold_s == 0
+    # 2,000 tokens: 17 ms per gap, more than the margin: it waits for the answer
+    long = paths.decide(_prompt("long", 0, 2000), 64, [answer])
+    assert long is not None and long.reason == "held" and long.plan.waits_for == ("a-answer",)
+    # control: with every stall counted the short prompt waits as well
+    paths.material_s = 0.0
+    counted = paths.decide(_prompt("short", 0, 150), 64, [answer])
+    assert counted is not None and counted.reason == "held"
