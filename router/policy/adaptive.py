@@ -586,10 +586,6 @@ class AdaptivePaths:
         engine = self._engines.setdefault(prefiller, _Engine())
         booking = engine.booked[request.request_id] = _Booking(
             seconds, now_s + plan.hold_s, released=not plan.hold_s)
-        decoder = self._engines.setdefault(plan.worker, _Engine())
-        decoder.decoding[request.request_id] = [float(output_tokens), 0.0, 0.0]
-        self._prefilling[request.request_id] = prefiller
-        self._requests[request.request_id] = (plan.worker,)
         self._schedule(engine, now_s)
         starts_s, ends_s = booking.start_s, booking.end_s
         decay = self._decay(engine.share_at_s, now_s)
@@ -599,13 +595,15 @@ class AdaptivePaths:
             1.0 if seconds > 0 and plan.admitted_past(self.tpot_slo_s) else 0.0)
         engine.square_s = engine.square_s * decay + seconds * seconds
         engine.share_at_s = now_s
-        step = self.costs.step_s(len(engine.decoding) - (engine is decoder))
-        for rid, admitted in engine.decoding.items():  # the prefill stalls what it decodes
-            # by then (a held prefill waited for the ones it would stall: those ended by its
-            # start)
-            if rid != request.request_id and admitted[2] < ends_s \
-                    and (not plan.hold_s or _ends_s(admitted, step) > starts_s):
+        step = self.costs.step_s(len(engine.decoding))
+        for admitted in engine.decoding.values():  # the prefill stalls what it decodes by then
+            # (a held prefill waited for the ones it would stall: those ended by its start)
+            if admitted[2] < ends_s and (not plan.hold_s or _ends_s(admitted, step) > starts_s):
                 admitted[1] += seconds / token_intervals(admitted[0])
+        decoder = self._engines.setdefault(plan.worker, _Engine())
+        decoder.decoding[request.request_id] = [float(output_tokens), 0.0, ends_s]
+        self._prefilling[request.request_id] = prefiller
+        self._requests[request.request_id] = (plan.worker,)
         for worker in {prefiller, plan.worker}:
             cache = self._caches.get(worker)
             if cache is None:

@@ -25,7 +25,8 @@ averages over ((last token - first) / (L - 1), as the benchmarks and vLLM measur
                    neighbours' prefills land on e while this request decodes there, in 19
                    requests of 20
     whole on w:  TTFT = queued_s(w) + prefill_s(u_w);  TPOT = TPOT on w
-                 admitted on w: step_s(running_w + 1) + S_a + prefill_s(u_w) / G_a
+                 admitted on w: step_s(running_w + 1) + S_a + prefill_s(u_w) / G_a (the
+                 last term only from ``material_s`` up: :func:`material`)
     pd p -> d:   TTFT = queued_s(p) + prefill_s(u_p) + hop_s + W,
                  W = max(queued_s(d) - queued_s(p) - prefill_s(u_p), 0): d's own prefill
                  still queued when p's ends (one forward at a time)
@@ -452,8 +453,7 @@ def estimate_whole_deferred(costs: PathCosts, prompt_tokens: int, output_tokens:
         return None
     later, hold, ids = held
     return replace(estimate_whole(costs, prompt_tokens, output_tokens, later, material_s),
-                   hold_s=hold,
-                   waits_for=ids)
+                   hold_s=hold, waits_for=ids)
 
 
 def estimate_pd_deferred(costs: PathCosts, prompt_tokens: int, output_tokens: int,
@@ -469,5 +469,4 @@ def estimate_pd_deferred(costs: PathCosts, prompt_tokens: int, output_tokens: in
         return None
     later, hold, ids = held
     return replace(estimate_pd(costs, prompt_tokens, output_tokens, later, decode, material_s),
-                   hold_s=hold,
-                   waits_for=ids)
+                   hold_s=hold, waits_for=ids)
