@@ -198,7 +198,7 @@ def run(variants: Sequence[Variant], args: argparse.Namespace, out: Path) -> Non
             where = run_dir(out, v.name, r)
             (where / "point").mkdir(parents=True, exist_ok=True)
             timeline = where / "timeline.jsonl"
-            extra = v.args if v.setup in NOT_ROUTED else \
+            extra = v.args if v.setup in NOT_ROUTED or v.name in args.no_timeline else \
                 (*v.args, f"--router-arg=--timeline-file={timeline}")
             load0 = os.getloadavg()[0]
             running = start(v.setup, workload, args.min_prefill_tokens, extra,
@@ -235,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run variant NAME's pdserve from source tree DIR (e.g. `git "
                         "archive COMMIT | tar -x -C DIR`, with the built kernels/native copied "
                         "in) for before/after in one run")
+    parser.add_argument("--no-timeline", action="append", default=[], metavar="NAME",
+                        help="variant NAME's router writes no timeline file (what the file "
+                        "itself costs; no plan line then)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--point-s", type=float, default=60.0)
     parser.add_argument("--warmup-requests", type=int, default=40)
