@@ -28,11 +28,14 @@ one filled.
               ``vllm-router``), settings printed.
 
 Every setup is started, swept alone and stopped before the next; the pdserve setups' routers get
-the workload's SLOs. Each setup first serves a discarded warm-up replay. The table prints the
-highest passing rate, attainment at each rate tried, the path mix, where each process ran and
-the load average, the machine's speed before and after each setup (``bench.box_speed``) and
-during each point (``bench.box_watch``: each core's loop speed and steal, medians of samples
-taken every 2 s beside the run; ``--no-box-watch`` to leave it out).
+the workload's SLOs. With ``--interleave`` the setups are swept in lockstep instead: each step
+runs every setup's next point in turn (the order rotated by one each step), each point alone on
+the box from a fresh start and warm-up, so the setups compared meet the same minutes of a
+drifting box (:func:`run_interleaved`). Each setup first serves a discarded warm-up replay.
+The table prints the highest passing rate, attainment at each rate tried, the path mix, where
+each process ran and the load average, the machine's speed before and after each setup
+(``bench.box_speed``) and during each point (``bench.box_watch``: each core's loop speed and
+steal, medians of samples taken every 2 s beside the run; ``--no-box-watch`` to leave it out).
 """
 
 from __future__ import annotations
@@ -66,10 +69,16 @@ from bench.goodput_workloads import (
     sustained_rate,
 )
 from bench.placement import children, placement_of
+from bench.sweep import RateSearch, lockstep
 from bench.sweep import sweep as bisect_rates
 from serve.tiny_model import build_tiny_model
 
 SETUPS = ("plain", "aggregated", "pd", "selective", "adaptive", "vllm_pd")
+POINT_KEYS = ("requests_completed", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90",
+              "load_avg_1m", "box_during")
+"""What a rate point's record keeps of its replay's summary."""
+TARGET = 0.9
+"""The attainment a rate point must reach to pass (``bench.sweep``'s default)."""
 SERVED = "tiny-llama"
 
 
@@ -220,10 +229,8 @@ def sweep(url: str, out: Path, workload: Workload, args: argparse.Namespace,
                                        out / f"rate_{rate:.4g}", args, watch_file)
 
     res = asyncio.run(bisect_rates(run_at, rates, bisect_steps=args.bisect_steps))
-    keep = ("requests_completed", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90",
-            "load_avg_1m", "box_during")
     points = [{"rate": p["rate"], "slo_attainment": p["slo_attainment"], "passed": p["passed"],
-               **{k: p["summary"].get(k) for k in keep}} for p in res.points]
+               **{k: p["summary"].get(k) for k in POINT_KEYS}} for p in res.points]
     doc = {"max_rate_rps": res.max_rate, "points": points}
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(doc, indent=2))
@@ -290,6 +297,67 @@ def run_one(setup: str, workload: Workload, warm_trace: Path, out: Path,
             "note": running.note}
 
 
+def run_interleaved(setups: Sequence[str], workload: Workload, warm_trace: Path, out: Path,
+                    args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Sweep every setup of ``setups`` on ``workload`` in lockstep: in each step every setup
+    whose search is not over is started, warmed up, run at its next rate and stopped, in an
+    order rotated by one each step. The box's speed drifts by tens of percent within minutes
+    (docs/pd-goodput.md), so setups swept one after the other meet different boxes; in
+    lockstep each step's points run minutes apart. Each point starts from a fresh cluster.
+    Per setup, the record :func:`run_one` returns (``layout`` from its first point, ``paths``
+    summed over its points, the load and box speed before the first step and after the
+    last)."""
+    out.mkdir(parents=True, exist_ok=True)
+    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    searches = {s: RateSearch(rates, bisect_steps=args.bisect_steps) for s in setups}
+    load0, box0 = os.getloadavg()[0], box_speed.measure().as_dict()
+    records: dict[str, dict[str, Any]] = {
+        s: {"points": [], "paths": {}, "layout": "", "note": "", "load_before": load0,
+            "box_before": box0} for s in setups}
+    watch_file = out / "box-watch.jsonl"
+    watcher = None if args.no_box_watch else subprocess.Popen(
+        [sys.executable, "-m", "bench.box_watch", "--out", str(watch_file)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def point(setup: str, rate: float, step: int) -> bool:
+        rec = records[setup]
+        where = out / setup / f"rate_{rate:.4g}"
+        running = start(setup, workload, args.min_prefill_tokens, args.pdserve_arg)
+        try:
+            rec["layout"] = rec["layout"] or layout_of(running.pid)
+            rec["note"] = running.note
+            if args.warmup_requests:
+                warm_up(running.url, warm_trace, where / "warmup", args)
+            before = path_counts(running.url)
+            summary = replay_point(running.url, workload, rate, where, args,
+                                   None if watcher is None else watch_file)
+            for k, v in path_counts(running.url).items():
+                rec["paths"][k] = rec["paths"].get(k, 0.0) + v - before.get(k, 0.0)
+        finally:
+            running.stop()
+        att = summary.get("slo_attainment")
+        passed = att is not None and att >= TARGET
+        rec["points"].append({"rate": rate, "slo_attainment": att, "passed": passed,
+                              "step": step, **{k: summary.get(k) for k in POINT_KEYS}})
+        print(f"  step {step} {setup}: {rate:g} req/s attainment {att} "
+              f"({'pass' if passed else 'fail'}; load {summary['load_avg_1m']:.2f})", flush=True)
+        return passed
+
+    try:
+        lockstep(searches, point)
+    finally:
+        if watcher is not None:
+            watcher.terminate()
+            watcher.wait()
+    load1, box1 = os.getloadavg()[0], box_speed.measure().as_dict()
+    for setup, rec in records.items():
+        rec.update(max_rate_rps=searches[setup].lo, load_after=load1, box_after=box1)
+        (out / setup).mkdir(parents=True, exist_ok=True)
+        (out / setup / "sweep.json").write_text(json.dumps(
+            {"max_rate_rps": rec["max_rate_rps"], "points": rec["points"]}, indent=2))
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.pd_goodput",
                                      description=__doc__.split("\n")[0])
@@ -305,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-requests", type=int, default=10,
                         help="requests replayed (and discarded) before each sweep; 0 = none")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--interleave", action="store_true",
+                        help="sweep the setups in lockstep, one point each in turn, each point "
+                        "from a fresh start (run_interleaved), instead of one setup after the "
+                        "other")
     parser.add_argument("--no-box-watch", action="store_true",
                         help="do not sample the cores' speed during the points (bench.box_watch)")
     parser.add_argument("--out", type=Path, default=None)
@@ -326,8 +398,11 @@ def main(argv: list[str] | None = None) -> int:
         warm = warmup_trace(workload, out / f"{wname}-warmup.csv", args)
         results[wname] = {}
         for repeat in range(args.repeats):
+            done = run_interleaved(setups, workload, warm, out / wname / f"step-{repeat}", args) \
+                if args.interleave else {}
             for setup in setups:
-                res = run_one(setup, workload, warm, out / wname / f"{setup}-{repeat}", args)
+                res = done[setup] if args.interleave else \
+                    run_one(setup, workload, warm, out / wname / f"{setup}-{repeat}", args)
                 results[wname].setdefault(setup, []).append(res)
                 print(f"{wname:13s} {setup:10s} run {repeat + 1}: {res['max_rate_rps']} req/s "
                       f"(load {res['load_before']:.2f} -> {res['load_after']:.2f}; box "

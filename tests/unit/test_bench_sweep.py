@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from bench.sweep import sweep
+from bench.sweep import RateSearch, lockstep, sweep
 
 
 def capacity(limit: float):  # type: ignore[no-untyped-def]
@@ -39,3 +41,48 @@ async def test_rejects_bad_arguments() -> None:
         await sweep(run, [])
     with pytest.raises(ValueError):
         await sweep(run, [1], target=0)
+
+
+def _verdicts(limit: float) -> Callable[[float], bool]:
+    return lambda rate: rate <= limit
+
+
+def test_a_search_one_verdict_at_a_time_tries_what_the_sweep_tries() -> None:
+    search, tried = RateSearch([8, 1, 2, 4, 16], bisect_steps=3, rel_tol=0.0), []
+    passes = _verdicts(5.0)
+    while (rate := search.next_rate()) is not None:
+        tried.append(rate)
+        search.record(rate, passes(rate))
+    assert tried == [1, 2, 4, 8, 6.0, 5.0, 5.5] and search.lo == 5.0 and search.hi == 5.5
+    # control: a tolerance as wide as the bracket ends it before any bisection
+    search = RateSearch([4, 8], bisect_steps=3, rel_tol=0.5)
+    for rate in (4, 8):
+        assert search.next_rate() == rate
+        search.record(rate, rate <= 5.0)
+    assert search.next_rate() is None and search.lo == 4
+
+
+def test_lockstep_gives_each_search_its_own_points_in_rotated_turns() -> None:
+    limits = {"a": 5.0, "b": 100.0, "c": 3.0}
+    searches = {name: RateSearch([2, 4, 8], bisect_steps=2, rel_tol=0.0) for name in limits}
+    order: list[tuple[int, str, float]] = []
+
+    def run(name: str, rate: float, step: int) -> bool:
+        order.append((step, name, rate))
+        return rate <= limits[name]
+
+    lockstep(searches, run)
+    # the same points as each search alone, and the same verdicts
+    for name, limit in limits.items():
+        alone = RateSearch([2, 4, 8], bisect_steps=2, rel_tol=0.0)
+        expected = []
+        while (rate := alone.next_rate()) is not None:
+            expected.append(rate)
+            alone.record(rate, rate <= limit)
+        assert [r for _, n, r in order if n == name] == expected
+        assert searches[name].lo == alone.lo
+    assert (searches["a"].lo, searches["b"].lo, searches["c"].lo) == (5.0, 8, 3.0)
+    # each step runs every live search once, the order rotated by one per step (control:
+    # without the rotation every step would start with "a")
+    by_step = [[n for s, n, _ in order if s == step] for step in range(5)]
+    assert by_step == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["c", "a"], ["a"]]
