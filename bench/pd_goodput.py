@@ -52,6 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ from bench.goodput_workloads import (
     sustained_rate,
 )
 from bench.placement import children, placement_of
-from bench.sweep import RateSearch, lockstep
+from bench.sweep import RateSearch, lockstep, passes
 from bench.sweep import sweep as bisect_rates
 from serve.tiny_model import build_tiny_model
 
@@ -77,8 +78,6 @@ SETUPS = ("plain", "aggregated", "pd", "selective", "adaptive", "vllm_pd")
 POINT_KEYS = ("requests_completed", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90",
               "load_avg_1m", "box_during")
 """What a rate point's record keeps of its replay's summary."""
-TARGET = 0.9
-"""The attainment a rate point must reach to pass (``bench.sweep``'s default)."""
 SERVED = "tiny-llama"
 
 
@@ -297,6 +296,44 @@ def run_one(setup: str, workload: Workload, warm_trace: Path, out: Path,
             "note": running.note}
 
 
+@dataclass(frozen=True)
+class FreshPoint:
+    """One rate point run from a fresh start (:func:`fresh_point`)."""
+
+    summary: dict[str, Any]
+    """The replay's summary (:func:`replay_point`)."""
+    paths: dict[str, float]
+    """``pdserve_router_paths_total`` by ``path/reason`` during the point (not the warm-up)."""
+    layout: str
+    note: str
+
+
+def fresh_point(setup: str, workload: Workload, rate: float, where: Path, warm_trace: Path,
+                args: argparse.Namespace, extra: Sequence[str] = (), tree: Path | None = None,
+                watch_file: Path | None = None, timeline: Path | None = None) -> FreshPoint:
+    """Start ``setup`` (:func:`start`, with ``extra`` and ``tree``), warm it up into
+    ``where/warmup``, replay ``rate`` into ``where/point`` and stop it. ``timeline``: the router
+    timeline file ``extra`` names, moved into ``warmup/`` after the warm-up and into ``point/``
+    after the point, so each holds its own requests alone."""
+    (where / "point").mkdir(parents=True, exist_ok=True)
+    running = start(setup, workload, args.min_prefill_tokens, extra, tree)
+    try:
+        layout = layout_of(running.pid)
+        if args.warmup_requests:
+            warm_up(running.url, warm_trace, where / "warmup", args)
+        if timeline is not None and timeline.exists():
+            (where / "warmup").mkdir(exist_ok=True)
+            timeline.rename(where / "warmup" / "timeline.jsonl")
+        before = path_counts(running.url)
+        summary = replay_point(running.url, workload, rate, where / "point", args, watch_file)
+        paths = {k: v - before.get(k, 0.0) for k, v in path_counts(running.url).items()}
+        if timeline is not None and timeline.exists():
+            timeline.rename(where / "point" / "timeline.jsonl")
+    finally:
+        running.stop()
+    return FreshPoint(summary, paths, layout, running.note)
+
+
 def run_interleaved(setups: Sequence[str], workload: Workload, warm_trace: Path, out: Path,
                     args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Sweep every setup of ``setups`` on ``workload`` in lockstep: in each step every setup
@@ -321,22 +358,16 @@ def run_interleaved(setups: Sequence[str], workload: Workload, warm_trace: Path,
 
     def point(setup: str, rate: float, step: int) -> bool:
         rec = records[setup]
-        where = out / setup / f"rate_{rate:.4g}"
-        running = start(setup, workload, args.min_prefill_tokens, args.pdserve_arg)
-        try:
-            rec["layout"] = rec["layout"] or layout_of(running.pid)
-            rec["note"] = running.note
-            if args.warmup_requests:
-                warm_up(running.url, warm_trace, where / "warmup", args)
-            before = path_counts(running.url)
-            summary = replay_point(running.url, workload, rate, where, args,
-                                   None if watcher is None else watch_file)
-            for k, v in path_counts(running.url).items():
-                rec["paths"][k] = rec["paths"].get(k, 0.0) + v - before.get(k, 0.0)
-        finally:
-            running.stop()
+        run = fresh_point(setup, workload, rate, out / setup / f"rate_{rate:.4g}", warm_trace,
+                          args, args.pdserve_arg,
+                          watch_file=None if watcher is None else watch_file)
+        rec["layout"] = rec["layout"] or run.layout
+        rec["note"] = run.note
+        for k, v in run.paths.items():
+            rec["paths"][k] = rec["paths"].get(k, 0.0) + v
+        summary = run.summary
         att = summary.get("slo_attainment")
-        passed = att is not None and att >= TARGET
+        passed = passes(att)
         rec["points"].append({"rate": rate, "slo_attainment": att, "passed": passed,
                               "step": step, **{k: summary.get(k) for k in POINT_KEYS}})
         print(f"  step {step} {setup}: {rate:g} req/s attainment {att} "

@@ -189,36 +189,22 @@ def report(out: Path, names: Sequence[str], rounds: int) -> list[str]:
 
 def run(variants: Sequence[Variant], args: argparse.Namespace, out: Path) -> None:
     """Every round: each variant started, warmed up, replayed at the rate point and stopped."""
-    from bench.pd_goodput import layout_of, path_counts, replay_point, start, warm_up, warmup_trace
+    from bench.pd_goodput import fresh_point, warmup_trace
 
     workload = WORKLOADS[args.workload]
     warm = warmup_trace(workload, out / "warmup.csv", args)
     for r in range(args.rounds):
         for v in round_order(variants, r):
             where = run_dir(out, v.name, r)
-            (where / "point").mkdir(parents=True, exist_ok=True)
             timeline = where / "timeline.jsonl"
-            extra = v.args if v.setup in NOT_ROUTED or v.name in args.no_timeline else \
-                (*v.args, f"--router-arg=--timeline-file={timeline}")
+            routed = v.setup not in NOT_ROUTED and v.name not in args.no_timeline
+            extra = (*v.args, f"--router-arg=--timeline-file={timeline}") if routed else v.args
             load0 = os.getloadavg()[0]
-            running = start(v.setup, workload, args.min_prefill_tokens, extra,
-                            None if v.tree is None else Path(v.tree))
-            try:
-                layout = layout_of(running.pid)
-                if args.warmup_requests:
-                    warm_up(running.url, warm, where / "warmup", args)
-                if timeline.exists():  # the point's requests alone in point/timeline.jsonl
-                    (where / "warmup").mkdir(exist_ok=True)
-                    timeline.rename(where / "warmup" / "timeline.jsonl")
-                before = path_counts(running.url)
-                summary = replay_point(running.url, workload, args.rate, where / "point", args)
-                after = path_counts(running.url)
-                (where / "point" / "paths.json").write_text(json.dumps(
-                    {k: v_ - before.get(k, 0.0) for k, v_ in after.items()}, indent=2))
-                if timeline.exists():
-                    timeline.rename(where / "point" / "timeline.jsonl")
-            finally:
-                running.stop()
+            ran = fresh_point(v.setup, workload, args.rate, where, warm, args, extra,
+                             None if v.tree is None else Path(v.tree),
+                             timeline=timeline if routed else None)
+            (where / "point" / "paths.json").write_text(json.dumps(ran.paths, indent=2))
+            summary, layout = ran.summary, ran.layout
             print(f"round {r} {v.name}: attainment {summary['slo_attainment']:.3f} (load "
                   f"{load0:.2f} -> {os.getloadavg()[0]:.2f}; {layout})", flush=True)
 

@@ -21,6 +21,13 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 Runner = Callable[[float], Awaitable[dict[str, Any]]]
+TARGET = 0.9
+"""The SLO attainment a rate must reach to pass (DistServe's goodput bar)."""
+
+
+def passes(attainment: float | None, target: float = TARGET) -> bool:
+    """Whether a rate point with ``attainment`` (None: not measured) passes."""
+    return attainment is not None and attainment >= target
 
 
 @dataclass
@@ -92,7 +99,7 @@ def lockstep(searches: Mapping[str, RateSearch], run: Callable[[str, float, int]
             searches[name].record(rate, run(name, rate, step))
 
 
-async def sweep(run: Runner, rates: Sequence[float], *, target: float = 0.9,
+async def sweep(run: Runner, rates: Sequence[float], *, target: float = TARGET,
                 bisect_steps: int = 4, rel_tol: float = 0.05) -> SweepResult:
     """Try ``rates`` in ascending order (stopping after the first failure), then bisect."""
     if not 0 < target <= 1:
@@ -102,7 +109,7 @@ async def sweep(run: Runner, rates: Sequence[float], *, target: float = 0.9,
     while (rate := search.next_rate()) is not None:
         summary = await run(rate)
         att = summary.get("slo_attainment")
-        ok = att is not None and att >= target
+        ok = passes(att, target)
         logger.info("sweep: rate %.4g req/s -> attainment %s (%s)", rate, att,
                     "pass" if ok else "fail")
         result.points.append({"rate": rate, "slo_attainment": att, "passed": ok,
