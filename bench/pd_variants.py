@@ -4,6 +4,8 @@
         --variant static=aggregated --variant-arg static=--router-arg=--path-policy=static \\
         --variant held=aggregated --variant-arg held=--router-arg=--path-policy=adaptive \\
         [--variant-tree held=DIR] [--point-s 60] [--warmup-requests 40] [--seed 2] [--out DIR]
+    python -m bench.pd_variants --workload mix --rate 2.5 --rate 3 --rate 3.5 --rounds 2 \\
+        --variant adaptive=adaptive --variant aggregated=aggregated     # a paired ladder
 
 Where ``bench.pd_goodput`` asks how fast each setup goes, this asks whether one change
 (a router flag, a worker argument) helps at one rate, on this box, beyond chance. Each variant is
@@ -20,6 +22,13 @@ setup behind pdserve's router its ``timeline.jsonl`` (the client names each requ
 ``bench-INDEX``) and ``paths.json`` (the point's ``pdserve_router_paths_total``). Where the
 router planned paths, the report adds the held requests and how far the plans' TPOT was off
 (:func:`plan_line`).
+
+With several ``--rate`` the runs form a paired ladder: every round runs every variant at every
+rate (the rates ascending, the variants' order rotated by one per rate and per round), records
+under ``DIR/rate_R/NAME-ROUND``. Beside each rate's report, :func:`ladder_lines` gives each
+variant's highest sustained rate, from the attainment pooled over the rounds, and its ratio to
+the best of the others: the setups' capacities compared on the same minutes of the box, where
+separate sweeps follow the box's speed.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from typing import TypeVar
 from bench.goodput_workloads import WORKLOADS
 from bench.paired import RequestOutcome, compare, read_outcomes
 from bench.report import read_requests_csv
+from bench.sweep import passes
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -100,9 +110,77 @@ def round_order(variants: Sequence[Variant], round_: int) -> list[Variant]:
     return [*variants[k:], *variants[:k]]
 
 
-def run_dir(out: Path, name: str, round_: int) -> Path:
-    """Where one variant's run of one round keeps its records."""
-    return out / f"{name}-{round_}"
+def run_dir(out: Path, name: str, round_: int, rate: float | None = None) -> Path:
+    """Where one variant's run of one round keeps its records (``rate``: of a ladder)."""
+    return (out if rate is None else rate_dir(out, rate)) / f"{name}-{round_}"
+
+
+def rate_dir(out: Path, rate: float) -> Path:
+    """Where a ladder keeps one rate's runs."""
+    return out / f"rate_{rate:.4g}"
+
+
+def sustained(attainment: Mapping[float, float | None]) -> float | None:
+    """The highest rate that passes with every lower rate of the ladder passing too (None: the
+    lowest failed or was not measured); a rate without a measurement ends the climb."""
+    best = None
+    for rate in sorted(attainment):
+        if not passes(attainment[rate]):
+            break
+        best = rate
+    return best
+
+
+def _rate_label(rates: Sequence[float], rate: float | None) -> str:
+    """``3.5 (fails 4)``, ``>= 4 (the top)`` or ``< 2.5 (the lowest fails)``."""
+    if rate is None:
+        return f"< {rates[0]:g} (the lowest fails)"
+    above = [r for r in rates if r > rate]
+    return f"{rate:g} (fails {above[0]:g})" if above else f">= {rate:g} (the top)"
+
+
+def ladder_lines(out: Path, names: Sequence[str], rounds: int,
+                 rates: Sequence[float]) -> list[str]:
+    """Per variant: its attainment at every rate pooled over the rounds, the highest rate it
+    sustains (:func:`sustained`) pooled and per round, and that rate over the best of the other
+    variants'. Open ends are said: a variant that passed the top rate sustains at least it."""
+    rates = sorted(rates)
+    pooled: dict[str, dict[float, float | None]] = {}
+    lines = []
+    for name in names:
+        per_round: dict[int, dict[float, float | None]] = {r: {} for r in range(rounds)}
+        pooled[name] = {}
+        for rate in rates:
+            met = total = 0
+            for r in range(rounds):
+                path = run_dir(out, name, r, rate) / "point" / "requests.csv"
+                if not path.exists():
+                    per_round[r][rate] = None
+                    continue
+                o = read_outcomes(path)
+                met += sum(v.met for v in o.values())
+                total += len(o)
+                per_round[r][rate] = sum(v.met for v in o.values()) / max(len(o), 1)
+            pooled[name][rate] = met / total if total else None
+        points = ", ".join(f"{rate:g}: " + ("-" if a is None else f"{a:.3f}")
+                           for rate, a in pooled[name].items())
+        rounds_said = "; ".join(_rate_label(rates, sustained(per_round[r]))
+                                for r in range(rounds))
+        lines.append(f"ladder {name}: {points} -> sustains "
+                     f"{_rate_label(rates, sustained(pooled[name]))} pooled; per round "
+                     f"{rounds_said}")
+    for name in names:
+        ours = sustained(pooled[name])
+        others = {n: sustained(pooled[n]) for n in names if n != name}
+        best_name = max(others, key=lambda n: others[n] or -1.0)
+        best = others[best_name]
+        if ours is None or best is None:
+            ratio = "no ratio (a side fails the lowest rate)"
+        else:
+            open_end = ours == rates[-1] or best == rates[-1]
+            ratio = f"{ours / best:.2f}x" + (" (an open end: a bound)" if open_end else "")
+        lines.append(f"ladder {name} / best other ({best_name}): {ratio}")
+    return lines
 
 
 def _tpots(requests_csv: Path) -> dict[int, float]:
@@ -187,33 +265,45 @@ def report(out: Path, names: Sequence[str], rounds: int) -> list[str]:
     return lines
 
 
+def ladder_order(variants: Sequence[Variant], rates: Sequence[float],
+                 round_: int) -> list[tuple[float, Variant]]:
+    """What one round runs, in order: the rates ascending, at each every variant, rotated by
+    one per rate and per round (so at every rate each variant takes each place over as many
+    rounds as there are variants)."""
+    return [(rate, v) for i, rate in enumerate(sorted(rates))
+            for v in round_order(variants, round_ + i)]
+
+
 def run(variants: Sequence[Variant], args: argparse.Namespace, out: Path) -> None:
-    """Every round: each variant started, warmed up, replayed at the rate point and stopped."""
+    """Every round: each variant started, warmed up, replayed at each rate point and stopped."""
     from bench.pd_goodput import fresh_point, warmup_trace
 
     workload = WORKLOADS[args.workload]
     warm = warmup_trace(workload, out / "warmup.csv", args)
+    ladder = len(args.rate) > 1
     for r in range(args.rounds):
-        for v in round_order(variants, r):
-            where = run_dir(out, v.name, r)
+        for rate, v in ladder_order(variants, args.rate, r):
+            where = run_dir(out, v.name, r, rate if ladder else None)
             timeline = where / "timeline.jsonl"
             routed = v.setup not in NOT_ROUTED and v.name not in args.no_timeline
             extra = (*v.args, f"--router-arg=--timeline-file={timeline}") if routed else v.args
             load0 = os.getloadavg()[0]
-            ran = fresh_point(v.setup, workload, args.rate, where, warm, args, extra,
+            ran = fresh_point(v.setup, workload, rate, where, warm, args, extra,
                              None if v.tree is None else Path(v.tree),
                              timeline=timeline if routed else None)
             (where / "point" / "paths.json").write_text(json.dumps(ran.paths, indent=2))
             summary, layout = ran.summary, ran.layout
-            print(f"round {r} {v.name}: attainment {summary['slo_attainment']:.3f} (load "
-                  f"{load0:.2f} -> {os.getloadavg()[0]:.2f}; {layout})", flush=True)
+            print(f"round {r} {v.name} at {rate:g} req/s: attainment "
+                  f"{summary['slo_attainment']:.3f} (load {load0:.2f} -> "
+                  f"{os.getloadavg()[0]:.2f}; {layout})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.pd_variants",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
-    parser.add_argument("--rate", type=float, required=True, help="req/s of the point")
+    parser.add_argument("--rate", type=float, action="append", required=True,
+                        help="req/s of the point; repeat for a paired ladder")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=SETUP")
     parser.add_argument("--variant-arg", action="append", default=[], metavar="NAME=ARG",
                         help="one more `pdserve up` argument for variant NAME (repeat)")
@@ -245,14 +335,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.report and args.out is None:
         print("pd_variants: --report needs --out", file=sys.stderr)
         return 2
+    if any(rate <= 0 for rate in args.rate) or len(set(args.rate)) < len(args.rate):
+        print("pd_variants: --rate must be > 0 and not repeated", file=sys.stderr)
+        return 2
+    args.rate = sorted(args.rate)
     out = args.out or Path(tempfile.mkdtemp(prefix="pd-variants-"))
     out.mkdir(parents=True, exist_ok=True)
     if not args.report:
         (out / "variants.json").write_text(json.dumps(
-            {"workload": args.workload, "rate": args.rate, "rounds": args.rounds,
+            {"workload": args.workload, "rates": args.rate, "rounds": args.rounds,
              "seed": args.seed, "variants": [vars(v) for v in variants]}, indent=2))
         run(variants, args, out)
-    print("\n".join(report(out, [v.name for v in variants], args.rounds)))
+    names = [v.name for v in variants]
+    if len(args.rate) == 1:
+        print("\n".join(report(out, names, args.rounds)))
+        return 0
+    for rate in args.rate:
+        print(f"-- {rate:g} req/s")
+        print("\n".join(report(rate_dir(out, rate), names, args.rounds)))
+    print("\n".join(ladder_lines(out, names, args.rounds, args.rate)))
     return 0
 
 

@@ -9,7 +9,17 @@ from pathlib import Path
 import pytest
 
 from bench.paired import read_outcomes
-from bench.pd_variants import Variant, parse_variants, plan_line, report, round_order, run_dir
+from bench.pd_variants import (
+    Variant,
+    ladder_lines,
+    ladder_order,
+    parse_variants,
+    plan_line,
+    report,
+    round_order,
+    run_dir,
+    sustained,
+)
 
 
 def test_variants_parse_with_their_arguments_in_order() -> None:
@@ -41,8 +51,9 @@ def test_each_variant_runs_in_every_position_over_as_many_rounds() -> None:
         assert {o[position] for o in orders} == {"a", "b", "c"}
 
 
-def _write(out: Path, name: str, round_: int, misses: set[int], tpot_s: float) -> None:
-    path = run_dir(out, name, round_) / "point" / "requests.csv"
+def _write(out: Path, name: str, round_: int, misses: set[int], tpot_s: float,
+           rate: float | None = None) -> None:
+    path = run_dir(out, name, round_, rate) / "point" / "requests.csv"
     path.parent.mkdir(parents=True)
     with path.open("w", newline="") as fh:
         w = csv.writer(fh)
@@ -123,3 +134,48 @@ def test_plan_line_joins_the_router_timeline_with_the_client_records(tmp_path: P
     assert plan_line(point, outcomes, tpots) == ""
     _timeline(point, {})
     assert plan_line(point, outcomes, tpots) == ""
+
+
+def test_a_ladder_runs_every_variant_at_every_rate_in_each_place() -> None:
+    vs = [Variant(n, "aggregated") for n in "ab"]
+    runs = [[(rate, v.name) for rate, v in ladder_order(vs, [3.0, 2.5], r)] for r in range(2)]
+    assert runs == [[(2.5, "a"), (2.5, "b"), (3.0, "b"), (3.0, "a")],
+                    [(2.5, "b"), (2.5, "a"), (3.0, "a"), (3.0, "b")]]
+    for rate in (2.5, 3.0):  # over the rounds each variant goes first once at each rate
+        firsts = {[n for q, n in run if q == rate][0] for run in runs}
+        assert firsts == {"a", "b"}
+
+
+def test_sustained_is_the_top_of_an_unbroken_climb() -> None:
+    assert sustained({2.0: 0.95, 2.5: 0.91, 3.0: 0.7}) == 2.5
+    # a pass above a failure does not count: the climb ends at the first failure
+    assert sustained({2.0: 0.95, 2.5: 0.85, 3.0: 0.93}) == 2.0
+    assert sustained({2.0: 0.89, 2.5: 0.95}) is None
+    assert sustained({2.0: 0.95, 2.5: None, 3.0: 0.95}) == 2.0
+
+
+def test_ladder_pools_the_rounds_and_compares_the_variants(tmp_path: Path) -> None:
+    # 40 requests a point. a: passes 2 and 3 in both rounds. b: passes 2; at 3 it reads 0.925
+    # in round 0 and 0.850 in round 1, 0.8875 pooled: it fails 3 pooled though one round passed
+    for r in range(2):
+        for rate in (2.0, 3.0):
+            _write(tmp_path, "a", r, {1}, 0.01, rate)
+        _write(tmp_path, "b", r, set(), 0.01, 2.0)
+        _write(tmp_path, "b", r, set(range(3)) if r == 0 else set(range(6)), 0.01, 3.0)
+    lines = ladder_lines(tmp_path, ["a", "b"], 2, [3.0, 2.0])
+    assert lines == [
+        "ladder a: 2: 0.975, 3: 0.975 -> sustains >= 3 (the top) pooled; per round "
+        ">= 3 (the top); >= 3 (the top)",
+        "ladder b: 2: 1.000, 3: 0.887 -> sustains 2 (fails 3) pooled; per round "
+        ">= 3 (the top); 2 (fails 3)",
+        "ladder a / best other (b): 1.50x (an open end: a bound)",
+        "ladder b / best other (a): 0.67x (an open end: a bound)",
+    ]
+    # control: b failing the lowest rate leaves no ratio to state, for either side
+    _write(tmp_path / "low", "a", 0, set(), 0.01, 2.0)
+    _write(tmp_path / "low", "b", 0, set(range(10)), 0.01, 2.0)
+    low = ladder_lines(tmp_path / "low", ["a", "b"], 1, [2.0])
+    assert low[1].endswith("sustains < 2 (the lowest fails) pooled; per round < 2 (the lowest "
+                           "fails)")
+    assert low[2:] == ["ladder a / best other (b): no ratio (a side fails the lowest rate)",
+                       "ladder b / best other (a): no ratio (a side fails the lowest rate)"]
