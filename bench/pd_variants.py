@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from bench.goodput_workloads import WORKLOADS
-from bench.paired import RequestOutcome, compare, read_outcomes
+from bench.paired import FAILED_TTFT_S, RequestOutcome, compare, read_outcomes
 from bench.report import read_requests_csv
 from bench.sweep import passes
 
@@ -174,8 +174,12 @@ def ladder_lines(out: Path, names: Sequence[str], rounds: int,
         others = {n: sustained(pooled[n]) for n in names if n != name}
         best_name = max(others, key=lambda n: others[n] or -1.0)
         best = others[best_name]
-        if ours is None or best is None:
-            ratio = "no ratio (a side fails the lowest rate)"
+        if ours is None and best is None:
+            ratio = "no ratio (both fail the lowest rate)"
+        elif best is None:
+            ratio = "> 1x (only this side sustains the lowest rate)"
+        elif ours is None:
+            ratio = "< 1x (this side fails the lowest rate)"
         else:
             open_end = ours == rates[-1] or best == rates[-1]
             ratio = f"{ours / best:.2f}x" + (" (an open end: a bound)" if open_end else "")
@@ -188,18 +192,30 @@ def _tpots(requests_csv: Path) -> dict[int, float]:
             if r["ok"] == "1" and r["tpot_s"]}
 
 
+FAILED_TRACE_S = FAILED_TTFT_S / 1000
+"""A TTFT difference this large (1,000 s) is no real one: the percentile was interpolated
+toward the TTFT a failed request counts as (:data:`bench.paired.FAILED_TTFT_S`)."""
+
+
 def pair_line(a: str, b: str, oa: Mapping[K, RequestOutcome], ob: Mapping[K, RequestOutcome],
               ta: Mapping[K, float], tb: Mapping[K, float]) -> str:
     """``a`` against ``b`` on the requests both replays hold: met by one only (McNemar p),
-    TTFT p99 difference (a minus b) with its 95 % interval, median paired TPOT difference."""
+    TTFT p99 difference (a minus b) with its 95 % interval (where failed requests reach the
+    tail, how many each side failed instead), median paired TPOT difference."""
     c = compare(oa, ob)
     diffs = [ta[k] - tb[k] for k in ta if k in tb]
     tpot = (f"TPOT median paired diff {statistics.median(diffs) * 1e3:+.2f} ms, {a} slower on "
             f"{sum(d > 0 for d in diffs)}/{len(diffs)}") if diffs else "TPOT: no pairs"
     lo, hi = c.ttft_p99_ci_s
+    if max(abs(c.ttft_p99_diff_s), abs(lo), abs(hi)) >= FAILED_TRACE_S:
+        failed = [sum(1 for k in oa if k in ob and o[k].ttft_s is None) for o in (oa, ob)]
+        ttft = (f"TTFT p99 diff: failed requests reach the tail ({a} {failed[0]} failed, "
+                f"{b} {failed[1]})")
+    else:
+        ttft = (f"TTFT p99 diff {c.ttft_p99_diff_s * 1e3:+.0f} ms "
+                f"[{lo * 1e3:+.0f}, {hi * 1e3:+.0f}]")
     return (f"{a} only met {c.only_ours_met} / {b} only met {c.only_peer_met} "
-            f"(p {c.attainment_p:.3g}); TTFT p99 diff {c.ttft_p99_diff_s * 1e3:+.0f} ms "
-            f"[{lo * 1e3:+.0f}, {hi * 1e3:+.0f}]; {tpot}")
+            f"(p {c.attainment_p:.3g}); {ttft}; {tpot}")
 
 
 def _pooled(per_round: Mapping[int, Mapping[int, V]]) -> dict[tuple[int, int], V]:

@@ -171,11 +171,34 @@ def test_ladder_pools_the_rounds_and_compares_the_variants(tmp_path: Path) -> No
         "ladder a / best other (b): 1.50x (an open end: a bound)",
         "ladder b / best other (a): 0.67x (an open end: a bound)",
     ]
-    # control: b failing the lowest rate leaves no ratio to state, for either side
+    # b failing the lowest rate leaves only the direction of the ratio to state
     _write(tmp_path / "low", "a", 0, set(), 0.01, 2.0)
     _write(tmp_path / "low", "b", 0, set(range(10)), 0.01, 2.0)
     low = ladder_lines(tmp_path / "low", ["a", "b"], 1, [2.0])
     assert low[1].endswith("sustains < 2 (the lowest fails) pooled; per round < 2 (the lowest "
                            "fails)")
-    assert low[2:] == ["ladder a / best other (b): no ratio (a side fails the lowest rate)",
-                       "ladder b / best other (a): no ratio (a side fails the lowest rate)"]
+    assert low[2:] == ["ladder a / best other (b): > 1x (only this side sustains the lowest rate)",
+                       "ladder b / best other (a): < 1x (this side fails the lowest rate)"]
+    # control: both failing it, no ratio at all
+    _write(tmp_path / "none", "a", 0, set(range(10)), 0.01, 2.0)
+    _write(tmp_path / "none", "b", 0, set(range(10)), 0.01, 2.0)
+    none = ladder_lines(tmp_path / "none", ["a", "b"], 1, [2.0])
+    assert none[2] == "ladder a / best other (b): no ratio (both fail the lowest rate)"
+
+
+def test_failed_requests_in_the_tail_are_named_not_printed_as_a_difference(
+        tmp_path: Path) -> None:
+    _write(tmp_path, "a", 0, set(), 0.010)
+    _write(tmp_path, "b", 0, set(), 0.010)
+    path = run_dir(tmp_path, "b", 0) / "point" / "requests.csv"
+    rows = path.read_text().splitlines()
+    # b's last request failed: no first token, no TPOT (the bench records an error so)
+    rows[-1] = "39,0,0,,"
+    path.write_text("\n".join(rows) + "\n")
+    pooled = [ln for ln in report(tmp_path, ["a", "b"], 1) if ln.startswith("pooled: ")]
+    assert "TTFT p99 diff: failed requests reach the tail (a 0 failed, b 1)" in pooled[0]
+    # control: with no failure the difference is printed in milliseconds
+    _write(tmp_path / "ok", "a", 0, set(), 0.010)
+    _write(tmp_path / "ok", "b", 0, set(), 0.010)
+    pooled = [ln for ln in report(tmp_path / "ok", ["a", "b"], 1) if ln.startswith("pooled: ")]
+    assert "TTFT p99 diff +0 ms [+0, +0]" in pooled[0]
