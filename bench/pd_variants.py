@@ -143,7 +143,8 @@ def ladder_lines(out: Path, names: Sequence[str], rounds: int,
                  rates: Sequence[float]) -> list[str]:
     """Per variant: its attainment at every rate pooled over the rounds, the highest rate it
     sustains (:func:`sustained`) pooled and per round, and that rate over the best of the other
-    variants'. Open ends are said: a variant that passed the top rate sustains at least it."""
+    variants'. Open ends are said: a variant that passed the top rate sustains at least it, so
+    its ratio is a lower bound (and the other's an upper one)."""
     rates = sorted(rates)
     pooled: dict[str, dict[float, float | None]] = {}
     lines = []
@@ -180,9 +181,12 @@ def ladder_lines(out: Path, names: Sequence[str], rounds: int,
             ratio = "> 1x (only this side sustains the lowest rate)"
         elif ours is None:
             ratio = "< 1x (this side fails the lowest rate)"
+        elif ours == best == rates[-1]:
+            ratio = "no ratio (both pass the top rate)"
         else:
-            open_end = ours == rates[-1] or best == rates[-1]
-            ratio = f"{ours / best:.2f}x" + (" (an open end: a bound)" if open_end else "")
+            bound = (" (at least: this side passes the top rate)" if ours == rates[-1] else
+                     " (at most: the other passes the top rate)" if best == rates[-1] else "")
+            ratio = f"{ours / best:.2f}x{bound}"
         lines.append(f"ladder {name} / best other ({best_name}): {ratio}")
     return lines
 

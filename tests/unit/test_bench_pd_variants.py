@@ -168,9 +168,13 @@ def test_ladder_pools_the_rounds_and_compares_the_variants(tmp_path: Path) -> No
         ">= 3 (the top); >= 3 (the top)",
         "ladder b: 2: 1.000, 3: 0.887 -> sustains 2 (fails 3) pooled; per round "
         ">= 3 (the top); 2 (fails 3)",
-        "ladder a / best other (b): 1.50x (an open end: a bound)",
-        "ladder b / best other (a): 0.67x (an open end: a bound)",
+        "ladder a / best other (b): 1.50x (at least: this side passes the top rate)",
+        "ladder b / best other (a): 0.67x (at most: the other passes the top rate)",
     ]
+    # both passing the top rate: nothing is known of their ratio
+    top = ladder_lines(tmp_path, ["a", "b"], 2, [2.0])
+    assert top[2:] == ["ladder a / best other (b): no ratio (both pass the top rate)",
+                       "ladder b / best other (a): no ratio (both pass the top rate)"]
     # b failing the lowest rate leaves only the direction of the ratio to state
     _write(tmp_path / "low", "a", 0, set(), 0.01, 2.0)
     _write(tmp_path / "low", "b", 0, set(range(10)), 0.01, 2.0)
