@@ -304,7 +304,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from bench.sweep import sweep
+    from bench.sweep import rate_dir, sweep
 
     info, synth, rows, stats = _prepare(args)
     out = Path(args.out)
@@ -319,7 +319,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         st = TraceStats(**{**asdict(stats), "dropped": dict(stats.dropped)})
         wl = _workload(args, info, s, rows, st, rate=rate)
         run = await _run_with_progress(wl.specs, cfg, _progress(args))
-        return write_run(out / f"rate_{rate:.4g}", run, wl, _config_doc(args, info, rate=rate),
+        return write_run(rate_dir(out, rate), run, wl, _config_doc(args, info, rate=rate),
                          args.ttft_slo_s, args.tpot_slo_s, plots=not args.no_plots,
                          percentiles=_percentiles(args), max_concurrency=args.max_concurrency)
 

@@ -70,7 +70,7 @@ from bench.goodput_workloads import (
     sustained_rate,
 )
 from bench.placement import children, placement_of
-from bench.sweep import RateSearch, lockstep, passes
+from bench.sweep import RateSearch, lockstep, passes, rate_dir
 from bench.sweep import sweep as bisect_rates
 from serve.tiny_model import build_tiny_model
 
@@ -225,7 +225,7 @@ def sweep(url: str, out: Path, workload: Workload, args: argparse.Namespace,
 
     async def run_at(rate: float) -> dict[str, Any]:
         return await asyncio.to_thread(replay_point, url, workload, rate,
-                                       out / f"rate_{rate:.4g}", args, watch_file)
+                                       rate_dir(out, rate), args, watch_file)
 
     res = asyncio.run(bisect_rates(run_at, rates, bisect_steps=args.bisect_steps))
     points = [{"rate": p["rate"], "slo_attainment": p["slo_attainment"], "passed": p["passed"],
@@ -358,7 +358,7 @@ def run_interleaved(setups: Sequence[str], workload: Workload, warm_trace: Path,
 
     def point(setup: str, rate: float, step: int) -> bool:
         rec = records[setup]
-        run = fresh_point(setup, workload, rate, out / setup / f"rate_{rate:.4g}", warm_trace,
+        run = fresh_point(setup, workload, rate, rate_dir(out / setup, rate), warm_trace,
                           args, args.pdserve_arg,
                           watch_file=None if watcher is None else watch_file)
         rec["layout"] = rec["layout"] or run.layout

@@ -48,7 +48,7 @@ from typing import TypeVar
 from bench.goodput_workloads import WORKLOADS
 from bench.paired import FAILED_TTFT_S, RequestOutcome, compare, read_outcomes
 from bench.report import read_requests_csv
-from bench.sweep import passes
+from bench.sweep import passes, rate_dir
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -115,11 +115,6 @@ def run_dir(out: Path, name: str, round_: int, rate: float | None = None) -> Pat
     return (out if rate is None else rate_dir(out, rate)) / f"{name}-{round_}"
 
 
-def rate_dir(out: Path, rate: float) -> Path:
-    """Where a ladder keeps one rate's runs."""
-    return out / f"rate_{rate:.4g}"
-
-
 def sustained(attainment: Mapping[float, float | None]) -> float | None:
     """The highest rate that passes with every lower rate of the ladder passing too (None: the
     lowest failed or was not measured); a rate without a measurement ends the climb."""
@@ -159,9 +154,9 @@ def ladder_lines(out: Path, names: Sequence[str], rounds: int,
                     per_round[r][rate] = None
                     continue
                 o = read_outcomes(path)
-                met += sum(v.met for v in o.values())
-                total += len(o)
-                per_round[r][rate] = sum(v.met for v in o.values()) / max(len(o), 1)
+                run_met = sum(v.met for v in o.values())
+                met, total = met + run_met, total + len(o)
+                per_round[r][rate] = run_met / max(len(o), 1)
             pooled[name][rate] = met / total if total else None
         points = ", ".join(f"{rate:g}: " + ("-" if a is None else f"{a:.3f}")
                            for rate, a in pooled[name].items())
@@ -196,7 +191,7 @@ def _tpots(requests_csv: Path) -> dict[int, float]:
             if r["ok"] == "1" and r["tpot_s"]}
 
 
-FAILED_TRACE_S = FAILED_TTFT_S / 1000
+FAILED_TAIL_S = FAILED_TTFT_S / 1000
 """A TTFT difference this large (1,000 s) is no real one: the percentile was interpolated
 toward the TTFT a failed request counts as (:data:`bench.paired.FAILED_TTFT_S`)."""
 
@@ -211,7 +206,7 @@ def pair_line(a: str, b: str, oa: Mapping[K, RequestOutcome], ob: Mapping[K, Req
     tpot = (f"TPOT median paired diff {statistics.median(diffs) * 1e3:+.2f} ms, {a} slower on "
             f"{sum(d > 0 for d in diffs)}/{len(diffs)}") if diffs else "TPOT: no pairs"
     lo, hi = c.ttft_p99_ci_s
-    if max(abs(c.ttft_p99_diff_s), abs(lo), abs(hi)) >= FAILED_TRACE_S:
+    if max(abs(c.ttft_p99_diff_s), abs(lo), abs(hi)) >= FAILED_TAIL_S:
         failed = [sum(1 for k in oa if k in ob and o[k].ttft_s is None) for o in (oa, ob)]
         ttft = (f"TTFT p99 diff: failed requests reach the tail ({a} {failed[0]} failed, "
                 f"{b} {failed[1]})")

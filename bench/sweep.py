@@ -16,6 +16,7 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,11 @@ TARGET = 0.9
 def passes(attainment: float | None, target: float = TARGET) -> bool:
     """Whether a rate point with ``attainment`` (None: not measured) passes."""
     return attainment is not None and attainment >= target
+
+
+def rate_dir(out: Path, rate: float) -> Path:
+    """Where the records of the rate point at ``rate`` go under ``out`` (``rate_R``)."""
+    return out / f"rate_{rate:.4g}"
 
 
 @dataclass
