@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -134,12 +135,40 @@ def _rate_label(rates: Sequence[float], rate: float | None) -> str:
     return f"{rate:g} (fails {above[0]:g})" if above else f">= {rate:g} (the top)"
 
 
+def capacity_range(rates: Sequence[float], rate: float | None) -> tuple[float, float]:
+    """Where a sustained rate puts the capacity: from it up to the next rate (which failed or
+    was not reached), ``(0, lowest)`` when the lowest failed, ``(top, inf)`` past the top."""
+    if rate is None:
+        return 0.0, rates[0]
+    above = [r for r in rates if r > rate]
+    return rate, above[0] if above else math.inf
+
+
+def ratio_bounds(rates: Sequence[float], ours: float | None,
+                 best: float | None) -> tuple[float, float]:
+    """The bounds on one capacity over another that the ladder's rates allow (exclusive; 0 or
+    inf where the ladder says nothing): the ratio of the rates sustained is not one. A side
+    sustaining 4 against one sustaining 3.45 and failing 4 is above 1.00x, not 1.16x."""
+    lo_a, hi_a = capacity_range(rates, ours)
+    lo_b, hi_b = capacity_range(rates, best)
+    return lo_a / hi_b, (hi_a / lo_b if lo_b > 0 else math.inf)
+
+
+def _bracket_text(low: float, high: float) -> str:
+    """``between 0.85x and 1.18x``, ``> 1.00x``, ``< 0.86x`` or empty (nothing known)."""
+    if low > 0 and high < math.inf:
+        return f"between {low:.2f}x and {high:.2f}x"
+    if low > 0:
+        return f"> {low:.2f}x"
+    return f"< {high:.2f}x" if high < math.inf else ""
+
+
 def ladder_lines(out: Path, names: Sequence[str], rounds: int,
                  rates: Sequence[float]) -> list[str]:
     """Per variant: its attainment at every rate pooled over the rounds, the highest rate it
     sustains (:func:`sustained`) pooled and per round, and that rate over the best of the other
-    variants'. Open ends are said: a variant that passed the top rate sustains at least it, so
-    its ratio is a lower bound (and the other's an upper one)."""
+    variants', with the bounds the rates put on the capacities' ratio (:func:`ratio_bounds`):
+    a ratio of rungs is only as fine as the rungs."""
     rates = sorted(rates)
     pooled: dict[str, dict[float, float | None]] = {}
     lines = []
@@ -171,18 +200,18 @@ def ladder_lines(out: Path, names: Sequence[str], rounds: int,
         best_name = max(others, key=lambda n: others[n] or -1.0)
         best = others[best_name]
         if ours is None and best is None:
-            ratio = "no ratio (both fail the lowest rate)"
+            rungs = "no ratio (both fail the lowest rate)"
         elif best is None:
-            ratio = "> 1x (only this side sustains the lowest rate)"
+            rungs = "> 1x (only this side sustains the lowest rate)"
         elif ours is None:
-            ratio = "< 1x (this side fails the lowest rate)"
+            rungs = "< 1x (this side fails the lowest rate)"
         elif ours == best == rates[-1]:
-            ratio = "no ratio (both pass the top rate)"
+            rungs = "no ratio (both pass the top rate)"
         else:
-            bound = (" (at least: this side passes the top rate)" if ours == rates[-1] else
-                     " (at most: the other passes the top rate)" if best == rates[-1] else "")
-            ratio = f"{ours / best:.2f}x{bound}"
-        lines.append(f"ladder {name} / best other ({best_name}): {ratio}")
+            rungs = f"{ours / best:.2f}x by rungs"
+        bracket = _bracket_text(*ratio_bounds(rates, ours, best))
+        lines.append(f"ladder {name} / best other ({best_name}): {rungs}"
+                     + (f"; capacities' ratio {bracket}" if bracket else ""))
     return lines
 
 

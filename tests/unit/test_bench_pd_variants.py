@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from bench.pd_variants import (
     ladder_order,
     parse_variants,
     plan_line,
+    ratio_bounds,
     report,
     round_order,
     run_dir,
@@ -168,8 +170,8 @@ def test_ladder_pools_the_rounds_and_compares_the_variants(tmp_path: Path) -> No
         ">= 3 (the top); >= 3 (the top)",
         "ladder b: 2: 1.000, 3: 0.887 -> sustains 2 (fails 3) pooled; per round "
         ">= 3 (the top); 2 (fails 3)",
-        "ladder a / best other (b): 1.50x (at least: this side passes the top rate)",
-        "ladder b / best other (a): 0.67x (at most: the other passes the top rate)",
+        "ladder a / best other (b): 1.50x by rungs; capacities' ratio > 1.00x",
+        "ladder b / best other (a): 0.67x by rungs; capacities' ratio < 1.00x",
     ]
     # both passing the top rate: nothing is known of their ratio
     top = ladder_lines(tmp_path, ["a", "b"], 2, [2.0])
@@ -181,13 +183,28 @@ def test_ladder_pools_the_rounds_and_compares_the_variants(tmp_path: Path) -> No
     low = ladder_lines(tmp_path / "low", ["a", "b"], 1, [2.0])
     assert low[1].endswith("sustains < 2 (the lowest fails) pooled; per round < 2 (the lowest "
                            "fails)")
-    assert low[2:] == ["ladder a / best other (b): > 1x (only this side sustains the lowest rate)",
-                       "ladder b / best other (a): < 1x (this side fails the lowest rate)"]
+    assert low[2:] == ["ladder a / best other (b): > 1x (only this side sustains the lowest rate)"
+                       "; capacities' ratio > 1.00x",
+                       "ladder b / best other (a): < 1x (this side fails the lowest rate)"
+                       "; capacities' ratio < 1.00x"]
     # control: both failing it, no ratio at all
     _write(tmp_path / "none", "a", 0, set(range(10)), 0.01, 2.0)
     _write(tmp_path / "none", "b", 0, set(range(10)), 0.01, 2.0)
     none = ladder_lines(tmp_path / "none", ["a", "b"], 1, [2.0])
     assert none[2] == "ladder a / best other (b): no ratio (both fail the lowest rate)"
+
+
+def test_a_ratio_of_rungs_is_bounded_by_the_rungs_around_each_capacity() -> None:
+    # one side passes the top (4), the other sustains 3.45 and fails 4: its capacity may be
+    # just under 4, so the ratio is only known to exceed 1, not to be 4 / 3.45 = 1.16
+    assert ratio_bounds([3.45, 4.0], 4.0, 3.45) == (1.0, math.inf)
+    # both sustain 2.75 and fail 3.25: level by rungs, anywhere in 2.75/3.25 ... 3.25/2.75
+    low, high = ratio_bounds([2.75, 3.25, 3.75], 2.75, 2.75)
+    assert (round(low, 3), round(high, 3)) == (0.846, 1.182)
+    # a side failing the lowest rate: only an upper bound on it over the other
+    assert ratio_bounds([2.0, 3.0], None, 3.0) == (0.0, 2.0 / 3.0)
+    # control: both past the top, nothing is known
+    assert ratio_bounds([2.0], 2.0, 2.0) == (0.0, math.inf)
 
 
 def test_failed_requests_in_the_tail_are_named_not_printed_as_a_difference(
