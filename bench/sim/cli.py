@@ -105,6 +105,9 @@ def _fail(msg: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
+    # progress goes to stderr as INFO lines; `pdserve sim` runs this before `pdserve` configures
+    # logging, and a run of many minutes with no line is indistinguishable from a hung one
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["paths"]:
         from bench.sim.paths_cli import main as paths_main
@@ -211,5 +214,4 @@ def _replay(names: list[str], reqs: list[SimRequest], cfg: SweepConfig,
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     raise SystemExit(main())

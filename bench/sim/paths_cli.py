@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
+    # progress goes to stderr as INFO lines; `pdserve sim` runs this before `pdserve` configures
+    # logging, and a run of many minutes with no line is indistinguishable from a hung one
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:
@@ -110,5 +113,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     raise SystemExit(main())

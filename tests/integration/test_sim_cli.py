@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -143,3 +145,18 @@ def test_bad_autoscale_exits_2(trace: Path, tmp_path: Path, capsys: pytest.Captu
                "--slo-ttft", "2", "--slo-tpot", "0.1", "--out", str(tmp_path / "o"), *args])
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+def test_pdserve_sim_paths_prints_each_capacity_as_found(tmp_path: Path) -> None:
+    # through the `pdserve` entry point, which hands `sim` to its plugin before configuring
+    # logging: the plugin must configure it, or a run of many minutes prints nothing until the end
+    proc = subprocess.run(
+        [sys.executable, "-m", "serve.cli", "sim", "paths", "--instances", "2", "--seeds", "0",
+         "--workloads", "prefill_heavy", "--fleets", "aggregated", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr
+    progress = [line for line in proc.stderr.splitlines()
+                if line.startswith("prefill_heavy seed 0 aggregated: ")]
+    assert len(progress) == 1, proc.stderr
+    # control: the table at the end goes to stdout, not counted as progress
+    assert "prefill_heavy" in proc.stdout and (tmp_path / "paths.json").exists()
