@@ -127,14 +127,6 @@ def sustained(attainment: Mapping[float, float | None]) -> float | None:
     return best
 
 
-def _rate_label(rates: Sequence[float], rate: float | None) -> str:
-    """``3.5 (fails 4)``, ``>= 4 (the top)`` or ``< 2.5 (the lowest fails)``."""
-    if rate is None:
-        return f"< {rates[0]:g} (the lowest fails)"
-    above = [r for r in rates if r > rate]
-    return f"{rate:g} (fails {above[0]:g})" if above else f">= {rate:g} (the top)"
-
-
 def capacity_range(rates: Sequence[float], rate: float | None) -> tuple[float, float]:
     """Where a sustained rate puts the capacity: from it up to the next rate (which failed or
     was not reached), ``(0, lowest)`` when the lowest failed, ``(top, inf)`` past the top."""
@@ -142,6 +134,15 @@ def capacity_range(rates: Sequence[float], rate: float | None) -> tuple[float, f
         return 0.0, rates[0]
     above = [r for r in rates if r > rate]
     return rate, above[0] if above else math.inf
+
+
+def _rate_label(rates: Sequence[float], rate: float | None) -> str:
+    """``3.5 (fails 4)``, ``>= 4 (the top)`` or ``< 2.5 (the lowest fails)``: the
+    :func:`capacity_range` of a sustained rate, in words."""
+    low, high = capacity_range(rates, rate)
+    if rate is None:
+        return f"< {high:g} (the lowest fails)"
+    return f"{low:g} (fails {high:g})" if high < math.inf else f">= {low:g} (the top)"
 
 
 def ratio_bounds(rates: Sequence[float], ours: float | None,
