@@ -108,6 +108,10 @@ class FleetResult:
     reasons: Counter[str] = field(default_factory=Counter)
     prefill_share: float = 0.0
     """Prefill seconds / busy seconds over all engines."""
+    stopped_s: float | None = None
+    """Simulated time the run was stopped at, once enough measured requests had missed an SLO
+    that the attainment could no longer reach ``simulate_fleet``'s ``give_up_below`` (None:
+    it ran to the end). A stopped run's lists hold only the requests finished by then."""
 
     def attainment(self, ttft_slo_s: float, tpot_slo_s: float) -> float:
         """Share of measured requests within both SLOs."""
@@ -117,13 +121,55 @@ class FleetResult:
 
 
 class _Job:
-    __slots__ = ("req", "route", "decoder", "pd", "first_s", "measured")
+    __slots__ = ("req", "route", "decoder", "pd", "first_s", "measured", "missed")
 
     def __init__(self, req: SimRequest, route: RouteRequest, decoder: ColocatedEngine[_Job],
                  pd: bool, measured: bool) -> None:
         self.req, self.route, self.decoder, self.pd = req, route, decoder, pd
         self.measured = measured
         self.first_s = 0.0
+        """When its first token is out (0.0: not known yet)."""
+        self.missed = False
+        """Counted among the run's known misses (:class:`_Misses`)."""
+
+
+class _Misses:
+    """The measured requests known to miss an SLO while the run goes on: a TTFT past its SLO
+    with no first token yet (its deadline passed), or a finished request past either SLO. Once
+    ``allowed`` are exceeded, the run's attainment is below its threshold whatever the rest
+    do (``simulate_fleet``'s ``give_up_below``)."""
+
+    def __init__(self, measured: int, give_up_below: float, ttft_slo_s: float) -> None:
+        self.measured = measured
+        self.give_up_below = give_up_below
+        self.ttft_slo_s = ttft_slo_s
+        self.count = 0
+        self.deadlines: list[tuple[float, int, _Job]] = []
+        """(arrival + TTFT SLO, order watched, job) of measured requests, earliest first."""
+
+    @property
+    def hopeless(self) -> bool:
+        """At most ``measured - count`` can meet both SLOs: under the threshold already."""
+        return (self.measured - self.count) / self.measured < self.give_up_below
+
+    def watch(self, job: _Job) -> None:
+        """Count ``job`` as a miss if its TTFT deadline passes with no first token."""
+        heapq.heappush(self.deadlines, (job.req.arrival_s + self.ttft_slo_s,
+                                        job.req.index, job))
+
+    def miss(self, job: _Job) -> None:
+        if not job.missed:
+            job.missed = True
+            self.count += 1
+
+    def passed(self, now: float) -> None:
+        """Count the watched requests whose TTFT deadline is before ``now`` with no first
+        token (whenever it comes, it comes at ``now`` or later)."""
+        deadlines = self.deadlines
+        while deadlines and deadlines[0][0] < now:
+            job = heapq.heappop(deadlines)[2]
+            if job.first_s == 0.0 and now - job.req.arrival_s > self.ttft_slo_s:
+                self.miss(job)
 
 
 class _Held:
@@ -153,6 +199,8 @@ class _Run:
         """Request id -> the held requests waiting for it to end."""
         self.seq = 0
         self.res = FleetResult()
+        self.misses: _Misses | None = None
+        """Known misses, when the run may stop early (``give_up_below``)."""
 
     def push(self, t: float, kind: int, payload: object, version: int = 0) -> None:
         self.seq += 1
@@ -168,6 +216,8 @@ class _Run:
                              num_prompt_tokens=req.prompt_tokens)
         prefiller, decoder, plan = self.place(route, req, now)
         job = _Job(req, route, decoder, decoder is not prefiller, now >= self.s.warmup_s)
+        if job.measured and self.misses is not None:
+            self.misses.watch(job)
         prefiller.in_flight += 1
         if decoder is not prefiller:
             decoder.in_flight += 1
@@ -249,15 +299,38 @@ class _Run:
         job.decoder.in_flight -= 1
         if job.measured:
             out = job.req.output_tokens
-            self.res.ttft_s.append(job.first_s - job.req.arrival_s)
-            self.res.tpot_s.append((now - job.first_s) / (out - 1) if out > 1 else 0.0)
+            ttft_s = job.first_s - job.req.arrival_s
+            tpot_s = (now - job.first_s) / (out - 1) if out > 1 else 0.0
+            self.res.ttft_s.append(ttft_s)
+            self.res.tpot_s.append(tpot_s)
+            if self.misses is not None and not (ttft_s <= self.s.ttft_slo_s
+                                                and tpot_s <= self.s.tpot_slo_s):
+                self.misses.miss(job)
 
-    def run(self, requests: Iterable[SimRequest]) -> FleetResult:
+    def run(self, requests: Iterable[SimRequest], give_up_below: float | None = None
+            ) -> FleetResult:
+        """Replay ``requests``; with ``give_up_below``, stop once the measured requests known
+        to miss an SLO make an attainment of at least that impossible (``FleetResult.
+        stopped_s``)."""
+        if give_up_below is not None:
+            requests = list(requests)
+            measured = sum(1 for r in requests if r.arrival_s >= self.s.warmup_s)
+            if measured:
+                self.misses = _Misses(measured, give_up_below, self.s.ttft_slo_s)
+        misses = self.misses
         events = self.events
         it = iter(requests)
         nxt = next(it, None)
         while nxt is not None or events:
-            if nxt is not None and (not events or nxt.arrival_s <= events[0][0]):
+            arrival = nxt is not None and (not events or nxt.arrival_s <= events[0][0])
+            if misses is not None:
+                t = nxt.arrival_s if arrival else events[0][0]  # type: ignore[union-attr]
+                misses.passed(t)
+                if misses.hopeless:
+                    self.res.stopped_s = t
+                    return self.res
+            if arrival:
+                assert nxt is not None
                 req, nxt = nxt, next(it, None)
                 self.arrive(req, req.arrival_s)
                 continue
@@ -288,8 +361,11 @@ class _Run:
         return self.res
 
 
-def simulate_fleet(requests: Iterable[SimRequest], fleet: Fleet,
-                   settings: FleetSettings) -> FleetResult:
+def simulate_fleet(requests: Iterable[SimRequest], fleet: Fleet, settings: FleetSettings,
+                   give_up_below: float | None = None) -> FleetResult:
     """Replay ``requests`` (arrival times as given) on ``fleet``, every path planned by
-    :class:`~router.policy.adaptive.AdaptivePaths` at ``settings``' SLOs and costs."""
-    return _Run(fleet, settings).run(requests)
+    :class:`~router.policy.adaptive.AdaptivePaths` at ``settings``' SLOs and costs.
+    ``give_up_below``: stop as soon as the attainment is known to end below it (a rate
+    search needs only the verdict; an overloaded run's queues make every later decision
+    slower)."""
+    return _Run(fleet, settings).run(requests, give_up_below)

@@ -63,8 +63,10 @@ def capacity(workload: SimWorkload, fleet_name: str, seed: int, cfg: CompareConf
     passed: dict[float, FleetResult] = {}
 
     def ok(rate: float) -> bool:
-        res = simulate_fleet(workload.requests(rate, seed), fleet, settings)
-        good = res.attainment(workload.ttft_slo_s, workload.tpot_slo_s) >= cfg.target
+        res = simulate_fleet(workload.requests(rate, seed), fleet, settings,
+                             give_up_below=cfg.target)
+        good = res.stopped_s is None and \
+            res.attainment(workload.ttft_slo_s, workload.tpot_slo_s) >= cfg.target
         if good:
             passed[rate] = res
         return good

@@ -178,6 +178,25 @@ def _ends_s(admitted: list[float], step_s: float) -> float:
     return admitted[2] + token_intervals(admitted[0]) * (step_s + admitted[1])
 
 
+def _admitted_now(decoding: Iterable[list[float]], step_s: float, now_s: float
+                  ) -> tuple[tuple[tuple[float, float, float], ...], tuple[float, ...]]:
+    """``EngineLoad.admitted`` and ``admitted_ends_s`` of an engine's ``_Engine.decoding`` at
+    ``now_s``: each sequence's (output tokens, stall per token, seconds until it starts
+    decoding) and seconds until its last token (:func:`_ends_s`; infinite once it outlived
+    that prediction: its decode ran slower than predicted, by an unknown amount, and no plan
+    waits for it). One pass: the router and the simulator
+    run this for every engine and every request in flight at each decision."""
+    admitted = []
+    ends = []
+    for out, stall, start in decoding:
+        starts_in = start - now_s
+        admitted.append((out, stall, 0.0 if starts_in < 0.0 else starts_in))
+        gaps = out - 1  # _ends_s, inlined
+        left = start + (1 if gaps < 1 else gaps) * (step_s + stall) - now_s
+        ends.append(left if left > 0 else math.inf)
+    return tuple(admitted), tuple(ends)
+
+
 HOLD_SLACK = 1.0
 """A held request waits at most its predicted hold plus this fraction of it (and at least
 :data:`HOLD_SLACK_MIN_S` more): answers that run far past their predicted end decode slower
@@ -190,14 +209,6 @@ def hold_limit_s(plan: PlanEstimate, ttft_slo_s: float) -> float:
     with slack (:data:`HOLD_SLACK`), never past the moment its own TTFT would miss."""
     latest = ttft_slo_s - (plan.ttft_s - plan.hold_s)
     return min(plan.hold_s * (1 + HOLD_SLACK) + HOLD_SLACK_MIN_S, max(latest, plan.hold_s))
-
-
-def _ends_in_s(admitted: list[float], step_s: float, now_s: float) -> float:
-    """Seconds until a sequence of ``_Engine.decoding`` sends its last token; infinite once it
-    has outlived that prediction (its decode ran slower than predicted, by an unknown amount:
-    no plan waits for it)."""
-    left = _ends_s(admitted, step_s) - now_s
-    return left if left > 0 else math.inf
 
 
 class AdaptivePaths:
@@ -281,13 +292,14 @@ class AdaptivePaths:
             engine = self._engines.get(c.worker_id) or _Engine()
             self._schedule(engine, now_s)
             decay = self._decay(engine.share_at_s, now_s)
-            admitted = engine.decoding.values()
-            step = self.costs.step_s(max(c.running, len(engine.decoding)))
+            running = max(c.running, len(engine.decoding))
+            step = self.costs.step_s(running)
+            admitted, ends_s = _admitted_now(engine.decoding.values(), step, now_s)
             out.append(EngineLoad(
                 worker_id=c.worker_id, whole=whole, prefill=prefill, decode=decode,
                 queued_s=max(engine.sent_until_s - now_s, 0.0),
                 booked_s=max(engine.busy_until_s - now_s, 0.0),
-                running=max(c.running, len(engine.decoding)),
+                running=running,
                 # held plans: only the prefills sent past the answers they stall land on one
                 prefill_rate=(engine.pushing if self.defer else engine.count) * decay
                 / self.share_window_s,
@@ -296,10 +308,7 @@ class AdaptivePaths:
                 cached_tokens=self.cached_tokens(request, c.worker_id),
                 admitted_output_tokens=min((a[0] for a in admitted), default=0.0),
                 admitted_stall_s=max((a[1] for a in admitted), default=0.0),
-                admitted=tuple((a[0], a[1], max(a[2] - now_s, 0.0)) for a in admitted),
-                # one that outlived its predicted end: when it ends is not known
-                admitted_ends_s=tuple(_ends_in_s(a, step, now_s) for a in admitted),
-                admitted_ids=tuple(engine.decoding),
+                admitted=admitted, admitted_ends_s=ends_s, admitted_ids=tuple(engine.decoding),
                 recently_failed=c.recently_failed, reserved=c.worker_id in self.reserved))
         return out
 

@@ -11,6 +11,7 @@ from bench.sim.cli import main as sim_main
 from bench.sim.colocated import ColocatedEngine
 from bench.sim.fleet import FleetSettings, make_fleet, simulate_fleet
 from bench.sim.path_workloads import WORKLOADS, PathWorkload
+from bench.sim.paths import CompareConfig, capacity
 from bench.sim.sweep import highest_rate
 from bench.sim.workload import SimRequest
 from router.policy.path_cost import PathCosts
@@ -142,3 +143,47 @@ def test_paths_cli_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> 
     assert sim_main(["paths", "--fleets", "adaptive,pd9:1"]) == 2
     assert "allowed: adaptive, adaptive_nohold, aggregated, pd1:3" in capsys.readouterr().err
     assert sim_main(["paths", "--workloads", "nope"]) == 2
+
+
+def test_run_stops_once_its_attainment_cannot_reach_the_bar() -> None:
+    w = _short("mix", 30.0)
+    settings = FleetSettings(w.ttft_slo_s, w.tpot_slo_s, warmup_s=5.0)
+    fleet = make_fleet("adaptive", 2)
+    over = w.requests(40.0, 1)  # far past two engines' capacity
+    whole = simulate_fleet(over, fleet, settings)
+    assert whole.stopped_s is None and whole.attainment(w.ttft_slo_s, w.tpot_slo_s) < 0.9
+    early = simulate_fleet(over, fleet, settings, give_up_below=0.9)
+    assert early.stopped_s is not None and early.stopped_s < over[-1].arrival_s
+    assert len(early.ttft_s) < len(whole.ttft_s)
+    # what it measured before stopping is what the whole run measured for those requests
+    assert early.ttft_s == whole.ttft_s[:len(early.ttft_s)]
+
+
+def test_run_that_meets_the_bar_is_not_stopped_and_unchanged() -> None:
+    w = _short("mix", 30.0)
+    settings = FleetSettings(w.ttft_slo_s, w.tpot_slo_s, warmup_s=5.0)
+    fleet = make_fleet("adaptive", 2)
+    light = w.requests(1.0, 1)
+    whole = simulate_fleet(light, fleet, settings)
+    assert whole.attainment(w.ttft_slo_s, w.tpot_slo_s) >= 0.9  # negative control
+    early = simulate_fleet(light, fleet, settings, give_up_below=0.9)
+    assert early.stopped_s is None
+    assert (early.ttft_s, early.tpot_s, early.paths, early.reasons, early.prefill_share) == \
+        (whole.ttft_s, whole.tpot_s, whole.paths, whole.reasons, whole.prefill_share)
+
+
+def test_capacity_search_finds_the_same_rate_when_runs_stop_early() -> None:
+    w = _short("mix", 20.0)
+    cfg = CompareConfig(instances=2, seeds=(1,), settings=FleetSettings(1.0, 0.05,
+                                                                        warmup_s=5.0))
+    found = capacity(w, "adaptive", 1, cfg, 1.0)
+    assert found.rate_rps > 0 and found.at_capacity is not None
+    assert found.at_capacity.stopped_s is None
+    # the same search with every run played to its end
+    settings = FleetSettings(w.ttft_slo_s, w.tpot_slo_s, warmup_s=5.0)
+
+    def ok(rate: float) -> bool:
+        res = simulate_fleet(w.requests(rate, 1), make_fleet("adaptive", 2), settings)
+        return res.attainment(w.ttft_slo_s, w.tpot_slo_s) >= 0.9
+
+    assert highest_rate(ok, 1.0, cfg.bisect_steps) == found.rate_rps
