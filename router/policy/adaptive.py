@@ -306,8 +306,8 @@ class AdaptivePaths:
                 mean_prefill_s=engine.square_s / engine.share_s if engine.share_s > 1e-12
                 else 0.0,
                 cached_tokens=self.cached_tokens(request, c.worker_id),
-                admitted_output_tokens=min((a[0] for a in admitted), default=0.0),
-                admitted_stall_s=max((a[1] for a in admitted), default=0.0),
+                admitted_output_tokens=min([a[0] for a in admitted]) if admitted else 0.0,
+                admitted_stall_s=max([a[1] for a in admitted]) if admitted else 0.0,
                 admitted=admitted, admitted_ends_s=ends_s, admitted_ids=tuple(engine.decoding),
                 recently_failed=c.recently_failed, reserved=c.worker_id in self.reserved))
         return out
