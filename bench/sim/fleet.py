@@ -96,6 +96,11 @@ class FleetSettings:
     """Requests arriving earlier run but are not measured."""
 
 
+def within_slos(ttft_s: float, tpot_s: float, ttft_slo_s: float, tpot_slo_s: float) -> bool:
+    """Whether one request met both SLOs."""
+    return ttft_s <= ttft_slo_s and tpot_s <= tpot_slo_s
+
+
 @dataclass
 class FleetResult:
     """Per-request outcomes of the measured requests and the paths taken."""
@@ -115,7 +120,7 @@ class FleetResult:
 
     def attainment(self, ttft_slo_s: float, tpot_slo_s: float) -> float:
         """Share of measured requests within both SLOs."""
-        ok = sum(t <= ttft_slo_s and p <= tpot_slo_s
+        ok = sum(within_slos(t, p, ttft_slo_s, tpot_slo_s)
                  for t, p in zip(self.ttft_s, self.tpot_s, strict=True))
         return ok / len(self.ttft_s) if self.ttft_s else 0.0
 
@@ -136,8 +141,8 @@ class _Job:
 class _Misses:
     """The measured requests known to miss an SLO while the run goes on: a TTFT past its SLO
     with no first token yet (its deadline passed), or a finished request past either SLO. Once
-    ``allowed`` are exceeded, the run's attainment is below its threshold whatever the rest
-    do (``simulate_fleet``'s ``give_up_below``)."""
+    the rest are too few to reach ``give_up_below`` of the measured requests (:attr:`hopeless`),
+    the run's attainment ends below it whatever they do."""
 
     def __init__(self, measured: int, give_up_below: float, ttft_slo_s: float) -> None:
         self.measured = measured
@@ -158,6 +163,7 @@ class _Misses:
                                         job.req.index, job))
 
     def miss(self, job: _Job) -> None:
+        """``job`` missed an SLO (counted once)."""
         if not job.missed:
             job.missed = True
             self.count += 1
@@ -303,8 +309,8 @@ class _Run:
             tpot_s = (now - job.first_s) / (out - 1) if out > 1 else 0.0
             self.res.ttft_s.append(ttft_s)
             self.res.tpot_s.append(tpot_s)
-            if self.misses is not None and not (ttft_s <= self.s.ttft_slo_s
-                                                and tpot_s <= self.s.tpot_slo_s):
+            if self.misses is not None and not within_slos(ttft_s, tpot_s, self.s.ttft_slo_s,
+                                                           self.s.tpot_slo_s):
                 self.misses.miss(job)
 
     def run(self, requests: Iterable[SimRequest], give_up_below: float | None = None

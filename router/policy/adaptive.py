@@ -191,8 +191,7 @@ def _admitted_now(decoding: Iterable[list[float]], step_s: float, now_s: float
     for out, stall, start in decoding:
         starts_in = start - now_s
         admitted.append((out, stall, 0.0 if starts_in < 0.0 else starts_in))
-        gaps = out - 1  # _ends_s, inlined
-        left = start + (1 if gaps < 1 else gaps) * (step_s + stall) - now_s
+        left = start + token_intervals(out) * (step_s + stall) - now_s  # _ends_s - now
         ends.append(left if left > 0 else math.inf)
     return tuple(admitted), tuple(ends)
 

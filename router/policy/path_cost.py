@@ -374,11 +374,10 @@ def _admitted_tpots(costs: PathCosts, engine: EngineLoad, stall_s: float,
         return tuple(step + stall + 0.0 for _, stall, _ in engine.admitted)
     ends_s = engine.queued_s + stall_s
     tpots = []
-    for out, stall, starts_s in engine.admitted:  # the policy's hottest loop: inlined
+    for out, stall, starts_s in engine.admitted:  # the policy's hottest loop: one pass
         added = 0.0
         if starts_s < ends_s:
-            gaps = (out or 1.0) - 1
-            per_token = stall_s / (1 if gaps < 1 else gaps)
+            per_token = stall_s / token_intervals(out or 1.0)
             if per_token >= material_s:
                 added = per_token
         tpots.append(step + stall + added)
